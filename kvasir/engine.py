@@ -1,0 +1,59 @@
+"""A stage's engine: its slice of the model and its paged KV cache, run on descriptors."""
+
+from __future__ import annotations
+
+import torch
+
+from kvasir.messages import BatchDescriptor
+from kvasir.model.attention import build_batch
+from kvasir.errors import BatchError
+from kvasir.model.kv_cache import PagedKVCache
+from kvasir.model.loader import DTYPES, SliceSpec, load_slice
+from kvasir.model.source import ModelSource
+from kvasir.model.stage_model import StageModel
+from kvasir.plan import Plan
+
+
+def head_dim(config) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def slice_spec(plan: Plan, index: int) -> SliceSpec:
+    return SliceSpec(
+        layers=plan.stages[index].layers, is_head=index == 0, is_tail=index == len(plan.stages) - 1
+    )
+
+
+class StageEngine:
+    """Runs batch descriptors through one stage: frees released KV, then the layers."""
+
+    def __init__(self, plan: Plan, index: int, source: ModelSource) -> None:
+        stage = plan.stages[index]
+        self.index = index
+        self.spec = slice_spec(plan, index)
+        self.device = torch.device(stage.device)
+        dtype = DTYPES[plan.model.dtype]
+        modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
+        self.model = StageModel(modules, source, self.device)
+        config = source.config
+        self.cache = PagedKVCache(
+            num_layers=stage.layers[1] - stage.layers[0],
+            num_blocks=plan.kv.num_blocks,
+            block_size=plan.kv.block_size,
+            kv_heads=int(config.num_key_value_heads),
+            head_dim=head_dim(config),
+            dtype=dtype,
+            device=self.device,
+        )
+
+    def run(self, descriptor: BatchDescriptor, inputs: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] on the head, boundary [T, hidden] elsewhere; returns the stage output."""
+        total = sum(row.num_tokens for row in descriptor.rows)
+        if total != descriptor.num_tokens or inputs.shape[0] != total or not descriptor.rows:
+            raise BatchError(
+                f"batch {descriptor.batch_id}: {len(descriptor.rows)} rows hold {total} tokens, "
+                f"descriptor says {descriptor.num_tokens}, input has {inputs.shape[0]}"
+            )
+        self.cache.release(descriptor.release)
+        batch = build_batch(self.cache, self.spec.layers[0], descriptor.rows)
+        return self.model(inputs.to(self.device), batch)

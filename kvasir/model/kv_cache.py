@@ -1,0 +1,66 @@
+"""One stage's paged KV cache: preallocated blocks, and each request's block table.
+
+The head decides which block ids a request uses (the same ids on every stage); a stage
+only records the growth each row announces and frees a request's table on release.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvasir.errors import BatchError
+
+class PagedKVCache:
+    """Keys and values for ``num_layers`` layers in ``num_blocks`` blocks of ``block_size``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._tables: dict[int, list[int]] = {}
+
+    @staticmethod
+    def bytes_needed(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def requests(self) -> int:
+        return len(self._tables)
+
+    def release(self, request_ids: tuple[int, ...] | list[int]) -> None:
+        for rid in request_ids:
+            self._tables.pop(rid, None)
+
+    def extend(self, request_id: int, new_blocks: tuple[int, ...]) -> list[int]:
+        """Record a row's block growth and return the request's whole table."""
+        for block in new_blocks:
+            if not 0 <= block < self.num_blocks:
+                raise BatchError(f"request {request_id}: block id {block} outside [0, {self.num_blocks})")
+        table = self._tables.setdefault(request_id, [])
+        table.extend(new_blocks)
+        return table
+
+    def slots(self, request_id: int, table: list[int], start: int, stop: int) -> torch.Tensor:
+        """Flat cache slots of positions [start, stop) of a request."""
+        if stop > len(table) * self.block_size:
+            raise BatchError(
+                f"request {request_id}: position {stop - 1} is past its {len(table)} KV blocks"
+            )
+        positions = torch.arange(start, stop)
+        blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
+        return (blocks * self.block_size + positions % self.block_size).to(self.keys.device)

@@ -1,0 +1,136 @@
+"""Building one stage's slice of a decoder and reading only its tensors.
+
+The full model skeleton is built on the meta device (no memory), the stage keeps its
+own modules — embeddings on the head, final norm and LM head on the tail — and only
+those are materialised and filled from the safetensors files, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from kvasir.errors import ModelSourceError
+from kvasir.model.attention import ATTENTION_NAME, register_attention
+from kvasir.model.source import ModelSource
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """Which part of the model a stage holds."""
+
+    layers: tuple[int, int]  # half-open [start, end)
+    is_head: bool
+    is_tail: bool
+
+
+class SliceModules(nn.Module):
+    """The modules of one stage, with their checkpoint names kept for loading."""
+
+    def __init__(self, model: nn.Module, spec: SliceSpec) -> None:
+        super().__init__()
+        start, end = spec.layers
+        inner = model.model
+        self.first_layer = start
+        self.embed_tokens = inner.embed_tokens if spec.is_head else None
+        self.layers = nn.ModuleList(inner.layers[start:end])
+        self.norm = inner.norm if spec.is_tail else None
+        self.lm_head = model.lm_head if spec.is_tail else None
+        self.rotary_type = type(inner.rotary_emb)
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """Map each of this slice's parameter names to its name in the checkpoint."""
+        names = {}
+        for local in self.state_dict(keep_vars=True):
+            names[local] = self._checkpoint_name(local)
+        return names
+
+    def _checkpoint_name(self, local: str) -> str:
+        part, _, rest = local.partition(".")
+        if part == "layers":
+            index, _, tail = rest.partition(".")
+            return f"model.layers.{int(index) + self.first_layer}.{tail}"
+        if part in ("embed_tokens", "norm"):
+            return f"model.{local}"
+        return local  # lm_head.*
+
+
+def build_skeleton(source: ModelSource, spec: SliceSpec) -> SliceModules:
+    """The stage's modules on the meta device: shapes only, nothing allocated."""
+    config = source.fresh_config()
+    register_attention()
+    config._attn_implementation = ATTENTION_NAME
+    with torch.device("meta"):
+        full = AutoModelForCausalLM.from_config(config)
+    return SliceModules(full, spec)
+
+
+def count_parameters(modules: SliceModules) -> int:
+    return sum(p.numel() for p in modules.parameters())
+
+
+def load_slice(
+    source: ModelSource, spec: SliceSpec, dtype: torch.dtype, device: torch.device
+) -> tuple[SliceModules, list[str]]:
+    """Materialise the stage's modules and fill them; return them and the tensors read."""
+    folder = source.require_weights()
+    modules = build_skeleton(source, spec)
+    modules.to_empty(device=device)
+    modules.to(dtype)
+    names = modules.checkpoint_names()
+    tied = bool(getattr(source.config, "tie_word_embeddings", False))
+    index = _tensor_index(folder)
+    wanted: dict[str, list[tuple[str, str]]] = {}
+    for local, stored in names.items():
+        if stored not in index and stored == "lm_head.weight" and tied:
+            stored = "model.embed_tokens.weight"
+        if stored not in index:
+            raise ModelSourceError(f"model folder {folder}: tensor {stored!r} is missing from the weights")
+        wanted.setdefault(index[stored], []).append((local, stored))
+    state = modules.state_dict(keep_vars=True)
+    read: list[str] = []
+    for file, pairs in sorted(wanted.items()):
+        with safe_open(str(folder / file), framework="pt", device="cpu") as handle:
+            for local, stored in pairs:
+                tensor = handle.get_tensor(stored)
+                target = state[local]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ModelSourceError(
+                        f"model folder {folder}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
+                        f"the config expects {tuple(target.shape)}"
+                    )
+                with torch.no_grad():
+                    target.copy_(tensor.to(dtype))
+                read.append(stored)
+    return modules, read
+
+
+def _tensor_index(folder: Path) -> dict[str, str]:
+    """Map tensor name -> safetensors file, from the index file or the file headers."""
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelSourceError(f"model folder {folder}: unreadable {index_file.name}: {exc}") from None
+        return dict(weight_map)
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"model folder {folder} has no *.safetensors weights")
+    index: dict[str, str] = {}
+    for name in files:
+        try:
+            with safe_open(str(folder / name), framework="pt", device="cpu") as handle:
+                for key in handle.keys():
+                    index[key] = name
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise ModelSourceError(f"model folder {folder}: {name} is not a readable safetensors file: {exc}") from None
+    return index

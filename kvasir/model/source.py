@@ -1,0 +1,161 @@
+"""Resolving ``model.source`` to a model config and a weights folder.
+
+A source is a built-in alias (its config is known without weights, so a plan can be
+checked before the weights are prepared) or a path to a Hugging Face model folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+from kvasir.errors import ModelSourceError
+
+# Decoder families whose checkpoints lay out model.embed_tokens / model.layers.N /
+# model.norm / lm_head and whose layers call attention through AttentionInterface.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# SmolLM2-135M-Instruct (Apache-2.0): the embedded default model.
+_SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 49152,
+}
+BUILTIN_CONFIGS = {"smollm2-135m": _SMOLLM2_135M}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a stage needs to know about a model before loading any weights."""
+
+    name: str
+    config: PretrainedConfig
+    weights_dir: Path | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def max_positions(self) -> int | None:
+        value = getattr(self.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    def require_weights(self) -> Path:
+        if self.weights_dir is None:
+            raise ModelSourceError(
+                f"model {self.name!r}: no converted weights in the cache ({cache_dir()}); "
+                "converting the built-in model is not available in this version: point "
+                "model.source at a Hugging Face model folder"
+            )
+        return self.weights_dir
+
+    def fresh_config(self) -> PretrainedConfig:
+        """A private copy of the config, safe to adjust for one stage."""
+        return copy.deepcopy(self.config)
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("KVASIR_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kvasir"
+
+
+def resolve_source(source: str, base_dir: Path | None = None) -> ModelSource:
+    """Resolve a plan's ``model.source``; relative paths are taken from ``base_dir``."""
+    if source in BUILTIN_CONFIGS:
+        return _builtin(source)
+    path = Path(source).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.exists():
+        known = ", ".join(sorted(BUILTIN_CONFIGS))
+        raise ModelSourceError(
+            f"model.source {source!r} is neither a built-in model ({known}) nor an existing path"
+        )
+    if path.is_file():
+        raise ModelSourceError(
+            f"model.source {source!r} is a file; expected a Hugging Face model folder "
+            "(config.json and *.safetensors)"
+        )
+    return _folder(path)
+
+
+def _builtin(name: str) -> ModelSource:
+    config = _checked_config(_config_from_dict(BUILTIN_CONFIGS[name]), name)
+    weights = cache_dir() / name
+    ready = weights if (weights / "config.json").is_file() else None
+    return ModelSource(name, config, ready, _eos_ids(config, ready))
+
+
+def _config_from_dict(values: dict) -> PretrainedConfig:
+    return AutoConfig.for_model(**copy.deepcopy(values))
+
+
+def _folder(path: Path) -> ModelSource:
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"model folder {path} has no config.json")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"model folder {path}: config.json is unreadable: {exc}") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ModelSourceError(f"model folder {path}: config.json names no model_type")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelSourceError(f"model folder {path}: config.json is not a usable config: {exc}") from None
+    config = _checked_config(config, str(path))
+    return ModelSource(str(path), config, path, _eos_ids(config, path))
+
+
+def _checked_config(config: PretrainedConfig, name: str) -> PretrainedConfig:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelSourceError(
+            f"model {name}: architecture {config.model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    return config
+
+
+def _eos_ids(config: PretrainedConfig, folder: Path | None) -> tuple[int, ...]:
+    """EOS ids from the generation config when the folder has one, else the model config."""
+    value = getattr(config, "eos_token_id", None)
+    if folder is not None and (folder / "generation_config.json").is_file():
+        try:
+            gen = json.loads((folder / "generation_config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelSourceError(f"model folder {folder}: generation_config.json is unreadable: {exc}") from None
+        if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
+            value = gen["eos_token_id"]
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ModelSourceError(f"model {config.model_type}: eos_token_id {value!r} is not a token id or list of ids")
+    return tuple(ids)

@@ -1,0 +1,63 @@
+"""One stage's forward pass over a packed batch.
+
+Whether the stage embeds token ids (head) and whether it ends in logits (tail) is
+chosen once at construction; the forward pass itself never branches on topology.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvasir.model.attention import PagedBatch
+from kvasir.model.loader import SliceModules
+from kvasir.model.source import ModelSource
+
+
+class StageModel(nn.Module):
+    """A contiguous slice of decoder layers with the head's or tail's extras."""
+
+    def __init__(self, modules: SliceModules, source: ModelSource, device: torch.device) -> None:
+        super().__init__()
+        self.slice = modules
+        with torch.device(device):
+            # Rotary tables are computed, not loaded: build them on the device in float32.
+            self.rotary = modules.rotary_type(config=source.fresh_config())
+        self._enter: Callable[[torch.Tensor], torch.Tensor] = (
+            self._embed if modules.embed_tokens is not None else self._hidden
+        )
+        self._exit: Callable[[torch.Tensor, PagedBatch], torch.Tensor] = (
+            self._logits if modules.lm_head is not None else self._boundary
+        )
+        self.dtype = next(modules.parameters()).dtype
+
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """Token ids [T] (head) or boundary [T, hidden] in; boundary or logits [E, vocab] out."""
+        hidden = self._enter(inputs).unsqueeze(0)
+        positions = batch.positions.unsqueeze(0)
+        rope = self.rotary(hidden, positions)
+        for layer in self.slice.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                position_ids=positions,
+                position_embeddings=rope,
+                kvasir=batch,
+            )
+        return self._exit(hidden[0], batch)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.slice.embed_tokens(token_ids)
+
+    def _hidden(self, boundary: torch.Tensor) -> torch.Tensor:
+        return boundary.to(self.dtype)
+
+    def _logits(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        last = hidden.index_select(0, batch.emit_index)
+        return self.slice.lm_head(self.slice.norm(last)).float()
+
+    def _boundary(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        return hidden

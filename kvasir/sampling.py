@@ -1,0 +1,82 @@
+"""The tail's sampling and finish decisions, per request and reproducible by seed."""
+
+from __future__ import annotations
+
+import torch
+
+from kvasir.errors import BatchError
+from kvasir.messages import BatchDescriptor, BatchResult, NewRequest, SampledToken
+
+
+class RequestSampler:
+    """One request's sampling state: its parameters, seeded generator and output count."""
+
+    def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
+        self.params = new.sampling
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(new.seed)
+        self.stop_ids = frozenset(eos_ids) | frozenset(new.sampling.stop_token_ids)
+        self.max_seq_len = max_seq_len
+        self.generated = 0
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """Choose the next token from one row's logits [vocab] (float32, CPU)."""
+        params = self.params
+        if params.temperature == 0:
+            return int(torch.argmax(logits))
+        scores = logits / params.temperature
+        if 0 < params.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, params.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if params.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            # drop a token once the tokens ranked above it already reach top_p
+            drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+            drop[0] = False
+            scores = scores.scatter(0, order[drop], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def finish(self, token: int, length: int) -> str | None:
+        """Finish reason after appending ``token``; ``length`` = prompt + output so far."""
+        self.generated += 1
+        if token in self.stop_ids:
+            return "stop"
+        if self.generated >= self.params.max_tokens or length >= self.max_seq_len:
+            return "length"
+        return None
+
+
+class Sampler:
+    """The tail's samplers for every request it currently knows."""
+
+    def __init__(self, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
+        self.eos_ids = eos_ids
+        self.max_seq_len = max_seq_len
+        self._requests: dict[int, RequestSampler] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def sample(self, descriptor: BatchDescriptor, logits: torch.Tensor) -> BatchResult:
+        """Sample one token for every emitting row of the batch; logits are [E, vocab]."""
+        for rid in descriptor.release:
+            self._requests.pop(rid, None)
+        for new in descriptor.new_requests:
+            self._requests[new.request_id] = RequestSampler(new, self.eos_ids, self.max_seq_len)
+        logits = logits.float().cpu()
+        tokens = []
+        emitting = [row for row in descriptor.rows if row.emit]
+        if len(emitting) != logits.shape[0]:
+            raise BatchError(f"batch {descriptor.batch_id}: {len(emitting)} emitting rows, {logits.shape[0]} logits")
+        for row, row_logits in zip(emitting, logits):
+            state = self._requests.get(row.request_id)
+            if state is None:
+                raise BatchError(f"batch {descriptor.batch_id}: request {row.request_id} has no sampling spec")
+            token = state.pick(row_logits)
+            finish = state.finish(token, row.start + row.num_tokens + 1)
+            if finish is not None:
+                del self._requests[row.request_id]
+            tokens.append(SampledToken(row.request_id, token, finish))
+        return BatchResult(descriptor.batch_id, tuple(tokens))

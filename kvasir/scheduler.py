@@ -1,0 +1,203 @@
+"""The head's scheduling: continuous batching with chunked prefill and KV admission.
+
+Each batch is filled with decode rows first, then prefill chunks (running prompts
+before newly admitted ones) until ``max_rows`` or ``max_tokens`` is reached. At most
+``inflight`` batches are outstanding and a request is never in two of them. Admission
+reserves a request's whole KV need (prompt + max output, capped at ``max_seq_len``), so
+a running request never runs out of cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from kvasir.blocks import BlockAllocator
+from kvasir.errors import BatchError, RequestError
+from kvasir.messages import BatchDescriptor, BatchResult, NewRequest, Row, SamplingParams
+from kvasir.plan import Plan
+from kvasir.validation import MAX_SEED, check_prompt, check_sampling
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    need_blocks: int
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    blocks_sent: int = 0
+    computed: int = 0  # tokens whose K/V is written, or being written by an in-flight batch
+    in_flight: bool = False
+    announced: bool = False  # its NewRequest has travelled in a descriptor
+    cancelled: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        return (self.prompt + self.output)[start : start + count]
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """A token (or a cancellation, token_id None) the head learned about a request."""
+
+    request_id: int
+    token_id: int | None
+    index: int
+    finish: str | None  # "stop" | "length" | "cancelled" | None
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    descriptor: BatchDescriptor
+    token_ids: torch.Tensor  # [T] the head's input
+
+
+class Scheduler:
+    def __init__(self, plan: Plan, vocab_size: int) -> None:
+        self.max_rows = plan.batch.max_rows
+        self.max_tokens = plan.batch.max_tokens
+        self.inflight_limit = plan.batch.inflight
+        self.block_size = plan.kv.block_size
+        self.max_seq_len = plan.model.max_seq_len
+        self.vocab_size = vocab_size
+        self.blocks = BlockAllocator(plan.kv.num_blocks)
+        self.waiting: deque[RequestState] = deque()
+        self.running: dict[int, RequestState] = {}
+        self.inflight: dict[int, tuple[int, ...]] = {}  # batch id -> request ids
+        self._release: list[int] = []
+        self._next_request = 1
+        self._next_batch = 1
+
+    # -- entry points -------------------------------------------------------------
+    def submit(self, prompt: list[int], sampling: SamplingParams) -> int:
+        """Queue a validated request and return its id; raise RequestError if refused."""
+        ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
+        check_sampling(sampling, self.vocab_size)
+        total = min(len(ids) + sampling.max_tokens, self.max_seq_len)
+        need = -(-total // self.block_size)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED)
+        rid = self._next_request
+        self._next_request += 1
+        self.waiting.append(RequestState(rid, ids, sampling, seed, need))
+        return rid
+
+    def cancel(self, request_id: int) -> Emitted | None:
+        """Cancel a request; its terminal event now, or when its in-flight batch returns."""
+        for state in self.waiting:
+            if state.request_id == request_id:
+                self.waiting.remove(state)
+                return Emitted(request_id, None, len(state.output), "cancelled")
+        state = self.running.get(request_id)
+        if state is None or state.cancelled:
+            return None
+        state.cancelled = True
+        if state.in_flight:
+            return None
+        self._retire(state)
+        return Emitted(request_id, None, len(state.output), "cancelled")
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and not self.inflight
+
+    # -- building batches ---------------------------------------------------------
+    def next_batch(self) -> ScheduledBatch | None:
+        """The next batch to run, or None when the ring is full or nothing is ready."""
+        if len(self.inflight) >= self.inflight_limit:
+            return None
+        rows: list[Row] = []
+        tokens: list[int] = []
+        new: list[NewRequest] = []
+        ready = [s for s in self.running.values() if not s.in_flight]
+        decode = [s for s in ready if s.computed >= len(s.prompt)]
+        prefill = [s for s in ready if s.computed < len(s.prompt)]
+        candidates = itertools.chain(decode, prefill, self._admit())
+        while len(rows) < self.max_rows and len(tokens) < self.max_tokens:
+            state = next(candidates, None)
+            if state is None:
+                break
+            rows.append(self._row(state, self.max_tokens - len(tokens), tokens, new))
+        if not rows:
+            return None
+        batch_id = self._next_batch
+        self._next_batch += 1
+        self.inflight[batch_id] = tuple(row.request_id for row in rows)
+        descriptor = BatchDescriptor(
+            batch_id=batch_id,
+            slot=0,
+            num_tokens=len(tokens),
+            rows=tuple(rows),
+            release=tuple(self._release),
+            new_requests=tuple(new),
+            scheduled_ns=time.monotonic_ns(),
+        )
+        self._release.clear()
+        return ScheduledBatch(descriptor, torch.tensor(tokens, dtype=torch.long))
+
+    def _admit(self):
+        """Admit waiting requests in arrival order while their KV reservation fits."""
+        while self.waiting:
+            blocks = self.blocks.allocate(self.waiting[0].need_blocks)
+            if blocks is None:
+                return
+            state = self.waiting.popleft()
+            state.blocks = blocks
+            self.running[state.request_id] = state
+            yield state
+
+    def _row(self, state: RequestState, budget: int, tokens: list[int], new: list[NewRequest]) -> Row:
+        start = state.computed
+        count = min(state.length - start, budget)
+        stop = start + count
+        needed = -(-stop // self.block_size)
+        growth = tuple(state.blocks[state.blocks_sent : needed])
+        state.blocks_sent = needed
+        state.computed = stop
+        state.in_flight = True
+        tokens.extend(state.tokens(start, count))
+        if not state.announced:
+            new.append(NewRequest(state.request_id, state.sampling, state.seed))
+            state.announced = True
+        return Row(state.request_id, start, count, growth, emit=stop == state.length)
+
+    # -- closing the ring ---------------------------------------------------------
+    def complete(self, result: BatchResult) -> list[Emitted]:
+        """Apply the tail's sampled tokens for a batch; return what clients should see."""
+        members = self.inflight.pop(result.batch_id, None)
+        if members is None:
+            raise BatchError(f"result for batch {result.batch_id}, which is not in flight")
+        events: list[Emitted] = []
+        sampled = {tok.request_id: tok for tok in result.tokens}
+        for rid in members:
+            state = self.running[rid]
+            state.in_flight = False
+            token = sampled.pop(rid, None)
+            if state.cancelled:
+                self._retire(state)
+                events.append(Emitted(rid, None, len(state.output), "cancelled"))
+            elif token is not None:
+                state.output.append(token.token_id)
+                events.append(Emitted(rid, token.token_id, len(state.output) - 1, token.finish))
+                if token.finish is not None:
+                    self._retire(state)
+        if sampled:
+            raise BatchError(f"batch {result.batch_id}: tokens for requests not in it: {sorted(sampled)}")
+        return events
+
+    def _retire(self, state: RequestState) -> None:
+        self.running.pop(state.request_id, None)
+        self.blocks.release(state.blocks)
+        state.blocks = []
+        if state.announced:
+            self._release.append(state.request_id)

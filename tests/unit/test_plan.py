@@ -1,0 +1,224 @@
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvasir.cli import kvasir
+from kvasir.errors import PlanError
+from kvasir.plan import check_model_fit, load_plan, parse_plan
+
+TWO = """
+[[stages]]
+layers = [0, 3]
+[[stages]]
+layers = [3, 6]
+"""
+
+
+def refused(text: str) -> str:
+    with pytest.raises(PlanError) as info:
+        parse_plan(text)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_fill_omitted_keys():
+    plan = parse_plan(TWO)
+    assert plan.model.source == "smollm2-135m"
+    assert plan.model.dtype == "float32"
+    assert plan.model.max_seq_len == 2048
+    assert (plan.batch.max_rows, plan.batch.max_tokens, plan.batch.inflight) == (32, 256, 3)
+    assert (plan.kv.block_size, plan.kv.num_blocks) == (16, 1024)
+    assert plan.bridge.max_waiting == 1024
+    assert [s.layers for s in plan.stages] == [(0, 3), (3, 6)]
+    assert all(s.device == "cpu" and s.threads == 1 and s.cpus is None for s in plan.stages)
+
+
+def test_explicit_values_are_kept():
+    plan = parse_plan(
+        '[model]\nsource="x"\ndtype="bfloat16"\nmax_seq_len=64\n[batch]\nmax_rows=2\nmax_tokens=8\ninflight=1\n'
+        '[kv]\nblock_size=8\nnum_blocks=8\n' + TWO.replace('[3, 6]', '[3, 6]\ndevice="cuda:1"\nthreads=2\ncpus=[0, 1]')
+    )
+    assert plan.model.dtype == "bfloat16" and plan.batch.inflight == 1
+    assert plan.stages[1].device == "cuda:1" and plan.stages[1].cpus == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[batch]\nfoo = 1\n" + TWO, "batch.foo: unknown key"),
+        ("colour = 'red'\n" + TWO, "colour: unknown key"),
+        (TWO + "gpu = 1\n", "stages[1].gpu: unknown key"),
+        ("[model]\nmax_seq_len = 'long'\n" + TWO, "model.max_seq_len: expected `int`"),
+        ("[[stages]]\ndevice = 'cpu'\n[[stages]]\nlayers = [1, 2]", "stages[0].layers: required key is missing"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_are_named(text, expected):
+    assert expected in refused(text)
+
+
+@pytest.mark.parametrize("stages", ["", "[[stages]]\nlayers = [0, 6]\n"])
+def test_fewer_than_two_stages_is_refused(stages):
+    message = refused(stages)
+    assert "a pipeline needs at least two stages: head and tail are different roles" in message
+
+
+def test_gap_between_stages():
+    message = refused("[[stages]]\nlayers=[0, 2]\n[[stages]]\nlayers=[3, 6]\n")
+    assert "gap" in message and "[2, 3)" in message
+
+
+def test_overlapping_stages():
+    message = refused("[[stages]]\nlayers=[0, 4]\n[[stages]]\nlayers=[3, 6]\n")
+    assert "overlap" in message and "[3, 4)" in message
+
+
+def test_first_stage_must_start_at_zero():
+    assert "[0, 1) are in no stage" in refused("[[stages]]\nlayers=[1, 4]\n[[stages]]\nlayers=[4, 6]\n")
+
+
+@pytest.mark.parametrize("layers", ["[3, 3]", "[4, 2]", "[-1, 2]"])
+def test_empty_or_reversed_ranges(layers):
+    assert "half-open range" in refused(f"[[stages]]\nlayers={layers}\n[[stages]]\nlayers=[3, 6]\n")
+
+
+def test_ranges_past_the_model_and_uncovered_layers():
+    plan = parse_plan("[[stages]]\nlayers=[0, 4]\n[[stages]]\nlayers=[4, 8]\n")
+    with pytest.raises(PlanError, match="goes past the model's 6 layers"):
+        check_model_fit(plan, num_layers=6, max_positions=None)
+    with pytest.raises(PlanError, match=r"layers \[8, 10\) of the model's 10 are in no stage"):
+        check_model_fit(plan, num_layers=10, max_positions=None)
+    check_model_fit(plan, num_layers=8, max_positions=4096)
+    with pytest.raises(PlanError, match="max_position_embeddings = 1024"):
+        check_model_fit(plan, num_layers=8, max_positions=1024)
+
+
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ("batch", "max_rows"),
+        ("batch", "max_tokens"),
+        ("batch", "inflight"),
+        ("kv", "block_size"),
+        ("kv", "num_blocks"),
+        ("model", "max_seq_len"),
+        ("bridge", "max_waiting"),
+    ],
+)
+@pytest.mark.parametrize("value", [0, -3])
+def test_zero_or_negative_widths(section, key, value):
+    message = refused(f"[{section}]\n{key} = {value}\n" + TWO)
+    assert f"{section}.{key} must be a positive integer, got {value}" in message
+
+
+def test_max_tokens_below_max_rows():
+    message = refused("[batch]\nmax_rows = 8\nmax_tokens = 4\n" + TWO)
+    assert "batch.max_tokens (4) must be >= batch.max_rows (8)" in message
+
+
+def test_kv_capacity_below_one_request():
+    message = refused("[model]\nmax_seq_len = 100\n[kv]\nblock_size = 16\nnum_blocks = 6\n" + TWO)
+    assert "96 tokens cannot hold one request of model.max_seq_len = 100" in message
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:-1", "cuda:01", "CPU", ""])
+def test_unparseable_devices(device):
+    message = refused(TWO.replace("[3, 6]", f'[3, 6]\ndevice = "{device}"'))
+    assert f"stages[1].device = {device!r} is not a device" in message
+
+
+def test_bad_threads_cpus_and_dtype():
+    assert "stages[0].threads must be a positive integer" in refused(TWO.replace("[0, 3]", "[0, 3]\nthreads = 0"))
+    assert "distinct non-negative" in refused(TWO.replace("[0, 3]", "[0, 3]\ncpus = [1, 1]"))
+    assert "stages[0].cpus is empty" in refused(TWO.replace("[0, 3]", "[0, 3]\ncpus = []"))
+    assert "model.dtype must be one of float32, bfloat16, float16" in refused('[model]\ndtype = "float64"\n' + TWO)
+
+
+def test_malformed_toml():
+    assert "malformed TOML" in refused("[batch\nmax_rows = 1\n")
+    assert "malformed TOML" in refused("[batch]\nmax_rows = = 1\n")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PlanError, match="plan file not found"):
+        load_plan(tmp_path / "absent.toml")
+    with pytest.raises(PlanError, match="is a directory"):
+        load_plan(tmp_path)
+
+
+def write_plan(folder: Path, source: str, splits) -> Path:
+    stages = "".join(f"[[stages]]\nlayers = [{a}, {b}]\n" for a, b in splits)
+    path = folder / "plan.toml"
+    path.write_text(f'[model]\nsource = "{source}"\nmax_seq_len = 256\n[kv]\nblock_size = 16\nnum_blocks = 32\n{stages}')
+    return path
+
+
+def test_plan_check_prints_each_stage(tmp_path, tiny_models):
+    path = write_plan(tmp_path, str(tiny_models["llama"]), [(0, 2), (2, 5), (5, 6)])
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    table = lines[lines.index(next(l for l in lines if l.startswith("stage"))) + 1 :]
+    assert [l.split()[1] for l in table] == ["head", "middle", "tail"]
+    assert "[0, 2)" in table[0] and "[2, 5)" in table[1] and "[5, 6)" in table[2]
+
+
+def test_plan_check_json_reports_sizes(tmp_path, tiny_models):
+    path = write_plan(tmp_path, str(tiny_models["llama"]), [(0, 3), (3, 6)])
+    result = CliRunner().invoke(kvasir, ["plan", "check", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.output)
+    head, tail = body["stages"]
+    # K and V x 3 layers x 32 blocks x 16 tokens x 2 kv heads x head dim 16 x 4 bytes
+    assert head["kv_bytes"] == 2 * 3 * 32 * 16 * 2 * 16 * 4
+    # max_tokens 256 x hidden 64 x 4 bytes, one slot per batch in flight
+    assert head["slot_bytes"] == 0 and tail["slot_bytes"] == 256 * 64 * 4 and tail["slots"] == 3
+    assert head["parameter_bytes"] == head["parameters"] * 4
+    assert body["model"]["layers"] == 6
+
+
+def test_plan_check_resolves_relative_sources_from_the_plan_folder(tmp_path, tiny_models):
+    shutil.copytree(tiny_models["llama"], tmp_path / "model")
+    path = write_plan(tmp_path, "model", [(0, 3), (3, 6)])
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    "source, splits, expected",
+    [
+        ("/no/such/model", [(0, 3), (3, 6)], "neither a built-in model"),
+        (None, [(0, 3), (3, 8)], "goes past the model's 6 layers"),
+        (None, [(0, 3), (3, 5)], "are in no stage"),
+    ],
+)
+def test_plan_check_refusals_exit_2_with_one_line(tmp_path, tiny_models, source, splits, expected):
+    path = write_plan(tmp_path, source or str(tiny_models["llama"]), splits)
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and expected in result.output
+
+
+def test_installed_console_script_exits_2_on_a_bad_plan(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[stages]]\nlayers = [0, 30]\n")
+    script = Path(sys.executable).parent / "kvasir"
+    proc = subprocess.run([str(script), "plan", "check", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: {bad}: stages: a pipeline needs at least two stages: head and tail are different roles "
+        "(the plan has 1)"
+    )
+    good = subprocess.run(
+        [str(script), "plan", "check", str(Path(__file__).parents[2] / "plans" / "smollm2-3stage.toml")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert good.returncode == 0, good.stderr
+    assert "middle" in good.stdout and "[9, 21)" in good.stdout
