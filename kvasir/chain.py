@@ -8,12 +8,13 @@ the loop. The ring daemon runs the same pieces, one stage per process.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kvasir.engine import StageEngine
-from kvasir.messages import SamplingParams
+from kvasir.messages import BatchDescriptor, SamplingParams
 from kvasir.model.source import ModelSource
 from kvasir.plan import Plan, check_model_fit
 from kvasir.sampling import Sampler
@@ -30,9 +31,17 @@ class Completion:
 
 
 class Chain:
-    def __init__(self, plan: Plan, source: ModelSource) -> None:
+    """``trace``, if given, sees every batch descriptor as the head fixes it."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        source: ModelSource,
+        trace: Callable[[BatchDescriptor], None] | None = None,
+    ) -> None:
         check_model_fit(plan, source.num_layers, source.max_positions)
         self.plan = plan
+        self._trace = trace
         self.stages = [StageEngine(plan, index, source) for index in range(len(plan.stages))]
         self.scheduler = Scheduler(plan, source.vocab_size)
         self.sampler = Sampler(source.eos_token_ids, plan.model.max_seq_len)
@@ -58,6 +67,8 @@ class Chain:
     def step(self) -> list[Emitted]:
         """Fill the ring, then run its oldest batch to the end and close the loop."""
         while (batch := self.scheduler.next_batch()) is not None:
+            if self._trace is not None:
+                self._trace(batch.descriptor)
             self._queue.append(batch)
         if not self._queue:
             return []
@@ -65,9 +76,9 @@ class Chain:
         result = self.sampler.sample(batch.descriptor, self.forward(batch))
         return self.scheduler.complete(result)
 
-    def run(self, max_steps: int = 1_000_000) -> dict[int, Completion]:
-        """Step until every submitted request has ended; their outputs by request id."""
-        done: dict[int, Completion] = {}
+    def run(self, done: dict[int, Completion] | None = None, max_steps: int = 1_000_000) -> dict[int, Completion]:
+        """Step until every submitted request has ended, folding outputs into ``done``."""
+        done = {} if done is None else done
         for _ in range(max_steps):
             if self.idle:
                 return done

@@ -17,7 +17,9 @@ from kvasir.plan import parse_plan  # noqa: E402
 def tiny_models(tmp_path_factory):
     """Tiny random-weight models of three families, saved once per session."""
     root = tmp_path_factory.mktemp("models")
-    return {family: save_tiny_model(root / family, family) for family in ("llama", "qwen2", "mistral")}
+    models = {family: save_tiny_model(root / family, family) for family in ("llama", "qwen2", "mistral")}
+    models["mistral-window"] = save_tiny_model(root / "mistral-window", "mistral", sliding_window=8)
+    return models
 
 
 def make_plan(source, splits, *, max_seq_len=256, max_rows=8, max_tokens=32, inflight=3,

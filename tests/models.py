@@ -25,9 +25,9 @@ def tiny_config(family: str, num_layers: int = 6, **overrides):
     if family == "llama":
         return LlamaConfig(tie_word_embeddings=True, **values)
     if family == "qwen2":
-        return Qwen2Config(tie_word_embeddings=False, use_sliding_window=False, **values)
+        return Qwen2Config(**dict(dict(tie_word_embeddings=False, use_sliding_window=False), **values))
     if family == "mistral":
-        return MistralConfig(tie_word_embeddings=False, sliding_window=None, **values)
+        return MistralConfig(**dict(dict(tie_word_embeddings=False, sliding_window=None), **values))
     raise ValueError(family)
 
 

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvasir.errors import BatchError
+from kvasir.messages import BatchDescriptor, NewRequest, Row, SamplingParams
+from kvasir.sampling import RequestSampler, Sampler
+
+VOCAB = 50
+
+
+def sampler_for(seed=7, eos=(), max_seq_len=1000, **params):
+    return RequestSampler(NewRequest(1, SamplingParams(**params), seed), eos, max_seq_len)
+
+
+def draws(seed, logits, n=40, **params):
+    s = sampler_for(seed=seed, **params)
+    return [s.pick(logits) for _ in range(n)]
+
+
+@pytest.fixture
+def logits():
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+
+
+def test_greedy_is_argmax(logits):
+    assert draws(1, logits, 5, temperature=0) == [int(logits.argmax())] * 5
+
+
+def test_same_seed_same_output_different_seed_differs(logits):
+    a = draws(11, logits, temperature=1.0, top_p=0.95, top_k=30)
+    assert a == draws(11, logits, temperature=1.0, top_p=0.95, top_k=30)
+    assert a != draws(12, logits, temperature=1.0, top_p=0.95, top_k=30)
+    assert len(set(a)) > 1
+
+
+def test_top_k_limits_choices(logits):
+    allowed = set(torch.topk(logits, 3).indices.tolist())
+    picked = set(draws(5, logits, 300, temperature=2.0, top_k=3))
+    assert picked <= allowed and len(picked) > 1
+    assert set(draws(5, logits, 20, temperature=1.5, top_k=1)) == {int(logits.argmax())}
+
+
+def test_top_p_keeps_the_smallest_nucleus(logits):
+    probs = torch.softmax(logits, -1)
+    ordered = torch.sort(probs, descending=True)
+    cumulative = torch.cumsum(ordered.values, -1)
+    need = int((cumulative < 0.6).sum()) + 1  # tokens until the nucleus reaches 0.6
+    nucleus = set(ordered.indices[:need].tolist())
+    picked = set(draws(9, logits, 400, temperature=1.0, top_p=0.6))
+    assert picked <= nucleus and len(picked) > 1
+    assert set(draws(9, logits, 20, temperature=1.0, top_p=1e-6)) == {int(logits.argmax())}
+
+
+def test_temperature_sharpens(logits):
+    cold = draws(4, logits, 300, temperature=0.05)
+    hot = draws(4, logits, 300, temperature=5.0)
+    assert len(set(cold)) < len(set(hot))
+
+
+def test_finish_reasons():
+    s = sampler_for(eos=(2,), max_tokens=3, stop_token_ids=(9,))
+    assert s.finish(5, length=10) is None
+    assert s.finish(2, length=11) == "stop"
+    s = sampler_for(eos=(2,), max_tokens=3, stop_token_ids=(9,))
+    assert s.finish(9, length=10) == "stop"
+    s = sampler_for(max_tokens=2)
+    assert s.finish(5, length=10) is None and s.finish(5, length=11) == "length"
+    s = sampler_for(max_tokens=100, max_seq_len=12)
+    assert s.finish(5, length=11) is None and s.finish(5, length=12) == "length"
+
+
+def descriptor(rows, new=(), release=()):
+    return BatchDescriptor(1, 0, sum(r.num_tokens for r in rows), tuple(rows), tuple(release), tuple(new), 0)
+
+
+def test_sampler_uses_emitting_rows_and_forgets_finished(logits):
+    sampler = Sampler(eos_ids=(), max_seq_len=100)
+    new = [NewRequest(i, SamplingParams(temperature=0, max_tokens=1 if i == 1 else 5), 0) for i in (1, 2)]
+    rows = [Row(1, 0, 4, (0,), True), Row(2, 0, 3, (1,), False)]
+    result = sampler.sample(descriptor(rows, new), logits[None])
+    assert [(t.request_id, t.token_id, t.finish) for t in result.tokens] == [(1, int(logits.argmax()), "length")]
+    assert len(sampler) == 1
+    with pytest.raises(BatchError, match="no sampling spec"):
+        sampler.sample(descriptor([Row(1, 4, 1, (), True)]), logits[None])
+    with pytest.raises(BatchError, match="1 emitting rows, 2 logits"):
+        sampler.sample(descriptor([Row(2, 3, 1, (), True)]), torch.stack([logits, logits]))
+    sampler.sample(descriptor([Row(3, 0, 1, (), False)], release=(2,)), torch.empty(0, VOCAB))
+    assert len(sampler) == 0
