@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import click
+import msgspec
 
 from kvasir import __version__
 from kvasir.errors import KvasirError
+
+
+RUNTIME_DIR = click.option(
+    "--runtime-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The daemon's runtime dir (default: $KVASIR_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kvasir, else /tmp/kvasir-$UID).",
+)
+
+
+def default_runtime_dir() -> Path:
+    from kvasir.transport import default_runtime_dir as resolve
+
+    return resolve()
 
 
 def _fail(exc: KvasirError) -> None:
@@ -45,8 +62,6 @@ def plan_check(path: str, as_json: bool) -> None:
     Per stage it shows the layer range, parameter count and bytes, KV cache bytes and
     the boundary slots on the edge into the stage.
     """
-    import msgspec
-
     from kvasir.footprint import plan_footprint
     from kvasir.resolve import resolve_plan
 
@@ -114,4 +129,194 @@ def _print_plan(path, resolved, source, stages) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvasird")
 def kvasird() -> None:
-    """The Kvasir daemon (serving arrives with the ring daemon; see README)."""
+    """The Kvasir daemon."""
+
+
+@kvasird.command("start")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
+              help="Plan file (default: the built-in two-stage plan for smollm2-135m).")
+@RUNTIME_DIR
+@click.option("--ready-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds to wait for every stage to load and report ready.")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT, seconds to let running requests finish.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, drain_timeout: float, log_level: str) -> None:
+    """Serve a plan in the foreground until SIGTERM or SIGINT (then drain and exit 0).
+
+    Validates the plan first (exit 2 on a bad plan, before anything is spawned), makes
+    the runtime dir (mode 0700), spawns one worker per stage and the bridge, waits for
+    each to report ready, and serves.
+    """
+    from kvasir.launcher import Launcher, Timeouts, run_launcher
+    from kvasir.logs import setup_logging
+    from kvasir.resolve import resolve_plan
+
+    path = plan_path or str(default_plan_path())
+    try:
+        plan, source = resolve_plan(path)
+        source.require_weights()
+    except KvasirError as exc:
+        _fail(exc)
+    plan = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))
+    log = setup_logging(log_level, role="launcher", pid=os.getpid())
+    launcher = Launcher(
+        plan=plan,
+        source=source,
+        runtime_dir=Path(runtime_dir) if runtime_dir else default_runtime_dir(),
+        log=log,
+        timeouts=Timeouts(ready_s=ready_timeout, drain_s=drain_timeout),
+        log_level=log_level,
+    )
+    sys.exit(run_launcher(launcher))
+
+
+def default_plan_path() -> Path:
+    return Path(__file__).parent / "plans" / "smollm2-2stage.toml"
+
+
+# -- client commands -------------------------------------------------------------------------
+def _connect(runtime_dir: str | None):
+    from kvasir.client import Client, NoDaemon
+
+    try:
+        return Client(runtime_dir)
+    except NoDaemon as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(3)
+
+
+def _event_json(event) -> str:
+    return json.dumps(msgspec.to_builtins(event))
+
+
+@kvasir.command()
+@click.argument("prompt", required=False)
+@click.option("--ids", help="Submit these comma-separated token ids instead of PROMPT text.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Output tokens at most.")
+@click.option("--temperature", type=float, default=0.7, show_default=True, help="0 means greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 means off.")
+@click.option("--seed", type=int, default=None, help="Same seed, same output.")
+@click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per event line (token ids included).")
+@RUNTIME_DIR
+def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_json, runtime_dir) -> None:
+    """Generate from PROMPT (or --ids) and stream the text as it arrives.
+
+    Exit code: 0 finished, 1 error or cancelled, 2 bad arguments, 3 no daemon.
+    """
+    from kvasir.messages import Cancelled, ErrorEvent, Finished, TokenOut
+
+    if (prompt is None) == (ids is None):
+        raise click.UsageError("give PROMPT text or --ids, not both and not neither")
+    token_ids = None
+    if ids is not None:
+        try:
+            token_ids = [int(part) for part in ids.split(",") if part.strip()]
+        except ValueError:
+            raise click.UsageError(f"--ids must be comma-separated integers, got {ids!r}") from None
+    client = _connect(runtime_dir)
+    code = 1
+    printed = False
+    try:
+        stream = client.submit(
+            prompt, token_ids=token_ids, chat=chat, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        )
+        for event in client.events(stream):
+            if as_json:
+                click.echo(_event_json(event))
+            elif isinstance(event, TokenOut):
+                click.echo(event.text if token_ids is None else f"{event.token_id} ", nl=False)
+                printed = True
+            elif isinstance(event, Finished):
+                click.echo("")
+            elif isinstance(event, (ErrorEvent, Cancelled)):
+                if printed:
+                    click.echo("")
+                label = f"{event.code}: {event.message}" if isinstance(event, ErrorEvent) else "cancelled"
+                click.echo(f"error: {label}", err=True)
+            if isinstance(event, Finished):
+                code = 0
+    finally:
+        client.close()
+    sys.exit(code)
+
+
+@kvasir.command()
+@click.option("--request", "request_id", type=int, default=None, help="Only this request's tokens.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON token object per line.")
+@click.option("--count", type=int, default=None, help="Exit after this many token events.")
+@RUNTIME_DIR
+def tail(request_id, as_json, count, runtime_dir) -> None:
+    """Print token events live as they leave the tail, until interrupted."""
+    import zmq
+
+    from kvasir.messages import TokenOut
+    from kvasir.transport import Endpoints
+
+    client = _connect(runtime_dir)  # checks that a daemon answers
+    rt = client._client.runtime_dir
+    client.close()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(Endpoints(rt).events)
+    decoder = msgspec.msgpack.Decoder(TokenOut)
+    seen = 0
+    try:
+        while count is None or seen < count:
+            if not sub.poll(1000):
+                if not Endpoints(rt).client_path.exists():
+                    click.echo("error: the daemon stopped", err=True)
+                    sys.exit(3)
+                continue
+            event = decoder.decode(sub.recv())
+            if request_id is not None and event.request_id != request_id:
+                continue
+            seen += 1
+            if as_json:
+                click.echo(_event_json(event))
+            else:
+                click.echo(f"{event.request_id}\t{event.index}\t{event.token_id}\t{event.text!r}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ctx.destroy(linger=0)
+
+
+@kvasir.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: daemon-wide fields and \"stages\".")
+@RUNTIME_DIR
+def stats(as_json, runtime_dir) -> None:
+    """Per-stage busy / starved / blocked time, batches, rows, tokens."""
+    client = _connect(runtime_dir)
+    try:
+        daemon = client.stats()
+    finally:
+        client.close()
+    body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f != "stages"}
+    body["stages"] = [msgspec.structs.asdict(stage) for stage in daemon.stages]
+    body = msgspec.to_builtins(body)
+    for stage in body["stages"]:
+        wall = stage["wall_s"] or 1.0
+        for part in ("busy", "starved", "blocked"):
+            stage[f"{part}_fraction"] = stage[f"{part}_s"] / wall
+    if as_json:
+        click.echo(json.dumps(body))
+        return
+    click.echo(f"uptime {body['uptime_s']:.1f} s, requests {body['requests']}, in flight {body['in_flight']}")
+    header = ("stage", "layers", "pid", "busy", "starved", "blocked", "batches", "rows", "tokens", "inflight", "kv reqs")
+    rows = [header]
+    for s in body["stages"]:
+        rows.append((
+            str(s["index"]), f"[{s['layers'][0]}, {s['layers'][1]})", str(s["pid"]),
+            f"{s['busy_s']:.1f}s {s['busy_fraction']:.0%}", f"{s['starved_s']:.1f}s {s['starved_fraction']:.0%}",
+            f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}", str(s["batches"]), str(s["rows"]),
+            str(s["tokens"]), str(s["inflight"]), str(s["kv_requests"]),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())

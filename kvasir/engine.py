@@ -46,14 +46,22 @@ class StageEngine:
             device=self.device,
         )
 
+    def release(self, descriptor: BatchDescriptor) -> None:
+        """Free the KV of the requests the descriptor releases."""
+        self.cache.release(descriptor.release)
+
     def run(self, descriptor: BatchDescriptor, inputs: torch.Tensor) -> torch.Tensor:
-        """Token ids [T] on the head, boundary [T, hidden] elsewhere; returns the stage output."""
+        """Token ids [T] on the head, boundary [T, hidden] elsewhere; returns the stage output.
+
+        Releases are applied first; the caller handles release-only descriptors (no
+        rows) with ``release`` alone.
+        """
         total = sum(row.num_tokens for row in descriptor.rows)
         if total != descriptor.num_tokens or inputs.shape[0] != total or not descriptor.rows:
             raise BatchError(
                 f"batch {descriptor.batch_id}: {len(descriptor.rows)} rows hold {total} tokens, "
                 f"descriptor says {descriptor.num_tokens}, input has {inputs.shape[0]}"
             )
-        self.cache.release(descriptor.release)
+        self.release(descriptor)
         batch = build_batch(self.cache, self.spec.layers[0], descriptor.rows)
         return self.model(inputs.to(self.device), batch)

@@ -1,20 +1,39 @@
-"""Every wire type Kvasir exchanges, as msgspec Structs.
+"""Every wire type Kvasir exchanges, as msgspec Structs, one tagged union per socket edge.
 
 The batch descriptor is decided once by the head and travels unchanged to every stage;
 each message carries only what its receiver lacks (a request's sampling spec on its
 first appearance, a row's KV blocks as growth since the stage last saw the request).
-Tensors never travel inside these bodies.
+Tensors never travel inside these bodies: boundaries sit in shared-memory slots and
+descriptors name the slot.
+
+Edges:
+    client  -> bridge   ClientMessage   (Submit | Cancel | StatsQuery)
+    bridge  -> client   ClientEvent     (Accepted | TokenOut | Finished | Cancelled | ErrorEvent | StatsReply)
+    bridge  -> PUB      TokenOut
+    bridge, tail -> head HeadMessage    (Enqueue | CancelRequest | BatchResult)
+    stage k -> stage k+1 BatchDescriptor
+    stage k+1 -> stage k Credit
+    stages  -> bridge   BridgeMessage   (TokenEvents | RequestEnded | StageStats)
+    children -> launcher ControlMessage (Ready | Drained)
+    launcher -> children Command
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from kvasir.plan import Plan
+
 
 class _Wire(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     pass
 
 
+class _Tagged(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, tag=True):
+    pass
+
+
+# -- requests and batches -------------------------------------------------------------
 class SamplingParams(_Wire):
     """How the tail picks tokens for one request and when it stops."""
 
@@ -45,7 +64,10 @@ class Row(_Wire):
 
 
 class BatchDescriptor(_Wire):
-    """The composition of one physical batch, decided once by the head."""
+    """The composition of one physical batch, decided once by the head.
+
+    A descriptor with no rows only carries releases (slot -1, no boundary).
+    """
 
     batch_id: int
     slot: int  # boundary slot index on the edge it travels
@@ -59,11 +81,196 @@ class BatchDescriptor(_Wire):
 class SampledToken(_Wire):
     request_id: int
     token_id: int
+    index: int  # position in the request's output
     finish: str | None  # None while running, else "stop" | "length"
+    scheduled_ns: int = 0  # on a request's first token: when its first batch was scheduled
 
 
-class BatchResult(_Wire):
+class Credit(_Wire):
+    """A consumer hands a boundary slot back to its producer."""
+
+    slot: int
+
+
+# -- the head's inbox ---------------------------------------------------------------------
+class Enqueue(_Tagged):
+    request_id: int
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+class CancelRequest(_Tagged):
+    request_id: int
+
+
+class BatchResult(_Tagged):
     """What the tail sends back to the head for one batch: it closes the ring."""
 
     batch_id: int
     tokens: tuple[SampledToken, ...]
+
+
+HeadMessage = Enqueue | CancelRequest | BatchResult
+
+
+# -- stages to the bridge -----------------------------------------------------------------
+class TokenEvents(_Tagged):
+    tokens: tuple[SampledToken, ...]
+
+
+class RequestEnded(_Tagged):
+    """The head ended a request without a token: cancelled, or refused (code + message)."""
+
+    request_id: int
+    code: str  # "cancelled" or an error code
+    message: str = ""
+
+
+class StageStats(_Tagged):
+    index: int
+    layers: tuple[int, int]
+    pid: int
+    wall_s: float  # since the stage started serving
+    busy_s: float
+    starved_s: float
+    blocked_s: float
+    batches: int
+    rows: int
+    tokens: int
+    inflight: int  # batches in flight (head only; 0 elsewhere)
+    kv_requests: int  # requests whose KV the stage holds
+    kv_blocks: int  # KV blocks those requests hold on this stage
+
+
+BridgeMessage = TokenEvents | RequestEnded | StageStats
+
+
+# -- clients ----------------------------------------------------------------------------------
+class _Client(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
+    pass
+
+
+class Submit(_Client, tag="submit"):
+    key: int  # the client's own handle for the request, echoed in Accepted
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    chat: bool = False
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+
+
+class Cancel(_Client, tag="cancel"):
+    request_id: int
+
+
+class StatsQuery(_Client, tag="stats"):
+    key: int
+
+
+ClientMessage = Submit | Cancel | StatsQuery
+
+
+class Accepted(_Client, tag="accepted"):
+    key: int
+    request_id: int
+
+
+class TokenOut(_Client, tag="token"):
+    request_id: int
+    index: int
+    token_id: int
+    text: str
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    queued_s: float  # submission to the request's first batch
+    first_token_s: float  # submission to the first token (TTFT)
+    per_token_s: float  # mean time between output tokens after the first
+    total_s: float
+
+
+class Finished(_Client, tag="finished"):
+    request_id: int
+    reason: str  # "stop" | "length"
+    token_ids: list[int]
+    usage: Usage
+    timings: Timings
+
+
+class Cancelled(_Client, tag="cancelled"):
+    request_id: int
+
+
+class ErrorEvent(_Client, tag="error"):
+    code: str
+    message: str
+    request_id: int | None = None
+    key: int | None = None  # set when the error answers a submission before it had an id
+
+
+class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
+    uptime_s: float
+    requests: int  # accepted since start
+    in_flight: int  # accepted and not yet ended
+    waiting_limit: int
+    stages: list[StageStats]
+
+
+class StatsReply(_Client, tag="stats"):
+    key: int
+    stats: DaemonStats
+
+
+ClientEvent = Accepted | TokenOut | Finished | Cancelled | ErrorEvent | StatsReply
+
+
+# -- the launcher and its children -------------------------------------------------------
+class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One stage-to-stage edge: its slot ring's kind, name and geometry."""
+
+    kind: str  # "shm" (later: "cuda-ipc", "pinned", "frames")
+    name: str
+    slots: int
+    max_tokens: int
+    hidden: int
+    dtype: str
+
+
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a child process needs, handed over as msgpack bytes (never pickle)."""
+
+    role: str  # "stage" | "bridge"
+    index: int  # stage index (0 for the bridge)
+    plan: Plan  # model.source already resolved to an absolute path or alias
+    runtime_dir: str
+    launcher_pid: int
+    edges: list[EdgeSpec]  # edge k runs from stage k to stage k+1
+    stats_interval_s: float = 0.5
+    log_level: str = "info"
+
+
+class Ready(_Tagged):
+    role: str
+    index: int
+    pid: int
+
+
+class Drained(_Tagged):
+    pass
+
+
+ControlMessage = Ready | Drained
+
+
+class Command(_Wire):
+    kind: str  # "drain" | "stop"
+    code: str = "shutting_down"  # with "stop": the error code for requests still running

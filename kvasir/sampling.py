@@ -11,8 +11,9 @@ from kvasir.messages import BatchDescriptor, BatchResult, NewRequest, SampledTok
 class RequestSampler:
     """One request's sampling state: its parameters, seeded generator and output count."""
 
-    def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
+    def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int, scheduled_ns: int = 0) -> None:
         self.params = new.sampling
+        self.scheduled_ns = scheduled_ns
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(new.seed)
         self.stop_ids = frozenset(eos_ids) | frozenset(new.sampling.stop_token_ids)
@@ -64,7 +65,9 @@ class Sampler:
         for rid in descriptor.release:
             self._requests.pop(rid, None)
         for new in descriptor.new_requests:
-            self._requests[new.request_id] = RequestSampler(new, self.eos_ids, self.max_seq_len)
+            self._requests[new.request_id] = RequestSampler(
+                new, self.eos_ids, self.max_seq_len, descriptor.scheduled_ns
+            )
         logits = logits.float().cpu()
         tokens = []
         emitting = [row for row in descriptor.rows if row.emit]
@@ -78,5 +81,6 @@ class Sampler:
             finish = state.finish(token, row.start + row.num_tokens + 1)
             if finish is not None:
                 del self._requests[row.request_id]
-            tokens.append(SampledToken(row.request_id, token, finish))
+            first = state.scheduled_ns if state.generated == 1 else 0
+            tokens.append(SampledToken(row.request_id, token, state.generated - 1, finish, first))
         return BatchResult(descriptor.batch_id, tuple(tokens))

@@ -80,15 +80,23 @@ class Scheduler:
         self._next_batch = 1
 
     # -- entry points -------------------------------------------------------------
-    def submit(self, prompt: list[int], sampling: SamplingParams) -> int:
-        """Queue a validated request and return its id; raise RequestError if refused."""
+    def submit(self, prompt: list[int], sampling: SamplingParams, request_id: int | None = None) -> int:
+        """Queue a validated request and return its id; raise RequestError if refused.
+
+        ``request_id`` is the id the bridge gave the request; without one the
+        scheduler numbers requests itself.
+        """
         ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
         check_sampling(sampling, self.vocab_size)
         total = min(len(ids) + sampling.max_tokens, self.max_seq_len)
         need = -(-total // self.block_size)
         seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED)
-        rid = self._next_request
-        self._next_request += 1
+        if request_id is None:
+            request_id = self._next_request
+            self._next_request += 1
+        elif request_id in self.running or any(w.request_id == request_id for w in self.waiting):
+            raise RequestError("invalid_request", f"request id {request_id} is already in use")
+        rid = request_id
         self.waiting.append(RequestState(rid, ids, sampling, seed, need))
         return rid
 
@@ -144,6 +152,26 @@ class Scheduler:
         )
         self._release.clear()
         return ScheduledBatch(descriptor, torch.tensor(tokens, dtype=torch.long))
+
+    def release_only(self) -> BatchDescriptor | None:
+        """A descriptor that carries only pending releases (none when nothing is pending).
+
+        Sent when no batch can be built, so every stage frees ended requests' KV
+        without waiting for the next real batch. It is not a batch in flight.
+        """
+        if not self._release:
+            return None
+        descriptor = BatchDescriptor(
+            batch_id=0,
+            slot=-1,
+            num_tokens=0,
+            rows=(),
+            release=tuple(self._release),
+            new_requests=(),
+            scheduled_ns=time.monotonic_ns(),
+        )
+        self._release.clear()
+        return descriptor
 
     def _admit(self):
         """Admit waiting requests in arrival order while their KV reservation fits."""

@@ -42,6 +42,10 @@ class PagedKVCache:
     def requests(self) -> int:
         return len(self._tables)
 
+    @property
+    def blocks_held(self) -> int:
+        return sum(len(table) for table in self._tables.values())
+
     def release(self, request_ids: tuple[int, ...] | list[int]) -> None:
         for rid in request_ids:
             self._tables.pop(rid, None)

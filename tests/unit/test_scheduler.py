@@ -22,7 +22,7 @@ def prompt(n):
 
 
 def finish_batch(s, batch, finish=None, token=7):
-    tokens = tuple(SampledToken(r.request_id, token, finish) for r in batch.descriptor.rows if r.emit)
+    tokens = tuple(SampledToken(r.request_id, token, 0, finish) for r in batch.descriptor.rows if r.emit)
     return s.complete(BatchResult(batch.descriptor.batch_id, tokens))
 
 
@@ -126,7 +126,7 @@ def test_results_for_unknown_batches_are_refused():
     s.submit(prompt(2), SamplingParams())
     batch = s.next_batch()
     with pytest.raises(BatchError, match="not in it"):
-        s.complete(BatchResult(batch.descriptor.batch_id, (SampledToken(42, 1, None),)))
+        s.complete(BatchResult(batch.descriptor.batch_id, (SampledToken(42, 1, 0, None),)))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,241 @@
+"""The launcher (``kvasird start``): spawn, readiness, supervision, shutdown.
+
+Shutdown is a small state machine — running -> draining -> stopping -> stopped — and a
+signal only moves the state; the loop does the work.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from kvasir.errors import KvasirError
+from kvasir.messages import Command, ControlMessage, Drained, EdgeSpec, Ready, WorkerSettings
+from kvasir.model.source import ModelSource
+from kvasir.plan import Plan
+from kvasir.slots import ShmSlotRing, create_ring
+from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
+
+
+class LaunchError(KvasirError):
+    """The daemon could not start: the runtime dir is taken, or a child failed to come up."""
+
+
+@dataclass
+class Child:
+    name: str  # "stage-0", ..., "bridge"
+    process: subprocess.Popen
+    command: PushChannel
+    ready: bool = False
+
+
+@dataclass
+class Timeouts:
+    ready_s: float = 300.0
+    drain_s: float = 30.0
+    stop_s: float = 10.0
+
+
+@dataclass
+class Launcher:
+    plan: Plan
+    source: ModelSource
+    runtime_dir: Path
+    log: object
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    stats_interval_s: float = 0.5
+    log_level: str = "info"
+    state: str = "starting"
+    exit_code: int = 0
+
+    def __post_init__(self) -> None:
+        self.ends = Endpoints(self.runtime_dir)
+        self.ctx = zmq.Context()
+        self.children: list[Child] = []
+        self.rings: list[ShmSlotRing] = []
+        self._lock_fd: int | None = None
+        self._control: PullChannel | None = None
+
+    # -- start-up ------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Make the runtime dir (0700), take its lock, clear stale sockets, create the edges."""
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.runtime_dir, 0o700)
+        fd = os.open(self.runtime_dir / "kvasird.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LaunchError(f"another kvasird is serving from runtime dir {self.runtime_dir}") from None
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        for stale in self.ends.socket_files():
+            stale.unlink(missing_ok=True)
+        self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage)
+        token = secrets.token_hex(4)
+        for k in range(len(self.plan.stages) - 1):
+            spec = EdgeSpec(
+                kind="shm",
+                name=f"kvasir-{os.getpid()}-{token}-edge{k}",
+                slots=self.plan.batch.inflight,
+                max_tokens=self.plan.batch.max_tokens,
+                hidden=int(self.source.config.hidden_size),
+                dtype=self.plan.model.dtype,
+            )
+            self.rings.append(create_ring(spec))
+
+    def spawn(self) -> None:
+        edges = [ring.spec for ring in self.rings]
+        roles = [("stage", k) for k in range(len(self.plan.stages))] + [("bridge", 0)]
+        for role, index in roles:
+            settings = WorkerSettings(
+                role=role,
+                index=index,
+                plan=self.plan,
+                runtime_dir=str(self.runtime_dir),
+                launcher_pid=os.getpid(),
+                edges=edges,
+                stats_interval_s=self.stats_interval_s,
+                log_level=self.log_level,
+            )
+            name = f"stage-{index}" if role == "stage" else "bridge"
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvasir.worker"], stdin=subprocess.PIPE, start_new_session=False
+            )
+            process.stdin.write(msgspec.msgpack.encode(settings))
+            process.stdin.close()
+            command = PushChannel[Command](make_socket(self.ctx, zmq.PUSH, connect=self.ends.command(name)))
+            self.children.append(Child(name, process, command))
+            self.log.info("spawned", child=name, pid=process.pid)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeouts.ready_s
+        while not all(c.ready for c in self.children):
+            if time.monotonic() > deadline:
+                late = [c.name for c in self.children if not c.ready]
+                raise LaunchError(f"not ready after {self.timeouts.ready_s:.0f} s: {', '.join(late)}")
+            dead = self._dead()
+            if dead is not None:
+                raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
+            if self.state == "draining":
+                raise LaunchError("interrupted during start-up")
+            for message in self._control_messages(100):
+                if isinstance(message, Ready):
+                    name = f"stage-{message.index}" if message.role == "stage" else "bridge"
+                    for child in self.children:
+                        if child.name == name:
+                            child.ready = True
+        self.state = "running"
+
+    # -- serving --------------------------------------------------------------------------
+    def request_stop(self, signum: int, _frame=None) -> None:
+        """Signal handler: only moves the state."""
+        if self.state in ("starting", "running"):
+            self.state = "draining"
+
+    def serve(self) -> None:
+        self.log.info("serving", runtime_dir=str(self.runtime_dir), stages=len(self.plan.stages))
+        drain_deadline = None
+        while self.state in ("running", "draining"):
+            dead = self._dead()
+            if dead is not None:
+                self.log.error("child died", child=dead.name, code=dead.process.returncode)
+                self.exit_code = 1
+                self._stop_all("stage_failed")
+                return
+            messages = self._control_messages(100)
+            if self.state == "draining":
+                if drain_deadline is None:
+                    self.log.info("draining", timeout_s=self.timeouts.drain_s)
+                    self._bridge().command.send(Command("drain"))
+                    drain_deadline = time.monotonic() + self.timeouts.drain_s
+                if any(isinstance(m, Drained) for m in messages):
+                    self.log.info("drained")
+                    self._stop_all("shutting_down")
+                elif time.monotonic() > drain_deadline:
+                    self.log.warning("drain timeout: ending the requests still running")
+                    self._stop_all("shutting_down")
+
+    def _bridge(self) -> Child:
+        return self.children[-1]
+
+    def _control_messages(self, timeout_ms: int) -> list:
+        if self._control.socket.poll(timeout_ms):
+            return self._control.drain()
+        return []
+
+    def _dead(self) -> Child | None:
+        for child in self.children:
+            if child.process.poll() is not None:
+                return child
+        return None
+
+    def _stop_all(self, code: str) -> None:
+        self.state = "stopping"
+        bridge = self._bridge() if self.children and self.children[-1].name == "bridge" else None
+        if bridge is not None and bridge.process.poll() is None:
+            bridge.command.send(Command("stop", code))
+            self._join([bridge], self.timeouts.stop_s)
+        for child in self.children:
+            if child.process.poll() is None:
+                child.command.send(Command("stop", code))
+        self._join(self.children, self.timeouts.stop_s)
+
+    def _join(self, children: list[Child], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.warning("child did not stop; killing", child=child.name)
+                child.process.kill()
+                child.process.wait()
+
+    # -- cleanup --------------------------------------------------------------------------
+    def cleanup(self) -> None:
+        """Stop whatever still runs, remove sockets, shared memory and the lock."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        for ring in self.rings:
+            ring.close()
+            ring.unlink()
+        self.ctx.destroy(linger=0)
+        if self._lock_fd is not None:
+            for sock in self.ends.socket_files():
+                sock.unlink(missing_ok=True)
+            (self.runtime_dir / "kvasird.lock").unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self.state = "stopped"
+
+
+def run_launcher(launcher: Launcher) -> int:
+    """Run the daemon in the foreground; the exit code for ``kvasird start``."""
+    previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launcher.prepare()
+        launcher.spawn()
+        launcher.wait_ready()
+        launcher.serve()
+        launcher.log.info("stopped", code=launcher.exit_code)
+        return launcher.exit_code
+    except LaunchError as exc:
+        launcher.log.error("start failed", error=str(exc))
+        return 1
+    finally:
+        launcher.cleanup()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

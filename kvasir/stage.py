@@ -1,0 +1,398 @@
+"""The stage agent: one process, one slice, a plain synchronous loop around torch.
+
+Where a stage's work comes from (the head's scheduler, or the upstream stage's
+descriptors) and where it goes (the downstream stage's slots, or the tail's sampler)
+is chosen once at construction; the loop itself never branches on topology.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import torch
+import zmq
+
+from kvasir.engine import StageEngine
+from kvasir.errors import RequestError
+from kvasir.logs import setup_logging
+from kvasir.messages import (
+    BatchDescriptor,
+    BatchResult,
+    BridgeMessage,
+    CancelRequest,
+    Command,
+    ControlMessage,
+    Credit,
+    Enqueue,
+    HeadMessage,
+    Ready,
+    RequestEnded,
+    StageStats,
+    TokenEvents,
+    WorkerSettings,
+)
+from kvasir.model.source import resolve_source
+from kvasir.sampling import Sampler
+from kvasir.scheduler import Emitted, Scheduler
+from kvasir.slots import SlotCredits, SlotRing, attach_ring
+from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
+
+POLL_MS = 50
+
+Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
+
+
+class Intake(Protocol):
+    """Where a stage's batches come from."""
+
+    sockets: list[zmq.Socket]
+
+    def receive(self) -> None: ...
+
+    def take(self, room: bool) -> Work | None: ...
+
+    def consumed(self, descriptor: BatchDescriptor) -> None: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+
+class Outlet(Protocol):
+    """Where a stage's outputs go."""
+
+    sockets: list[zmq.Socket]
+
+    @property
+    def room(self) -> bool: ...
+
+    @property
+    def pending(self) -> bool: ...
+
+    def receive(self) -> None: ...
+
+    def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None: ...
+
+
+@dataclass
+class Clock:
+    """Busy, starved and blocked seconds, and what passed through (DESIGN.md section 5)."""
+
+    started: float
+    busy_s: float = 0.0
+    starved_s: float = 0.0
+    blocked_s: float = 0.0
+    batches: int = 0
+    rows: int = 0
+    tokens: int = 0
+
+
+# -- the head: batches come from its scheduler -----------------------------------------------
+class SchedulerIntake:
+    def __init__(self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel) -> None:
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self.bridge = bridge
+        self.sockets = [inbox.socket]
+
+    def receive(self) -> None:
+        for message in self.inbox.drain():
+            match message:
+                case Enqueue(request_id=rid, token_ids=ids, sampling=sampling):
+                    try:
+                        self.scheduler.submit(list(ids), sampling, request_id=rid)
+                    except RequestError as exc:
+                        self.bridge.send(RequestEnded(rid, exc.code, exc.message))
+                case CancelRequest(request_id=rid):
+                    self._report(self.scheduler.cancel(rid))
+                case BatchResult():
+                    for event in self.scheduler.complete(message):
+                        self._report(event)
+
+    def _report(self, event: Emitted | None) -> None:
+        if event is not None and event.finish == "cancelled":
+            self.bridge.send(RequestEnded(event.request_id, "cancelled"))
+
+    def take(self, room: bool) -> Work | None:
+        if room:
+            batch = self.scheduler.next_batch()
+            if batch is not None:
+                return batch.descriptor, batch.token_ids
+        release = self.scheduler.release_only()
+        return (release, None) if release is not None else None
+
+    def consumed(self, descriptor: BatchDescriptor) -> None:
+        pass
+
+    def counters(self) -> dict[str, int]:
+        return {"inflight": len(self.scheduler.inflight)}
+
+
+# -- every other stage: batches come from upstream ----------------------------------------
+class UpstreamIntake:
+    def __init__(self, descriptors: PullChannel, ring: SlotRing, credits: PushChannel) -> None:
+        self.descriptors = descriptors
+        self.ring = ring
+        self.credits = credits
+        self.sockets = [descriptors.socket]
+        self._queue: deque[BatchDescriptor] = deque()
+
+    def receive(self) -> None:
+        self._queue.extend(self.descriptors.drain())
+
+    def take(self, room: bool) -> Work | None:
+        if not self._queue:
+            return None
+        descriptor = self._queue.popleft()
+        if not descriptor.rows:
+            return descriptor, None
+        return descriptor, self.ring.read(descriptor.slot, descriptor.num_tokens)
+
+    def consumed(self, descriptor: BatchDescriptor) -> None:
+        if descriptor.rows:
+            self.credits.send(Credit(descriptor.slot))
+
+    def counters(self) -> dict[str, int]:
+        return {"inflight": 0}
+
+
+# -- outputs -------------------------------------------------------------------------------
+class DownstreamOutlet:
+    """Writes boundaries into the next stage's slots, in order, waiting for credits."""
+
+    def __init__(self, descriptors: PushChannel, ring: SlotRing, credits: PullChannel, slots: int) -> None:
+        self.descriptors = descriptors
+        self.ring = ring
+        self.credit_channel = credits
+        self.credits = SlotCredits(slots)
+        self.sockets = [credits.socket]
+        self._pending: deque[Work] = deque()
+
+    @property
+    def room(self) -> bool:
+        return self.credits.available and not self._pending
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def receive(self) -> None:
+        for credit in self.credit_channel.drain():
+            self.credits.give_back(credit.slot)
+        self._flush()
+
+    def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None:
+        self._pending.append((descriptor, output))
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._pending:
+            descriptor, output = self._pending[0]
+            if output is not None:
+                if not self.credits.available:
+                    return
+                slot = self.credits.take()
+                self.ring.write(slot, output)
+                descriptor = msgspec.structs.replace(descriptor, slot=slot)
+            self._pending.popleft()
+            self.descriptors.send(descriptor)
+
+
+class TailOutlet:
+    """Samples, sends the tokens back to the head and the token events to the bridge."""
+
+    def __init__(self, sampler: Sampler, head: PushChannel, bridge: PushChannel) -> None:
+        self.sampler = sampler
+        self.head = head
+        self.bridge = bridge
+        self.sockets: list[zmq.Socket] = []
+
+    room = True
+    pending = False
+
+    def receive(self) -> None:
+        pass
+
+    def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None:
+        if output is None:
+            self.sampler.sample(descriptor, torch.empty(0, 0))
+            return
+        result = self.sampler.sample(descriptor, output)
+        self.head.send(result)
+        if result.tokens:
+            self.bridge.send(TokenEvents(result.tokens))
+
+
+# -- the agent -----------------------------------------------------------------------------
+class StageAgent:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine: StageEngine,
+        intake: Intake,
+        outlet: Outlet,
+        commands: PullChannel,
+        bridge: PushChannel,
+        log,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.intake = intake
+        self.outlet = outlet
+        self.commands = commands
+        self.bridge = bridge
+        self.log = log
+        self.clock = Clock(started=time.monotonic())
+        self.poller = zmq.Poller()
+        for sock in [commands.socket, *intake.sockets, *outlet.sockets]:
+            self.poller.register(sock, zmq.POLLIN)
+        self._stopping = False
+        self._next_stats = 0.0
+
+    def serve(self) -> None:
+        while not self._stopping:
+            self._receive()
+            work = None if self.outlet.pending else self.intake.take(self.outlet.room)
+            if work is not None:
+                self._run(*work)
+            else:
+                self._wait()
+            self._report()
+
+    def _receive(self) -> None:
+        for command in self.commands.drain():
+            if command.kind == "stop":
+                self._stopping = True
+        self.outlet.receive()
+        self.intake.receive()
+
+    def _run(self, descriptor: BatchDescriptor, inputs: torch.Tensor | None) -> None:
+        started = time.monotonic()
+        if inputs is None:
+            self.engine.release(descriptor)
+            self.outlet.emit(descriptor, None)
+            return
+        output = self.engine.run(descriptor, inputs)
+        self.intake.consumed(descriptor)
+        self.outlet.emit(descriptor, output)
+        clock = self.clock
+        clock.busy_s += time.monotonic() - started
+        clock.batches += 1
+        clock.rows += len(descriptor.rows)
+        clock.tokens += descriptor.num_tokens
+
+    def _wait(self) -> None:
+        blocked = self.outlet.pending
+        started = time.monotonic()
+        self.poller.poll(POLL_MS)
+        waited = time.monotonic() - started
+        if blocked:
+            self.clock.blocked_s += waited
+        else:
+            self.clock.starved_s += waited
+        if os.getppid() != self.settings.launcher_pid:
+            self.log.warning("launcher is gone; stopping")
+            self._stopping = True
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now < self._next_stats and not self._stopping:
+            return
+        self._next_stats = now + self.settings.stats_interval_s
+        self.bridge.send(self.stats(now))
+
+    def stats(self, now: float) -> StageStats:
+        c = self.clock
+        cache = self.engine.cache
+        return StageStats(
+            index=self.engine.index,
+            layers=self.engine.spec.layers,
+            pid=os.getpid(),
+            wall_s=now - c.started,
+            busy_s=c.busy_s,
+            starved_s=c.starved_s,
+            blocked_s=c.blocked_s,
+            batches=c.batches,
+            rows=c.rows,
+            tokens=c.tokens,
+            inflight=self.intake.counters()["inflight"],
+            kv_requests=cache.requests,
+            kv_blocks=cache.blocks_held,
+        )
+
+
+# -- the process -----------------------------------------------------------------------------
+def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageAgent, list[SlotRing]]:
+    """Wire one stage: its engine, its intake and outlet (chosen by position), its sockets."""
+    plan = settings.plan
+    index, last = settings.index, len(plan.stages) - 1
+    ends = Endpoints(settings.runtime_dir)
+    source = resolve_source(plan.model.source)
+    engine = StageEngine(plan, index, source)
+    bridge = PushChannel[BridgeMessage](make_socket(ctx, zmq.PUSH, connect=ends.bridge_in))
+    commands = PullChannel[Command](make_socket(ctx, zmq.PULL, bind=ends.command(f"stage-{index}")), Command)
+    rings: list[SlotRing] = []
+    if index == 0:
+        inbox = PullChannel[HeadMessage](make_socket(ctx, zmq.PULL, bind=ends.stage_in(0)), HeadMessage)
+        intake: Intake = SchedulerIntake(Scheduler(plan, source.vocab_size), inbox, bridge)
+    else:
+        ring_in = attach_ring(settings.edges[index - 1])
+        rings.append(ring_in)
+        intake = UpstreamIntake(
+            PullChannel[BatchDescriptor](make_socket(ctx, zmq.PULL, bind=ends.stage_in(index)), BatchDescriptor),
+            ring_in,
+            PushChannel[Credit](make_socket(ctx, zmq.PUSH, connect=ends.credits(index - 1))),
+        )
+    if index == last:
+        head = PushChannel[HeadMessage](make_socket(ctx, zmq.PUSH, connect=ends.stage_in(0)))
+        outlet: Outlet = TailOutlet(Sampler(source.eos_token_ids, plan.model.max_seq_len), head, bridge)
+    else:
+        edge = settings.edges[index]
+        ring_out = attach_ring(edge)
+        rings.append(ring_out)
+        outlet = DownstreamOutlet(
+            PushChannel[BatchDescriptor](make_socket(ctx, zmq.PUSH, connect=ends.stage_in(index + 1))),
+            ring_out,
+            PullChannel[Credit](make_socket(ctx, zmq.PULL, bind=ends.credits(index)), Credit),
+            edge.slots,
+        )
+    return StageAgent(settings, engine, intake, outlet, commands, bridge, log), rings
+
+
+def pin_worker(settings: WorkerSettings) -> None:
+    """Torch threads, CPU affinity and CUDA device from the plan's stage entry."""
+    stage = settings.plan.stages[settings.index]
+    torch.set_num_threads(stage.threads)
+    if stage.cpus is not None:
+        os.sched_setaffinity(0, stage.cpus)
+    if stage.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(stage.device))
+
+
+def run_stage(encoded: bytes) -> None:
+    """Entry point of a stage worker process (spawned by the launcher)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
+    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
+    log = setup_logging(settings.log_level, role="stage", index=settings.index, pid=os.getpid())
+    ctx = zmq.Context()
+    rings: list[SlotRing] = []
+    try:
+        pin_worker(settings)
+        agent, rings = build_agent(settings, ctx, log)
+        control = PushChannel[ControlMessage](make_socket(ctx, zmq.PUSH, connect=Endpoints(settings.runtime_dir).control))
+        control.send(Ready("stage", settings.index, os.getpid()))
+        log.info("stage ready", layers=list(settings.plan.stages[settings.index].layers))
+        agent.serve()
+        log.info("stage stopped")
+    except Exception:
+        log.exception("stage failed")
+        raise SystemExit(1)
+    finally:
+        for ring in rings:
+            ring.close()
+        ctx.destroy(linger=0)

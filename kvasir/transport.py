@@ -1,0 +1,112 @@
+"""Socket endpoints in a runtime directory, and typed ZMQ channels for each edge.
+
+Every endpoint is an ``ipc://`` path inside the daemon's runtime directory, so two
+daemons with different runtime directories never collide. Channels encode and decode
+one msgspec type (or tagged union) each; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+
+T = TypeVar("T")
+
+
+def default_runtime_dir() -> Path:
+    """``$KVASIR_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/kvasir``, else ``/tmp/kvasir-$UID``."""
+    explicit = os.environ.get("KVASIR_RUNTIME_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "kvasir"
+    return Path(f"/tmp/kvasir-{os.getuid()}")
+
+
+class Endpoints:
+    """The daemon's socket paths under one runtime directory."""
+
+    def __init__(self, runtime_dir: str | Path) -> None:
+        self.dir = Path(runtime_dir)
+
+    def _ipc(self, name: str) -> str:
+        return f"ipc://{self.dir / name}"
+
+    @property
+    def client(self) -> str:  # bridge ROUTER: submit, cancel, stats
+        return self._ipc("client.sock")
+
+    @property
+    def client_path(self) -> Path:
+        return self.dir / "client.sock"
+
+    @property
+    def events(self) -> str:  # bridge PUB: every token event leaving the tail
+        return self._ipc("events.sock")
+
+    @property
+    def bridge_in(self) -> str:  # bridge PULL: token events, request ends, stats
+        return self._ipc("bridge-in.sock")
+
+    def stage_in(self, index: int) -> str:  # stage PULL: descriptors (head: its inbox)
+        return self._ipc(f"stage-{index}.sock")
+
+    def credits(self, edge: int) -> str:  # producer of edge k binds PULL for its credits
+        return self._ipc(f"credits-{edge}.sock")
+
+    @property
+    def control(self) -> str:  # launcher PULL: Ready, Drained
+        return self._ipc("control.sock")
+
+    def command(self, name: str) -> str:  # child PULL: commands from the launcher
+        return self._ipc(f"command-{name}.sock")
+
+    def socket_files(self) -> list[Path]:
+        return sorted(self.dir.glob("*.sock"))
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind is not None:
+        sock.bind(bind)
+    if connect is not None:
+        sock.connect(connect)
+    return sock
+
+
+class PushChannel(Generic[T]):
+    """Sends one message type over a PUSH socket."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.socket = sock
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def send(self, message: T) -> None:
+        self.socket.send(self._encoder.encode(message), copy=False)
+
+
+class PullChannel(Generic[T]):
+    """Receives one message type (or tagged union) from a PULL socket, typed-decoded."""
+
+    def __init__(self, sock: zmq.Socket, message_type: Any) -> None:
+        self.socket = sock
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+
+    def recv(self) -> T:
+        return self._decoder.decode(self.socket.recv(copy=False).buffer)
+
+    def drain(self) -> list[T]:
+        """Every message already waiting, without blocking."""
+        out = []
+        while True:
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            out.append(self._decoder.decode(frame.buffer))
