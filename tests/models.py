@@ -42,3 +42,19 @@ def save_tiny_model(folder: Path, family: str = "llama", num_layers: int = 6, se
                 param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return folder
+
+
+def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_model(folder: Path):
+    """The unsplit Hugging Face model, the reference for exactness."""
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    inputs = torch.tensor([ids])
+    out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()

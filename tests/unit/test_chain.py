@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from models import hf_greedy, random_prompts
+from models import reference_model as reference
 
 from kvasir.chain import Chain, record
 from kvasir.messages import SamplingParams
@@ -14,21 +15,7 @@ LENGTHS = [1, 7, 33, 120, 2, 64, 15, 101, 5, 48]
 
 
 def prompts(vocab, lengths=LENGTHS, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def reference(folder):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return model.eval()
-
-
-def hf_greedy(model, ids, new_tokens):
-    inputs = torch.tensor([ids])
-    out = model.generate(
-        inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens, do_sample=False
-    )
-    return out[0, len(ids):].tolist()
+    return random_prompts(vocab, lengths, seed)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

@@ -1,0 +1,127 @@
+"""Starting and stopping real kvasird processes for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvasir.client import Client, NoDaemon
+
+BIN = Path(sys.executable).parent
+
+
+def write_plan(path: Path, source: Path, splits, **kw) -> Path:
+    values = dict(max_seq_len=256, max_rows=8, max_tokens=32, inflight=3, block_size=4, num_blocks=600, max_waiting=1024)
+    values.update(kw)
+    stages = "".join(f"[[stages]]\nlayers = [{a}, {b}]\n" for a, b in splits)
+    path.write_text(
+        f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\n'
+        f'[batch]\nmax_rows = {values["max_rows"]}\nmax_tokens = {values["max_tokens"]}\ninflight = {values["inflight"]}\n'
+        f'[kv]\nblock_size = {values["block_size"]}\nnum_blocks = {values["num_blocks"]}\n'
+        f'[bridge]\nmax_waiting = {values["max_waiting"]}\n{stages}'
+    )
+    return path
+
+
+class Daemon:
+    """One ``kvasird start`` process with its own runtime dir."""
+
+    def __init__(self, plan: Path, runtime_dir: Path, stages: int, drain_timeout: float = 30.0) -> None:
+        self.plan = plan
+        self.runtime_dir = runtime_dir
+        self.stages = stages
+        self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime_dir),
+             "--drain-timeout", str(drain_timeout)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 180.0) -> "Daemon":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kvasird exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                with Client(self.runtime_dir, timeout_s=2.0) as client:
+                    if len(client.stats().stages) == self.stages:
+                        return self
+            except NoDaemon:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"kvasird not ready after {timeout_s} s:\n{self.log()}")
+
+    def child_pids(self) -> list[int]:
+        with Client(self.runtime_dir) as client:
+            return [s.pid for s in client.stats().stages]
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class TailReader:
+    """``kvasir tail --json`` in a subprocess, its lines read on a thread."""
+
+    def __init__(self, runtime_dir: Path, *args: str) -> None:
+        import json
+        import queue
+        import threading
+
+        self._json = json
+        self.lines: queue.Queue = queue.Queue()
+        self.process = subprocess.Popen(
+            [str(BIN / "kvasir"), "tail", "--json", "--runtime-dir", str(runtime_dir), *args],
+            stdout=subprocess.PIPE, text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(self._json.loads(line))
+
+    def next(self, timeout_s: float = 30.0) -> dict:
+        return self.lines.get(timeout=timeout_s)
+
+    def wait_attached(self, runtime_dir: Path, timeout_s: float = 60.0) -> None:
+        """Send one-token requests until the tail shows one (PUB/SUB joins late)."""
+        deadline = time.monotonic() + timeout_s
+        with Client(runtime_dir) as client:
+            while time.monotonic() < deadline:
+                final = client.generate(token_ids=[5], max_tokens=1, temperature=0)
+                try:
+                    while True:
+                        event = self.next(timeout_s=1.0)
+                        if event["request_id"] == final.request_id:
+                            return
+                except Exception:
+                    continue
+        raise RuntimeError("kvasir tail never attached")
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
