@@ -1,0 +1,65 @@
+"""Shutdown under load, clean-up, and two daemons side by side."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from daemon import alive
+from kvasir.client import AsyncClient
+from kvasir.messages import Cancelled, ErrorEvent, Finished, TokenOut
+from models import hf_greedy, reference_model
+
+TERMINAL = (Finished, Cancelled, ErrorEvent)
+
+
+async def load_then_sigterm(daemon, count):
+    async with await AsyncClient.connect(daemon.runtime_dir) as client:
+        streams = [
+            await client.submit(token_ids=[3 + i, 7, 9, 11], max_tokens=200, temperature=0) for i in range(count)
+        ]
+        events = {i: [] for i in range(count)}
+
+        async def collect(i, stream):
+            async for event in stream:
+                events[i].append(event)
+
+        tasks = [asyncio.create_task(collect(i, s)) for i, s in enumerate(streams)]
+        while not any(isinstance(e, TokenOut) for evs in events.values() for e in evs):
+            await asyncio.sleep(0.05)
+        daemon.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)  # the launcher has told the bridge to drain
+        late = await (await client.submit(token_ids=[1, 2], max_tokens=2, temperature=0)).result()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        return events, late
+
+
+def test_sigterm_under_load_ends_every_request_once_and_leaves_nothing(tiny_models, start_daemon):
+    target = start_daemon(tiny_models["llama"], [(0, 2), (2, 4), (4, 6)], name="a", drain_timeout=1.0)
+    other = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="b")  # side by side, own runtime dir
+    target.wait_ready()
+    other.wait_ready()
+    pids = target.child_pids()
+    launcher_pid = target.process.pid
+    events, late = asyncio.run(load_then_sigterm(target, 16))
+    assert isinstance(late, ErrorEvent) and late.code == "shutting_down"
+    codes = []
+    for evs in events.values():
+        terminal = [e for e in evs if isinstance(e, TERMINAL)]
+        assert len(terminal) == 1 and evs[-1] is terminal[0], evs[-3:]
+        codes.append(terminal[0].code if isinstance(terminal[0], ErrorEvent) else "finished")
+    assert set(codes) <= {"finished", "shutting_down"}
+    assert "shutting_down" in codes  # the 1 s drain cannot finish 16 x 200 tokens
+    assert target.process.wait(60) == 0
+    assert not any(alive(pid) for pid in pids)
+    assert list(target.runtime_dir.glob("*")) == []  # sockets and lock removed
+    assert not list(Path("/dev/shm").glob(f"kvasir-{launcher_pid}-*"))
+    # the other daemon never noticed
+    final = asyncio.run(one_request(other.runtime_dir))
+    assert final.token_ids == hf_greedy(reference_model(tiny_models["llama"]), [4, 8, 15], 5)
+
+
+async def one_request(runtime_dir):
+    async with await AsyncClient.connect(runtime_dir) as client:
+        return await (await client.submit(token_ids=[4, 8, 15], max_tokens=5, temperature=0)).result()
