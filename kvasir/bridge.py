@@ -88,8 +88,11 @@ class Bridge:
         self.max_seq_len = plan.model.max_seq_len
         self.max_waiting = plan.bridge.max_waiting
         self.tokenizer = load_tokenizer(source.weights_dir)
-        self.clients = make_socket(ctx, zmq.ROUTER, bind=ends.client)
-        self.publisher = make_socket(ctx, zmq.PUB, bind=ends.events)
+        # the client endpoints are bound on "serve", once every stage is ready: a
+        # client.sock in the runtime dir means the daemon is serving
+        self.clients = make_socket(ctx, zmq.ROUTER)
+        self.publisher = make_socket(ctx, zmq.PUB)
+        self.ends = ends
         self.inbox = make_socket(ctx, zmq.PULL, bind=ends.bridge_in)
         self.commands = make_socket(ctx, zmq.PULL, bind=ends.command("bridge"))
         self.head = make_socket(ctx, zmq.PUSH, connect=ends.stage_in(0))
@@ -105,12 +108,15 @@ class Bridge:
         self.draining = False
         self.drained_sent = False
         self.stopped = asyncio.Event()
+        self._client_task: asyncio.Task | None = None
 
     # -- serving -----------------------------------------------------------------------
     async def serve(self) -> None:
         await self.control.send(self.encoder.encode(Ready("bridge", 0, os.getpid())))
-        tasks = [asyncio.create_task(coro) for coro in (self._clients(), self._stages(), self._commands())]
+        tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands())]
         await self.stopped.wait()
+        if self._client_task is not None:
+            tasks.append(self._client_task)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -216,7 +222,11 @@ class Bridge:
             record.scheduled_ns = token.scheduled_ns
         record.last_ns = now
         record.token_ids.append(token.token_id)
-        text = record.detokenizer.push(token.token_id) if record.detokenizer is not None else ""
+        text = ""
+        if record.detokenizer is not None:
+            text = record.detokenizer.push(token.token_id)
+            if token.finish is not None:
+                text += record.detokenizer.flush()
         event = TokenOut(request_id=token.request_id, index=token.index, token_id=token.token_id, text=text)
         encoded = self.encoder.encode(event)
         await self.publisher.send(encoded)
@@ -244,7 +254,12 @@ class Bridge:
         decoder = msgspec.msgpack.Decoder(Command)
         while True:
             command = decoder.decode(await self.commands.recv())
-            if command.kind == "drain":
+            if command.kind == "serve":
+                self.publisher.bind(self.ends.events)
+                self.clients.bind(self.ends.client)
+                self._client_task = asyncio.create_task(self._clients())
+                self.log.info("accepting clients")
+            elif command.kind == "drain":
                 self.draining = True
                 self.log.info("draining", requests=len(self.pending))
                 await self._maybe_drained()

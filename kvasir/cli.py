@@ -56,11 +56,13 @@ def plan() -> None:
 @plan.command("check")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the resolved plan as one JSON object.")
-def plan_check(path: str, as_json: bool) -> None:
+@RUNTIME_DIR
+def plan_check(path: str, as_json: bool, runtime_dir: str | None) -> None:
     """Validate PATH and print the resolved plan, or exit 2 with the first problem.
 
     Per stage it shows the layer range, parameter count and bytes, KV cache bytes and
-    the boundary slots on the edge into the stage.
+    the boundary slots on the edge into the stage. (--runtime-dir is accepted like
+    everywhere else; checking a plan needs no daemon.)
     """
     from kvasir.footprint import plan_footprint
     from kvasir.resolve import resolve_plan
@@ -176,14 +178,21 @@ def default_plan_path() -> Path:
 
 
 # -- client commands -------------------------------------------------------------------------
-def _connect(runtime_dir: str | None):
+def _connect(runtime_dir: str | None, wait_s: float = 0.0):
+    """A client to the daemon; exit 3 when none answers (after waiting up to ``wait_s``)."""
+    import time
+
     from kvasir.client import Client, NoDaemon
 
-    try:
-        return Client(runtime_dir)
-    except NoDaemon as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(3)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return Client(runtime_dir)
+        except NoDaemon as exc:
+            if time.monotonic() >= deadline:
+                click.echo(f"error: {exc}", err=True)
+                sys.exit(3)
+            time.sleep(0.25)
 
 
 def _event_json(event) -> str:
@@ -289,10 +298,12 @@ def tail(request_id, as_json, count, runtime_dir) -> None:
 
 @kvasir.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: daemon-wide fields and \"stages\".")
+@click.option("--wait", "wait_s", type=float, default=0.0, metavar="SECONDS",
+              help="Wait up to SECONDS for the daemon to answer (e.g. right after starting it).")
 @RUNTIME_DIR
-def stats(as_json, runtime_dir) -> None:
+def stats(as_json, wait_s, runtime_dir) -> None:
     """Per-stage busy / starved / blocked time, batches, rows, tokens."""
-    client = _connect(runtime_dir)
+    client = _connect(runtime_dir, wait_s)
     try:
         daemon = client.stats()
     finally:

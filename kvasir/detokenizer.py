@@ -28,5 +28,9 @@ class IncrementalDetokenizer:
         self._read = len(self.ids)
         return after[len(before) :]
 
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def flush(self) -> str:
+        """The text still held back (at the end of a request), complete or not."""
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self._prefix :], skip_special_tokens=True)
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]

@@ -31,6 +31,10 @@ class LaunchError(KvasirError):
     """The daemon could not start: the runtime dir is taken, or a child failed to come up."""
 
 
+class StartInterrupted(KvasirError):
+    """SIGTERM or SIGINT arrived before every child was ready."""
+
+
 @dataclass
 class Child:
     name: str  # "stage-0", ..., "bridge"
@@ -129,13 +133,14 @@ class Launcher:
             if dead is not None:
                 raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
             if self.state == "draining":
-                raise LaunchError("interrupted during start-up")
+                raise StartInterrupted("stopped during start-up")
             for message in self._control_messages(100):
                 if isinstance(message, Ready):
                     name = f"stage-{message.index}" if message.role == "stage" else "bridge"
                     for child in self.children:
                         if child.name == name:
                             child.ready = True
+        self._bridge().command.send(Command("serve"))
         self.state = "running"
 
     # -- serving --------------------------------------------------------------------------
@@ -232,6 +237,9 @@ def run_launcher(launcher: Launcher) -> int:
         launcher.serve()
         launcher.log.info("stopped", code=launcher.exit_code)
         return launcher.exit_code
+    except StartInterrupted:
+        launcher.log.info("stopped during start-up")
+        return 0
     except LaunchError as exc:
         launcher.log.error("start failed", error=str(exc))
         return 1

@@ -272,5 +272,5 @@ ControlMessage = Ready | Drained
 
 
 class Command(_Wire):
-    kind: str  # "drain" | "stop"
+    kind: str  # "serve" (bridge: every stage is ready) | "drain" | "stop"
     code: str = "shutting_down"  # with "stop": the error code for requests still running

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+from kvasir.plan import parse_plan
+
 TINY = dict(
     vocab_size=320,
     hidden_size=64,
@@ -58,3 +60,54 @@ def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     inputs = torch.tensor([ids])
     out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens, do_sample=False)
     return out[0, len(ids):].tolist()
+
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "pipeline stages pass boundaries to each other",
+    "naïve café déjà vu — über straße, ∑ ✓ 🚀 日本語のテキスト",
+    "hello world, hello ring, hello kvasir",
+] * 20
+
+
+def save_tiny_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer trained here (vocab < 320), with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=310, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(folder)
+
+
+def make_plan(source, splits, *, max_seq_len=256, max_rows=8, max_tokens=32, inflight=3,
+              block_size=4, num_blocks=600, dtype="float32", device="cpu"):
+    """A plan TOML for ``source`` split at the given layer ranges, parsed."""
+    stages = "\n".join(
+        f'[[stages]]\nlayers = [{a}, {b}]\ndevice = "{device}"\n' for a, b in splits
+    )
+    text = f"""
+[model]
+source = "{source}"
+dtype = "{dtype}"
+max_seq_len = {max_seq_len}
+[batch]
+max_rows = {max_rows}
+max_tokens = {max_tokens}
+inflight = {inflight}
+[kv]
+block_size = {block_size}
+num_blocks = {num_blocks}
+{stages}
+"""
+    return parse_plan(text)

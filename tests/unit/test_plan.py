@@ -222,3 +222,17 @@ def test_installed_console_script_exits_2_on_a_bad_plan(tmp_path):
     )
     assert good.returncode == 0, good.stderr
     assert "middle" in good.stdout and "[9, 21)" in good.stdout
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "plans").glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_plan_checks(path):
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "tail" in result.output
+
+
+def test_default_plan_is_packaged():
+    from kvasir.cli import default_plan_path
+
+    assert default_plan_path().is_file()
+    assert load_plan(default_plan_path()) == load_plan(Path(__file__).parents[2] / "plans" / "smollm2-2stage.toml")

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import make_plan
+from models import make_plan
 from kvasir.errors import BatchError, RequestError
 from kvasir.messages import BatchResult, SampledToken, SamplingParams
 from kvasir.scheduler import Scheduler
