@@ -54,6 +54,9 @@ from kvasir.transport import Endpoints, make_socket
 from kvasir.validation import check_prompt, check_sampling
 
 
+MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
+
+
 @dataclass
 class Pending:
     """A request the bridge has accepted and not yet ended."""
@@ -91,6 +94,7 @@ class Bridge:
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
         self.clients = make_socket(ctx, zmq.ROUTER)
+        self.clients.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
         self.publisher = make_socket(ctx, zmq.PUB)
         self.ends = ends
         self.inbox = make_socket(ctx, zmq.PULL, bind=ends.bridge_in)
@@ -108,18 +112,23 @@ class Bridge:
         self.draining = False
         self.drained_sent = False
         self.stopped = asyncio.Event()
-        self._client_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     # -- serving -----------------------------------------------------------------------
     async def serve(self) -> None:
         await self.control.send(self.encoder.encode(Ready("bridge", 0, os.getpid())))
-        tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands())]
-        await self.stopped.wait()
-        if self._client_task is not None:
-            tasks.append(self._client_task)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands())]
+        stopped = asyncio.create_task(self.stopped.wait())
+        try:
+            while not self.stopped.is_set():
+                done, _ = await asyncio.wait([*self._tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not stopped and not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # a broken loop is fatal: the launcher sees us exit
+        finally:
+            for task in [*self._tasks, stopped]:
+                task.cancel()
+            await asyncio.gather(*self._tasks, stopped, return_exceptions=True)
 
     async def _clients(self) -> None:
         while True:
@@ -257,7 +266,7 @@ class Bridge:
             if command.kind == "serve":
                 self.publisher.bind(self.ends.events)
                 self.clients.bind(self.ends.client)
-                self._client_task = asyncio.create_task(self._clients())
+                self._tasks.append(asyncio.create_task(self._clients()))
                 self.log.info("accepting clients")
             elif command.kind == "drain":
                 self.draining = True

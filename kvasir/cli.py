@@ -150,7 +150,7 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     the runtime dir (mode 0700), spawns one worker per stage and the bridge, waits for
     each to report ready, and serves.
     """
-    from kvasir.launcher import Launcher, Timeouts, run_launcher
+    from kvasir.launcher import Launcher, Timeouts, check_host, run_launcher
     from kvasir.logs import setup_logging
     from kvasir.resolve import resolve_plan
 
@@ -158,6 +158,7 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     try:
         plan, source = resolve_plan(path)
         source.require_weights()
+        check_host(plan)
     except KvasirError as exc:
         _fail(exc)
     plan = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))

@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from kvasir.errors import KvasirError
+from kvasir.errors import KvasirError, PlanError
 from kvasir.messages import Command, ControlMessage, Drained, EdgeSpec, Ready, WorkerSettings
 from kvasir.model.source import ModelSource
 from kvasir.plan import Plan
@@ -33,6 +33,25 @@ class LaunchError(KvasirError):
 
 class StartInterrupted(KvasirError):
     """SIGTERM or SIGINT arrived before every child was ready."""
+
+
+def check_host(plan: Plan) -> None:
+    """Refuse (PlanError) a plan this machine cannot run: absent CPUs or CUDA devices."""
+    import torch
+
+    usable = os.sched_getaffinity(0)
+    for index, stage in enumerate(plan.stages):
+        if stage.cpus is not None and not set(stage.cpus) <= usable:
+            missing = sorted(set(stage.cpus) - usable)
+            raise PlanError(f"stages[{index}].cpus: CPUs {missing} are not available here (usable: {sorted(usable)})")
+        if stage.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise PlanError(f"stages[{index}].device = {stage.device!r} but CUDA is not available here")
+            ordinal = int(stage.device.partition(":")[2] or 0)
+            if ordinal >= torch.cuda.device_count():
+                raise PlanError(
+                    f"stages[{index}].device = {stage.device!r} but this machine has {torch.cuda.device_count()} CUDA devices"
+                )
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import time
 
@@ -11,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from daemon import BIN, write_plan
+from daemon import BIN, alive, write_plan
 from kvasir.client import AsyncClient
 from kvasir.messages import Accepted, Cancelled, ClientEvent, ErrorEvent, Finished, TokenOut
 from kvasir.transport import Endpoints
@@ -88,10 +89,21 @@ def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(tiny_models, s
         assert event.message
     unknown = asyncio.run(raw_exchange(daemon.runtime_dir, [[enc({"type": "cancel", "request_id": 424242})]]))
     assert unknown[0].code == "unknown_request"
+    # a client that vanishes mid-stream is dropped quietly
+    asyncio.run(vanish(daemon.runtime_dir))
     # after all that, a normal request is served correctly
     final = asyncio.run(one_request(daemon.runtime_dir, [5, 9, 11], 6))
     assert isinstance(final, Finished)
     assert final.token_ids == hf_greedy(reference_model(tiny_models["llama"]), [5, 9, 11], 6)
+
+
+async def vanish(runtime_dir):
+    client = await AsyncClient.connect(runtime_dir)
+    streams = [await client.submit(token_ids=[4, 5, 6], max_tokens=40, temperature=0) for _ in range(3)]
+    async for event in streams[0]:
+        if isinstance(event, TokenOut):
+            break
+    await client.close()
 
 
 async def one_request(runtime_dir, ids, n):
@@ -158,3 +170,27 @@ def test_client_commands_without_a_daemon_exit_3(tmp_path):
         )
         assert proc.returncode == 3, (args, proc.stderr)
         assert "no kvasird is running at runtime dir" in proc.stderr
+
+
+def test_plan_this_machine_cannot_run_exits_2(tmp_path, tiny_models):
+    plan = write_plan(tmp_path / "cpus.toml", tiny_models["llama"], [(0, 3), (3, 6)])
+    plan.write_text(plan.read_text().replace("layers = [3, 6]", "layers = [3, 6]\ncpus = [4095]"))
+    proc = subprocess.run(
+        [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(tmp_path / "rt")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "stages[1].cpus: CPUs [4095] are not available here" in proc.stderr
+
+
+def test_ready_timeout_stops_every_child_and_exits_nonzero(tmp_path, tiny_models):
+    plan = write_plan(tmp_path / "p.toml", tiny_models["llama"], [(0, 3), (3, 6)])
+    runtime = tmp_path / "rt"
+    proc = subprocess.run(
+        [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime), "--ready-timeout", "0.2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "not ready after" in proc.stderr
+    assert list(runtime.iterdir()) == []
+    spawned = [int(m) for m in re.findall(r"spawned +child=\S+ pid=(\d+)", proc.stderr)]
+    assert len(spawned) == 3 and not any(alive(pid) for pid in spawned)
