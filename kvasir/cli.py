@@ -128,6 +128,48 @@ def _print_plan(path, resolved, source, stages) -> None:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
 
 
+@kvasir.group()
+def model() -> None:
+    """Prepare and list models in the cache ($KVASIR_CACHE_DIR, else ~/.cache/kvasir)."""
+
+
+@model.command("prepare")
+@click.argument("source", default="smollm2-135m")
+def model_prepare(source: str) -> None:
+    """Convert SOURCE (a built-in alias or a .gguf file) into the cache, once.
+
+    Later loads read the converted safetensors folder; each stage reads only its own
+    tensors. A folder that is already a Hugging Face model needs no preparing.
+    """
+    from kvasir.model.convert import prepare
+    from kvasir.model.source import resolve_source
+
+    try:
+        prepared = prepare(resolve_source(source))
+    except KvasirError as exc:
+        _fail(exc)
+    click.echo(f"{source}: ready in {prepared.weights_dir}")
+
+
+@model.command("list")
+def model_list() -> None:
+    """Show the built-in models and the converted folders in the cache."""
+    from kvasir.model.source import BUILTIN_CONFIGS, cache_dir
+
+    root = cache_dir()
+    click.echo(f"cache {root}")
+    # names starting with "." are conversions in progress (or killed): never listed or used
+    folders = sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / "config.json").is_file()) if root.is_dir() else []
+    names = {p.name for p in folders}
+    for alias in sorted(BUILTIN_CONFIGS):
+        state = "prepared" if alias in names else "not prepared (kvasir model prepare " + alias + ")"
+        click.echo(f"  {alias:<24} built-in, {state}")
+    for folder in folders:
+        if folder.name not in BUILTIN_CONFIGS:
+            size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+            click.echo(f"  {folder.name:<24} converted, {_size(size)}")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvasird")
 def kvasird() -> None:
@@ -151,18 +193,23 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     each to report ready, and serves.
     """
     from kvasir.launcher import Launcher, Timeouts, check_host, run_launcher
+    from kvasir.model.convert import prepare
     from kvasir.logs import setup_logging
     from kvasir.resolve import resolve_plan
 
     path = plan_path or str(default_plan_path())
     try:
         plan, source = resolve_plan(path)
-        source.require_weights()
         check_host(plan)
     except KvasirError as exc:
         _fail(exc)
-    plan = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))
     log = setup_logging(log_level, role="launcher", pid=os.getpid())
+    try:
+        source = prepare(source, log)
+        source.require_weights()
+    except KvasirError as exc:
+        _fail(exc)
+    plan = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))
     launcher = Launcher(
         plan=plan,
         source=source,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
@@ -51,8 +51,10 @@ class ModelSource:
 
     name: str
     config: PretrainedConfig
-    weights_dir: Path | None
+    weights_dir: Path | None  # None: not converted into the cache yet
     eos_token_ids: tuple[int, ...]
+    gguf: Path | None = None  # the GGUF file to convert from (None for the built-in: found on demand)
+    cache_name: str | None = None  # the converted folder's name in the cache
 
     @property
     def num_layers(self) -> int:
@@ -70,11 +72,13 @@ class ModelSource:
     def require_weights(self) -> Path:
         if self.weights_dir is None:
             raise ModelSourceError(
-                f"model {self.name!r}: no converted weights in the cache ({cache_dir()}); "
-                "converting the built-in model is not available in this version: point "
-                "model.source at a Hugging Face model folder"
+                f"model {self.name!r} is not converted into the cache ({cache_dir()}) yet: "
+                f"run `kvasir model prepare {self.name}`"
             )
-        return self.weights_dir
+        folder = self.weights_dir
+        if not any(folder.glob("*.safetensors")) and not (folder / "model.safetensors.index.json").is_file():
+            raise ModelSourceError(f"model folder {folder} has no *.safetensors weights")
+        return folder
 
     def fresh_config(self) -> PretrainedConfig:
         """A private copy of the config, safe to adjust for one stage."""
@@ -99,18 +103,49 @@ def resolve_source(source: str, base_dir: Path | None = None) -> ModelSource:
             f"model.source {source!r} is neither a built-in model ({known}) nor an existing path"
         )
     if path.is_file():
-        raise ModelSourceError(
-            f"model.source {source!r} is a file; expected a Hugging Face model folder "
-            "(config.json and *.safetensors)"
-        )
-    return _folder(path)
+        if path.suffix != ".gguf":
+            raise ModelSourceError(
+                f"model.source {source!r} is a file but not a .gguf; expected a Hugging Face model "
+                "folder (config.json and *.safetensors) or a .gguf file"
+            )
+        return _gguf(path.resolve())
+    return _folder(path.resolve())
+
+
+def _converted(cache_name: str) -> Path | None:
+    folder = cache_dir() / cache_name
+    return folder if (folder / "config.json").is_file() else None
 
 
 def _builtin(name: str) -> ModelSource:
+    ready = _converted(name)
+    if ready is not None:
+        return replace(_folder(ready), name=name, cache_name=name)
     config = _checked_config(_config_from_dict(BUILTIN_CONFIGS[name]), name)
-    weights = cache_dir() / name
-    ready = weights if (weights / "config.json").is_file() else None
-    return ModelSource(name, config, ready, _eos_ids(config, ready))
+    return ModelSource(name, config, None, _eos_ids(config, None), cache_name=name)
+
+
+def _gguf(path: Path) -> ModelSource:
+    from kvasir.model.convert import SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, gguf_cache_name
+
+    architecture = gguf_architecture(path)
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelSourceError(
+            f"model.source {path}: GGUF architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+        )
+    cache_name = gguf_cache_name(path)
+    ready = _converted(cache_name)
+    if ready is not None:
+        return replace(_folder(ready), name=str(path), gguf=path, cache_name=cache_name)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except ImportError:
+        raise ModelSourceError("reading GGUF files needs the gguf package: run `pip install gguf accelerate`") from None
+    except Exception as exc:  # transformers raises many kinds of errors for foreign GGUF files
+        raise ModelSourceError(f"model.source {path}: not a usable GGUF model: {exc}") from None
+    config = _checked_config(config, str(path))
+    return ModelSource(str(path), config, None, _eos_ids(config, None), gguf=path, cache_name=cache_name)
 
 
 def _config_from_dict(values: dict) -> PretrainedConfig:

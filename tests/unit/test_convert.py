@@ -1,0 +1,86 @@
+"""Model sources that need converting: the built-in GGUF, other GGUF files, bad input."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvasir.cli import kvasir
+from kvasir.errors import ModelSourceError
+from kvasir.model.convert import SMOLLM2_INSTALL, smollm2_gguf
+from kvasir.model.source import resolve_source
+
+
+def write_gguf(path: Path, architecture: str) -> Path:
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(2)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((10, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_missing_package_says_how_to_install():
+    with pytest.raises(ModelSourceError) as info:
+        smollm2_gguf(package="kvasir_no_such_package")
+    assert SMOLLM2_INSTALL in str(info.value)
+
+
+def test_unsupported_gguf_architecture_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVASIR_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "encoder.gguf", "bert")
+    result = CliRunner().invoke(kvasir, ["model", "prepare", str(path)])
+    assert result.exit_code == 2
+    assert "GGUF architecture 'bert' is not supported (supported: llama, mistral, qwen2, qwen3)" in result.output
+    assert not (tmp_path / "cache").exists()
+
+
+def test_files_that_are_not_models(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelSourceError, match="not a readable GGUF file"):
+        resolve_source(str(junk))
+    text = tmp_path / "weights.bin"
+    text.write_bytes(b"x")
+    with pytest.raises(ModelSourceError, match="not a .gguf"):
+        resolve_source(str(text))
+
+
+def test_folder_without_weights_exits_2_before_spawning(tmp_path, tiny_models):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(tiny_models["llama"] / "config.json", folder / "config.json")
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[model]\nsource = "model"\nmax_seq_len = 64\n[[stages]]\nlayers = [0, 3]\n[[stages]]\nlayers = [3, 6]\n')
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(tmp_path / "rt")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "has no *.safetensors weights" in proc.stderr
+    assert not (tmp_path / "rt").exists()
+
+
+def test_half_written_conversions_are_never_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVASIR_CACHE_DIR", str(tmp_path))
+    partial = tmp_path / ".smollm2-135m.x1y2z3"  # a conversion killed before its rename
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    source = resolve_source("smollm2-135m")
+    assert source.weights_dir is None
+    with pytest.raises(ModelSourceError, match="kvasir model prepare smollm2-135m"):
+        source.require_weights()
+    listing = CliRunner().invoke(kvasir, ["model", "list"])
+    assert "not prepared" in listing.output and ".smollm2" not in listing.output
