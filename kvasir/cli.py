@@ -276,6 +276,7 @@ def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_
     client = _connect(runtime_dir)
     code = 1
     printed = False
+    stream = None
     try:
         stream = client.submit(
             prompt, token_ids=token_ids, chat=chat, max_tokens=max_tokens,
@@ -296,6 +297,14 @@ def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_
                 click.echo(f"error: {label}", err=True)
             if isinstance(event, Finished):
                 code = 0
+    except KeyboardInterrupt:
+        if stream is not None and stream.request_id is not None:
+            try:
+                client.cancel(stream.request_id)
+            except Exception:
+                pass  # the daemon may be going away too
+        click.echo("", err=True)
+        code = 130
     finally:
         client.close()
     sys.exit(code)

@@ -229,7 +229,12 @@ class Client:
             raise
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:  # interrupted (Ctrl-C): do not leave the coroutine running
+            future.cancel()
+            raise
 
     def submit(self, prompt: str | None = None, **kw) -> RequestStream:
         return self._call(self._client.submit(prompt, **kw))
@@ -259,6 +264,10 @@ class Client:
         self._stop_loop()
 
     def _stop_loop(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self._loop.shutdown_asyncgens(), self._loop).result(5)
+        except Exception:
+            pass  # best effort: the loop is going away either way
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
