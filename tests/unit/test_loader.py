@@ -99,5 +99,5 @@ def test_bad_sources(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelSourceError, match="config.json is unreadable"):
         resolve_source(str(tmp_path))
-    with pytest.raises(ModelSourceError, match="no converted weights"):
+    with pytest.raises(ModelSourceError, match="is not converted into the cache .* run `kvasir model prepare smollm2-135m`"):
         resolve_source("smollm2-135m").require_weights()
