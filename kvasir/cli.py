@@ -12,6 +12,7 @@ import msgspec
 
 from kvasir import __version__
 from kvasir.errors import KvasirError
+from kvasir.transport import default_runtime_dir
 
 
 RUNTIME_DIR = click.option(
@@ -22,24 +23,21 @@ RUNTIME_DIR = click.option(
 )
 
 
-def default_runtime_dir() -> Path:
-    from kvasir.transport import default_runtime_dir as resolve
-
-    return resolve()
-
-
 def _fail(exc: KvasirError) -> None:
     click.echo(f"error: {exc}", err=True)
     sys.exit(2)
 
 
 def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    """Bytes in binary units: 512 B, 288.0 KiB, 1.5 GiB."""
+    if n < 1024:
+        return f"{n} B"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
