@@ -297,6 +297,8 @@ class Bridge:
             requests=self.accepted,
             in_flight=len(self.pending),
             waiting_limit=self.max_waiting,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
             stages=[self.stage_stats[k] for k in sorted(self.stage_stats)],
         )
 

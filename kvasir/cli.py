@@ -11,6 +11,7 @@ import click
 import msgspec
 
 from kvasir import __version__
+from kvasir.bench.command import bench
 from kvasir.errors import KvasirError
 from kvasir.transport import default_runtime_dir
 
@@ -166,6 +167,9 @@ def model_list() -> None:
         if folder.name not in BUILTIN_CONFIGS:
             size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
             click.echo(f"  {folder.name:<24} converted, {_size(size)}")
+
+
+kvasir.add_command(bench)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -222,6 +222,8 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     requests: int  # accepted since start
     in_flight: int  # accepted and not yet ended
     waiting_limit: int
+    vocab_size: int
+    max_seq_len: int
     stages: list[StageStats]
 
 

@@ -1,0 +1,119 @@
+"""Latency statistics and goodput, as pure functions over per-request records.
+
+Definitions (MISSION.md): TTFT is submission to first token; inter-token latency (ITL)
+is the gap between consecutive tokens of one request; time per output token (TPOT) is a
+request's mean ITL; goodput is the highest request rate at which at least ``attain`` of
+the requests meet both the TTFT and the TPOT targets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one request measured, in seconds from its submission."""
+
+    submitted: float  # on the bench's clock
+    first_token_s: float  # TTFT
+    token_times_s: tuple[float, ...]  # arrival of every output token, from submission
+    output_tokens: int
+    ok: bool = True  # finished (not an error or cancellation)
+
+    @property
+    def e2e_s(self) -> float:
+        return self.token_times_s[-1] if self.token_times_s else self.first_token_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        times = self.token_times_s
+        return [b - a for a, b in zip(times, times[1:])]
+
+    @property
+    def tpot_s(self) -> float:
+        gaps = self.itl_s
+        return sum(gaps) / len(gaps) if gaps else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics."""
+    if not values:
+        return math.nan
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} outside [0, 100]")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+    count: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Distribution":
+        mean = sum(values) / len(values) if values else math.nan
+        return cls(percentile(values, 50), percentile(values, 90), percentile(values, 99), mean, len(values))
+
+
+def attainment(records: Sequence[RequestRecord], slo_ttft_s: float, slo_tpot_s: float) -> float:
+    """Share of requests that finished and met both targets."""
+    if not records:
+        return 0.0
+    good = sum(1 for r in records if r.ok and r.first_token_s <= slo_ttft_s and r.tpot_s <= slo_tpot_s)
+    return good / len(records)
+
+
+def goodput(points: Sequence[tuple[float, float]], attain: float) -> float:
+    """The highest rate whose attainment reaches ``attain``, from (rate, attainment) points.
+
+    Rates above the first failing rate do not count (a lucky run past the knee is not
+    goodput); 0.0 when even the lowest rate fails.
+    """
+    best = 0.0
+    for rate, share in sorted(points):
+        if share < attain:
+            break
+        best = rate
+    return best
+
+
+@dataclass
+class Summary:
+    """The figures a bench run reports."""
+
+    requests: int
+    errors: int
+    duration_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft: Distribution
+    itl: Distribution
+    e2e: Distribution
+    slo_attainment: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def summarise(records: Sequence[RequestRecord], duration_s: float, slo: tuple[float, float] | None = None) -> Summary:
+    done = [r for r in records if r.ok]
+    tokens = sum(r.output_tokens for r in done)
+    return Summary(
+        requests=len(done),
+        errors=len(records) - len(done),
+        duration_s=duration_s,
+        requests_per_s=len(done) / duration_s if duration_s > 0 else 0.0,
+        output_tokens_per_s=tokens / duration_s if duration_s > 0 else 0.0,
+        ttft=Distribution.of([r.first_token_s for r in done]),
+        itl=Distribution.of([gap for r in done for gap in r.itl_s]),
+        e2e=Distribution.of([r.e2e_s for r in done]),
+        slo_attainment=attainment(records, *slo) if slo is not None else None,
+    )

@@ -1,0 +1,118 @@
+"""Driving a running daemon: closed loop (fixed concurrency) or open loop (Poisson rate)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from kvasir.bench.metrics import RequestRecord
+from kvasir.bench.workload import Job
+from kvasir.client import AsyncClient
+from kvasir.messages import DaemonStats, Finished, TokenOut
+
+
+@dataclass
+class LoadResult:
+    records: list[RequestRecord]  # measured requests only (warm-up excluded)
+    duration_s: float  # first measured submission to last measured completion
+    stats_before: DaemonStats
+    stats_after: DaemonStats
+
+
+async def one_request(client: AsyncClient, job: Job, clock=time.perf_counter) -> RequestRecord:
+    submitted = clock()
+    stream = await client.submit(job.text, token_ids=job.token_ids, max_tokens=job.max_tokens, temperature=0)
+    times: list[float] = []
+    ok = False
+    async for event in stream:
+        if isinstance(event, TokenOut):
+            times.append(clock() - submitted)
+        elif isinstance(event, Finished):
+            ok = True
+    first = times[0] if times else clock() - submitted
+    return RequestRecord(submitted, first, tuple(times), len(times), ok)
+
+
+async def run_load(
+    client: AsyncClient,
+    jobs: list[Job],
+    *,
+    warmup: int = 0,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    progress=None,
+) -> LoadResult:
+    """Run ``warmup`` jobs first (not measured), then the rest; exactly one of
+    ``concurrency`` (closed loop) or ``rate`` (open loop, Poisson arrivals) is given."""
+    if (concurrency is None) == (rate is None):
+        raise ValueError("give exactly one of concurrency or rate")
+    if warmup:
+        await _closed(client, jobs[:warmup], concurrency or 8, None)
+    before = await client.stats()
+    measured = jobs[warmup:]
+    started = time.perf_counter()
+    if concurrency is not None:
+        records = await _closed(client, measured, concurrency, progress)
+    else:
+        records = await _open(client, measured, rate, random.Random(seed), progress)
+    duration = max((r.submitted + r.e2e_s for r in records), default=started) - started
+    after = await client.stats()
+    return LoadResult(records, duration, before, after)
+
+
+async def _closed(client, jobs, concurrency, progress) -> list[RequestRecord]:
+    queue = list(reversed(jobs))
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        while queue:
+            records.append(await one_request(client, queue.pop()))
+            if progress is not None:
+                progress(len(records))
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(jobs)) or 1)))
+    return records
+
+
+async def _open(client, jobs, rate, rng, progress) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+
+    async def timed(job) -> None:
+        records.append(await one_request(client, job))
+        if progress is not None:
+            progress(len(records))
+
+    tasks = []
+    for job in jobs:
+        tasks.append(asyncio.create_task(timed(job)))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    return records
+
+
+def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
+    """Per-stage busy/starved/blocked fractions and batch figures over a window."""
+    out = []
+    old = {s.index: s for s in before.stages}
+    for s in after.stages:
+        b = old.get(s.index)
+        if b is None:
+            continue
+        wall = max(s.wall_s - b.wall_s, 1e-9)
+        batches = s.batches - b.batches
+        out.append(
+            {
+                "index": s.index,
+                "layers": list(s.layers),
+                "busy": (s.busy_s - b.busy_s) / wall,
+                "starved": (s.starved_s - b.starved_s) / wall,
+                "blocked": (s.blocked_s - b.blocked_s) / wall,
+                "batches_per_s": batches / wall,
+                "rows_per_batch": (s.rows - b.rows) / batches if batches else 0.0,
+                "tokens_per_batch": (s.tokens - b.tokens) / batches if batches else 0.0,
+            }
+        )
+    return out

@@ -1,0 +1,82 @@
+"""What a bench run submits: prompts and output lengths from fixed, uniform or file specs."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvasir.errors import KvasirError
+
+
+class WorkloadError(KvasirError):
+    """A length spec or prompt file that cannot be used."""
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    """A fixed length ("128") or a uniform range ("64:192", both ends included)."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, text: str) -> "LengthSpec":
+        low_text, _, high_text = text.partition(":")
+        try:
+            low = int(low_text)
+            high = int(high_text) if high_text else low
+        except ValueError:
+            raise WorkloadError(f"length {text!r} is not N or LOW:HIGH") from None
+        if low < 1 or high < low:
+            raise WorkloadError(f"length {text!r} must satisfy 1 <= LOW <= HIGH")
+        return cls(low, high)
+
+    def draw(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+
+@dataclass(frozen=True)
+class Job:
+    token_ids: list[int] | None
+    text: str | None
+    max_tokens: int
+
+
+def synthetic_jobs(count: int, prompt_len: LengthSpec, output_len: LengthSpec, vocab_size: int, seed: int) -> list[Job]:
+    """Random token-id prompts (ids 3..vocab-1), reproducible by seed."""
+    rng = random.Random(seed)
+    return [
+        Job([rng.randrange(3, vocab_size) for _ in range(prompt_len.draw(rng))], None, output_len.draw(rng))
+        for _ in range(count)
+    ]
+
+
+def file_jobs(path: Path, count: int, output_len: LengthSpec, seed: int) -> list[Job]:
+    """Prompts from a JSONL file: one object per line with "prompt" (text) or "token_ids",
+    and optionally "max_tokens"; cycled to ``count`` jobs."""
+    rng = random.Random(seed)
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise WorkloadError(f"cannot read prompts file {path}: {exc.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise WorkloadError(f"{path}:{number}: not a JSON object") from None
+        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or isinstance(row.get("token_ids"), list)):
+            raise WorkloadError(f'{path}:{number}: needs "prompt" (text) or "token_ids" (list)')
+        rows.append(row)
+    if not rows:
+        raise WorkloadError(f"{path} holds no prompts")
+    jobs = []
+    for i in range(count):
+        row = rows[i % len(rows)]
+        max_tokens = row.get("max_tokens")
+        jobs.append(Job(row.get("token_ids"), row.get("prompt"), int(max_tokens) if max_tokens else output_len.draw(rng)))
+    return jobs

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvasir.bench.metrics import RequestRecord, attainment, goodput, percentile, summarise
+
+
+def test_percentile_matches_linear_interpolation():
+    values = [15, 20, 35, 40, 50]
+    assert percentile(values, 0) == 15 and percentile(values, 100) == 50
+    assert percentile(values, 50) == 35
+    assert percentile(values, 40) == pytest.approx(29.0)  # rank 1.6: 20 + 0.6 * 15
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+    shuffled = list(range(1000))
+    random.Random(3).shuffle(shuffled)
+    assert percentile(shuffled, 90) == pytest.approx(899.1)
+
+
+def record(ttft, gaps, ok=True):
+    times = [ttft]
+    for gap in gaps:
+        times.append(times[-1] + gap)
+    return RequestRecord(0.0, ttft, tuple(times), len(times), ok)
+
+
+def test_record_latencies():
+    r = record(0.5, [0.1, 0.2, 0.3])
+    assert r.itl_s == pytest.approx([0.1, 0.2, 0.3])
+    assert r.tpot_s == pytest.approx(0.2)
+    assert r.e2e_s == pytest.approx(1.1)
+    assert record(0.4, []).tpot_s == 0.0
+
+
+def test_attainment_needs_both_targets_and_success():
+    records = [
+        record(0.1, [0.01] * 5),  # meets both
+        record(0.9, [0.01] * 5),  # TTFT too slow
+        record(0.1, [0.09] * 5),  # TPOT too slow
+        record(0.1, [0.01] * 5, ok=False),  # failed
+    ]
+    assert attainment(records, slo_ttft_s=0.5, slo_tpot_s=0.05) == 0.25
+    assert attainment([], 1, 1) == 0.0
+
+
+def test_goodput_search_on_a_known_curve():
+    # attainment falls as the rate passes the knee at 6 requests/s
+    curve = [(1, 1.0), (2, 0.99), (4, 0.95), (6, 0.91), (8, 0.7), (10, 0.2), (12, 0.95)]
+    assert goodput(curve, attain=0.9) == 6
+    assert goodput(curve, attain=0.96) == 2
+    assert goodput(curve, attain=0.999) == 1
+    assert goodput([(1, 0.5)], attain=0.9) == 0.0
+    # synthetic latencies: requests at rate r wait r * 20 ms for their first token
+    points = []
+    for rate in (1, 2, 3, 4, 5, 6):
+        records = [record(rate * 0.02 + i * 0.001, [0.01] * 4) for i in range(100)]
+        points.append((rate, attainment(records, slo_ttft_s=0.1, slo_tpot_s=0.02)))
+    # at rate 4: TTFT 0.08..0.179 s, 21 of 100 within 0.1 s; at rate 3: 0.06..0.159 s, 41 of 100
+    assert points[2][1] == pytest.approx(0.41) and points[3][1] == pytest.approx(0.21)
+    assert goodput(points, attain=0.4) == 3
+
+
+def test_summary():
+    records = [record(0.2, [0.05] * 9), record(0.4, [0.05] * 9), record(1.0, [], ok=False)]
+    s = summarise(records, duration_s=2.0, slo=(0.3, 0.1))
+    assert s.requests == 2 and s.errors == 1
+    assert s.output_tokens_per_s == pytest.approx(10.0)
+    assert s.requests_per_s == pytest.approx(1.0)
+    assert s.ttft.p50 == pytest.approx(0.3) and s.itl.count == 18
+    assert s.slo_attainment == pytest.approx(1 / 3)
+
+
+def test_length_specs_and_jobs(tmp_path):
+    import random
+
+    from kvasir.bench.workload import LengthSpec, WorkloadError, file_jobs, synthetic_jobs
+
+    assert LengthSpec.parse("128") == LengthSpec(128, 128)
+    spec = LengthSpec.parse("4:9")
+    assert {spec.draw(random.Random(i)) for i in range(200)} == set(range(4, 10))
+    for bad in ("0", "9:4", "x", "3:y"):
+        with pytest.raises(WorkloadError):
+            LengthSpec.parse(bad)
+    jobs = synthetic_jobs(5, LengthSpec(3, 3), LengthSpec(7, 7), vocab_size=50, seed=1)
+    assert jobs == synthetic_jobs(5, LengthSpec(3, 3), LengthSpec(7, 7), vocab_size=50, seed=1)
+    assert all(len(j.token_ids) == 3 and j.max_tokens == 7 and all(3 <= t < 50 for t in j.token_ids) for j in jobs)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n{"token_ids": [1, 2], "max_tokens": 4}\n')
+    cycled = file_jobs(path, 3, LengthSpec(9, 9), seed=0)
+    assert [(j.text, j.token_ids, j.max_tokens) for j in cycled] == [("hi", None, 9), (None, [1, 2], 4), ("hi", None, 9)]
+    path.write_text("[1]\n")
+    with pytest.raises(WorkloadError, match="needs"):
+        file_jobs(path, 1, LengthSpec(1, 1), seed=0)
