@@ -59,8 +59,25 @@ async def run_load(
     else:
         records = await _open(client, measured, rate, random.Random(seed), progress)
     duration = max((r.submitted + r.e2e_s for r in records), default=started) - started
-    after = await client.stats()
+    after = await fresh_stats(client, before, duration)
     return LoadResult(records, duration, before, after)
+
+
+async def fresh_stats(client: AsyncClient, before: DaemonStats, window_s: float, timeout_s: float = 3.0) -> DaemonStats:
+    """Stats whose every stage snapshot covers at least ``window_s`` since ``before``.
+
+    Stages push their counters periodically, so a snapshot taken right after a short
+    run may predate it; wait (briefly) for snapshots that include the whole run.
+    """
+    old = {s.index: s.wall_s for s in before.stages}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = await client.stats()
+        if all(s.wall_s - old.get(s.index, s.wall_s) >= window_s for s in after.stages):
+            return after
+        if time.monotonic() > deadline:
+            return after
+        await asyncio.sleep(0.1)
 
 
 async def _closed(client, jobs, concurrency, progress) -> list[RequestRecord]:
@@ -107,6 +124,7 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
             {
                 "index": s.index,
                 "layers": list(s.layers),
+                "window_s": wall,
                 "busy": (s.busy_s - b.busy_s) / wall,
                 "starved": (s.starved_s - b.starved_s) / wall,
                 "blocked": (s.blocked_s - b.blocked_s) / wall,
