@@ -55,6 +55,7 @@ from kvasir.validation import check_prompt, check_sampling
 
 
 MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
+PUB_QUEUE = 1_000_000  # token events queued per `kvasir tail` subscriber before it misses some
 
 
 @dataclass
@@ -95,7 +96,11 @@ class Bridge:
         # client.sock in the runtime dir means the daemon is serving
         self.clients = make_socket(ctx, zmq.ROUTER)
         self.clients.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
+        # a ROUTER drops messages to a peer whose queue is full: never lose a client's
+        # events (requests in the daemon are bounded by bridge.max_waiting)
+        self.clients.setsockopt(zmq.SNDHWM, 0)
         self.publisher = make_socket(ctx, zmq.PUB)
+        self.publisher.setsockopt(zmq.SNDHWM, PUB_QUEUE)
         self.ends = ends
         self.inbox = make_socket(ctx, zmq.PULL, bind=ends.bridge_in)
         self.commands = make_socket(ctx, zmq.PULL, bind=ends.command("bridge"))

@@ -331,6 +331,7 @@ def tail(request_id, as_json, count, runtime_dir) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(Endpoints(rt).events)
     decoder = msgspec.msgpack.Decoder(TokenOut)
     seen = 0

@@ -103,6 +103,7 @@ class AsyncClient:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # events wait here until read, never dropped
         sock.connect(ends.client)
         client = cls(rt, ctx, sock)
         try:

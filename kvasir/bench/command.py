@@ -26,10 +26,13 @@ from kvasir.transport import default_runtime_dir
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--slo-ttft", type=float, default=None, help="Target time to first token, seconds.")
 @click.option("--slo-tpot", type=float, default=None, help="Target time per output token, seconds.")
+@click.option("--submit-only", is_flag=True,
+              help="Measure submission line rate: --requests one-token requests as fast as one client can.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--runtime-dir", type=click.Path(file_okay=False), default=None,
               help="The daemon's runtime dir (default as for every command).")
-def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, slo_ttft, slo_tpot, as_json, runtime_dir):
+def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, slo_ttft, slo_tpot,
+          submit_only, as_json, runtime_dir):
     """Load a running daemon and report requests/s, tokens/s, TTFT / ITL / end-to-end
     latency percentiles, SLO attainment and each stage's busy/starved/blocked share.
 
@@ -37,6 +40,7 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
     """
     from kvasir.bench.metrics import summarise
     from kvasir.bench.runner import run_load, stage_fractions
+    from kvasir.bench.runner import submit_only as line_rate
     from kvasir.bench.workload import LengthSpec, file_jobs, synthetic_jobs
     from kvasir.client import AsyncClient, NoDaemon
 
@@ -57,6 +61,8 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
     async def main():
         rt = Path(runtime_dir) if runtime_dir else default_runtime_dir()
         async with await AsyncClient.connect(rt) as client:
+            if submit_only:
+                return await line_rate(client, count)
             info = await client.stats()
             total = count + warmup
             if prompts_file:
@@ -73,6 +79,15 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
     except KvasirError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    if submit_only:
+        if as_json:
+            click.echo(json.dumps(result))
+        else:
+            click.echo(
+                f"submitted {result['submitted']}: accepted {result['accepted']}, overloaded {result['overloaded']}, "
+                f"lost {result['lost']}; {result['sent_per_s']:.0f} sent/s, {result['accepted_per_s']:.0f} accepted/s"
+            )
+        return
     slo = (slo_ttft, slo_tpot) if slo_ttft is not None else None
     summary = summarise(result.records, result.duration_s, slo)
     report = {

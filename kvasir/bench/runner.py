@@ -134,3 +134,30 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
             }
         )
     return out
+
+
+async def submit_only(client: AsyncClient, count: int) -> dict:
+    """Submit ``count`` one-token requests as fast as one client can and count the replies.
+
+    Every submission must get either ``Accepted`` or an immediate ``overloaded`` error:
+    ``lost`` counts those that got neither (it must be 0).
+    """
+    from kvasir.messages import Accepted, ErrorEvent
+
+    started = time.perf_counter()
+    streams = [await client.submit(token_ids=[5, 6, 7], max_tokens=1, temperature=0) for _ in range(count)]
+    sent_s = time.perf_counter() - started
+    firsts = [await anext(aiter(stream)) for stream in streams]
+    replied_s = time.perf_counter() - started
+    accepted = [s for s, e in zip(streams, firsts) if isinstance(e, Accepted)]
+    overloaded = sum(1 for e in firsts if isinstance(e, ErrorEvent) and e.code == "overloaded")
+    await asyncio.gather(*(s.result() for s in accepted))  # let the accepted ones finish
+    return {
+        "submitted": count,
+        "accepted": len(accepted),
+        "overloaded": overloaded,
+        "lost": count - len(accepted) - overloaded,
+        "sent_per_s": count / sent_s if sent_s > 0 else 0.0,
+        "replies_per_s": count / replied_s if replied_s > 0 else 0.0,
+        "accepted_per_s": len(accepted) / replied_s if replied_s > 0 else 0.0,
+    }

@@ -40,3 +40,16 @@ def test_bench_closed_and_open_loop_report(tiny_models, start_daemon, tmp_path):
     bad = bench(daemon.runtime_dir, "--rate", "5", "--concurrency", "3")
     assert bad.returncode == 2
     assert bench(tmp_path / "nobody", "--requests", "1").returncode == 3
+
+
+def test_submit_only_counts_every_reply_and_respects_the_queue_bound(tiny_models, start_daemon):
+    # 6000 submissions, up to 2000 in the daemon: several thousand events queue for one
+    # client, more than ZMQ's default queue of 1000 (which a ROUTER would silently drop)
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_waiting=2000).wait_ready()
+    run = bench(daemon.runtime_dir, "--submit-only", "--requests", "6000", "--json")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["submitted"] == 6000 and result["lost"] == 0
+    assert result["accepted"] + result["overloaded"] == 6000
+    assert result["accepted"] >= 2000 and result["overloaded"] > 0  # beyond the bound: overloaded at once
+    assert result["accepted_per_s"] > 0
