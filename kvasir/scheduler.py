@@ -44,7 +44,10 @@ class RequestState:
         return len(self.prompt) + len(self.output)
 
     def tokens(self, start: int, count: int) -> list[int]:
-        return (self.prompt + self.output)[start : start + count]
+        """Tokens [start, start + count) of prompt + output, without copying either whole."""
+        split = len(self.prompt)
+        head = self.prompt[start : start + count]
+        return head + self.output[max(0, start - split) : max(0, start + count - split)]
 
 
 @dataclass(frozen=True)
