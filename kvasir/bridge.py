@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kvasir.messages import (
     CancelRequest,
     ClientMessage,
     Command,
+    BatchSpan,
     DaemonStats,
     Drained,
     Enqueue,
@@ -55,6 +57,7 @@ from kvasir.validation import check_prompt, check_sampling
 
 
 MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
+TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 1_000_000  # token events queued per `kvasir tail` subscriber before it misses some
 
 
@@ -111,6 +114,7 @@ class Bridge:
         self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
         self.pending: dict[int, Pending] = {}
         self.stage_stats: dict[int, StageStats] = {}
+        self.timelines: dict[int, deque[BatchSpan]] = {}
         self.started = time.monotonic()
         self.accepted = 0
         self.next_id = 1
@@ -153,8 +157,8 @@ class Bridge:
                     await self._submit(identity, message)
                 case Cancel(request_id=rid):
                     await self._cancel(identity, rid)
-                case StatsQuery(key=key):
-                    await self._send(identity, StatsReply(key=key, stats=self.daemon_stats()))
+                case StatsQuery(key=key, timeline=timeline):
+                    await self._send(identity, StatsReply(key=key, stats=self.daemon_stats(timeline)))
 
     async def _submit(self, identity: bytes, msg: Submit) -> None:
         try:
@@ -170,6 +174,7 @@ class Bridge:
                 seed=msg.seed,
                 max_tokens=msg.max_tokens,
                 stop_token_ids=tuple(msg.stop_token_ids),
+                ignore_eos=msg.ignore_eos,
             )
             check_sampling(sampling, self.vocab_size)
         except RequestError as exc:
@@ -223,7 +228,8 @@ class Bridge:
                         event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
                         await self._send(record.identity, event)
                 case StageStats() as stats:
-                    self.stage_stats[stats.index] = stats
+                    self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
+                    self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
             await self._maybe_drained()
 
     async def _token(self, token: SampledToken) -> None:
@@ -296,7 +302,8 @@ class Bridge:
     async def _send(self, identity: bytes, event) -> None:
         await self.clients.send_multipart([identity, self.encoder.encode(event)])
 
-    def daemon_stats(self) -> DaemonStats:
+    def daemon_stats(self, timeline: bool = False) -> DaemonStats:
+        order = sorted(self.stage_stats)
         return DaemonStats(
             uptime_s=time.monotonic() - self.started,
             requests=self.accepted,
@@ -304,7 +311,8 @@ class Bridge:
             waiting_limit=self.max_waiting,
             vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len,
-            stages=[self.stage_stats[k] for k in sorted(self.stage_stats)],
+            stages=[self.stage_stats[k] for k in order],
+            timeline=[list(self.timelines.get(k, ())) for k in order] if timeline else [],
         )
 
 

@@ -131,6 +131,7 @@ class AsyncClient:
         top_k: int = 0,
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> RequestStream:
         """Send a request and return its stream at once (no reply awaited)."""
         self._raise_if_failed()
@@ -148,6 +149,7 @@ class AsyncClient:
             top_k=top_k,
             seed=seed,
             stop_token_ids=list(stop_token_ids or []),
+            ignore_eos=ignore_eos,
         )
         await self._sock.send(self._encoder.encode(message))
         return stream
@@ -156,12 +158,13 @@ class AsyncClient:
         self._raise_if_failed()
         await self._sock.send(self._encoder.encode(Cancel(request_id=request_id)))
 
-    async def stats(self) -> DaemonStats:
+    async def stats(self, timeline: bool = False) -> DaemonStats:
+        """The daemon's statistics; with ``timeline``, each stage's recent batch spans too."""
         self._raise_if_failed()
         key = next(self._keys)
         future = asyncio.get_running_loop().create_future()
         self._stats[key] = future
-        await self._sock.send(self._encoder.encode(StatsQuery(key=key)))
+        await self._sock.send(self._encoder.encode(StatsQuery(key=key, timeline=timeline)))
         try:
             return await future
         finally:
@@ -257,8 +260,8 @@ class Client:
     def cancel(self, request_id: int) -> None:
         self._call(self._client.cancel(request_id))
 
-    def stats(self) -> DaemonStats:
-        return self._call(self._client.stats())
+    def stats(self, timeline: bool = False) -> DaemonStats:
+        return self._call(self._client.stats(timeline))
 
     def close(self) -> None:
         self._call(self._client.close())

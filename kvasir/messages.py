@@ -43,6 +43,7 @@ class SamplingParams(_Wire):
     seed: int | None = None  # same seed, same output
     max_tokens: int = 128  # output tokens at most
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence ids (benchmarks)
 
 
 class NewRequest(_Wire):
@@ -126,6 +127,16 @@ class RequestEnded(_Tagged):
     message: str = ""
 
 
+class BatchSpan(_Wire):
+    """One batch on one stage: when the stage took it and handed it on, and what it held."""
+
+    batch_id: int
+    start_ns: int  # CLOCK_MONOTONIC, comparable across the daemon's processes
+    end_ns: int
+    prefill_tokens: int  # tokens of multi-token rows (prompt chunks)
+    decode_tokens: int  # tokens of single-token rows
+
+
 class StageStats(_Tagged):
     index: int
     layers: tuple[int, int]
@@ -140,6 +151,8 @@ class StageStats(_Tagged):
     inflight: int  # batches in flight (head only; 0 elsewhere)
     kv_requests: int  # requests whose KV the stage holds
     kv_blocks: int  # KV blocks those requests hold on this stage
+    hop_s: float = 0.0  # of busy and waiting time: spent handing boundaries over (slots, descriptors, credits)
+    spans: tuple[BatchSpan, ...] = ()  # batches run since the previous report (the bridge keeps a bounded timeline)
 
 
 BridgeMessage = TokenEvents | RequestEnded | StageStats
@@ -161,6 +174,7 @@ class Submit(_Client, tag="submit"):
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: list[int] = []
+    ignore_eos: bool = False
 
 
 class Cancel(_Client, tag="cancel"):
@@ -169,6 +183,7 @@ class Cancel(_Client, tag="cancel"):
 
 class StatsQuery(_Client, tag="stats"):
     key: int
+    timeline: bool = False  # include each stage's recent batch spans
 
 
 ClientMessage = Submit | Cancel | StatsQuery
@@ -225,6 +240,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     vocab_size: int
     max_seq_len: int
     stages: list[StageStats]
+    timeline: list[list[BatchSpan]] = []  # per stage, oldest first (only when asked for)
 
 
 class StatsReply(_Client, tag="stats"):

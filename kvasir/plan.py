@@ -7,6 +7,7 @@ split against the model's layer count once the model's config is known.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -202,3 +203,24 @@ def check_model_fit(plan: Plan, num_layers: int, max_positions: int | None) -> N
             f"model.max_seq_len = {plan.model.max_seq_len} exceeds the model's "
             f"max_position_embeddings = {max_positions}"
         )
+
+
+def plan_toml(plan: Plan) -> str:
+    """The plan as TOML text that ``parse_plan`` reads back into an equal Plan."""
+
+    def value(v) -> str:
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a TOML basic string
+        if isinstance(v, (tuple, list)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+
+    def table(section: _Section) -> list[str]:
+        return [f"{k} = {value(v)}" for k, v in msgspec.structs.asdict(section).items() if v is not None]
+
+    lines: list[str] = []
+    for name in ("model", "batch", "kv", "bridge"):
+        lines += [f"[{name}]", *table(getattr(plan, name)), ""]
+    for stage in plan.stages:
+        lines += ["[[stages]]", *table(stage), ""]
+    return "\n".join(lines)

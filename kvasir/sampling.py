@@ -16,7 +16,8 @@ class RequestSampler:
         self.scheduled_ns = scheduled_ns
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(new.seed)
-        self.stop_ids = frozenset(eos_ids) | frozenset(new.sampling.stop_token_ids)
+        eos = () if new.sampling.ignore_eos else eos_ids
+        self.stop_ids = frozenset(eos) | frozenset(new.sampling.stop_token_ids)
         self.max_seq_len = max_seq_len
         self.generated = 0
 

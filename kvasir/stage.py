@@ -11,7 +11,7 @@ import os
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
@@ -24,6 +24,7 @@ from kvasir.logs import setup_logging
 from kvasir.messages import (
     BatchDescriptor,
     BatchResult,
+    BatchSpan,
     BridgeMessage,
     CancelRequest,
     Command,
@@ -44,6 +45,7 @@ from kvasir.slots import SlotCredits, SlotRing, attach_ring
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
 
 POLL_MS = 50
+SPANS_PER_REPORT = 2048  # batch spans a stage keeps between two stats reports
 
 Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
 
@@ -61,6 +63,8 @@ class Intake(Protocol):
 
     def counters(self) -> dict[str, int]: ...
 
+    hop_ns: int  # time spent on boundary hand-offs (reading slots, descriptors, credits)
+
 
 class Outlet(Protocol):
     """Where a stage's outputs go."""
@@ -77,6 +81,8 @@ class Outlet(Protocol):
 
     def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None: ...
 
+    hop_ns: int  # time spent on boundary hand-offs (writing slots, descriptors, credits)
+
 
 @dataclass
 class Clock:
@@ -89,6 +95,7 @@ class Clock:
     batches: int = 0
     rows: int = 0
     tokens: int = 0
+    spans: deque[BatchSpan] = field(default_factory=lambda: deque(maxlen=SPANS_PER_REPORT))
 
 
 # -- the head: batches come from its scheduler -----------------------------------------------
@@ -98,6 +105,7 @@ class SchedulerIntake:
         self.inbox = inbox
         self.bridge = bridge
         self.sockets = [inbox.socket]
+        self.hop_ns = 0
 
     def receive(self) -> None:
         for message in self.inbox.drain():
@@ -140,9 +148,14 @@ class UpstreamIntake:
         self.credits = credits
         self.sockets = [descriptors.socket]
         self._queue: deque[BatchDescriptor] = deque()
+        self.hop_ns = 0
 
     def receive(self) -> None:
-        self._queue.extend(self.descriptors.drain())
+        started = time.perf_counter_ns()
+        arrived = self.descriptors.drain()
+        if arrived:
+            self._queue.extend(arrived)
+            self.hop_ns += time.perf_counter_ns() - started
 
     def take(self, room: bool) -> Work | None:
         if not self._queue:
@@ -150,11 +163,16 @@ class UpstreamIntake:
         descriptor = self._queue.popleft()
         if not descriptor.rows:
             return descriptor, None
-        return descriptor, self.ring.read(descriptor.slot, descriptor.num_tokens)
+        started = time.perf_counter_ns()
+        boundary = self.ring.read(descriptor.slot, descriptor.num_tokens)
+        self.hop_ns += time.perf_counter_ns() - started
+        return descriptor, boundary
 
     def consumed(self, descriptor: BatchDescriptor) -> None:
         if descriptor.rows:
+            started = time.perf_counter_ns()
             self.credits.send(Credit(descriptor.slot))
+            self.hop_ns += time.perf_counter_ns() - started
 
     def counters(self) -> dict[str, int]:
         return {"inflight": 0}
@@ -171,6 +189,7 @@ class DownstreamOutlet:
         self.credits = SlotCredits(slots)
         self.sockets = [credits.socket]
         self._pending: deque[Work] = deque()
+        self.hop_ns = 0
 
     @property
     def room(self) -> bool:
@@ -181,8 +200,12 @@ class DownstreamOutlet:
         return bool(self._pending)
 
     def receive(self) -> None:
-        for credit in self.credit_channel.drain():
+        started = time.perf_counter_ns()
+        credits = self.credit_channel.drain()
+        for credit in credits:
             self.credits.give_back(credit.slot)
+        if credits:
+            self.hop_ns += time.perf_counter_ns() - started
         self._flush()
 
     def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None:
@@ -192,14 +215,16 @@ class DownstreamOutlet:
     def _flush(self) -> None:
         while self._pending:
             descriptor, output = self._pending[0]
+            if output is not None and not self.credits.available:
+                return
+            started = time.perf_counter_ns()
             if output is not None:
-                if not self.credits.available:
-                    return
                 slot = self.credits.take()
                 self.ring.write(slot, output)
                 descriptor = msgspec.structs.replace(descriptor, slot=slot)
             self._pending.popleft()
             self.descriptors.send(descriptor)
+            self.hop_ns += time.perf_counter_ns() - started
 
 
 class TailOutlet:
@@ -213,6 +238,7 @@ class TailOutlet:
 
     room = True
     pending = False
+    hop_ns = 0  # sampled tokens going back to the head are not a boundary hand-off
 
     def receive(self) -> None:
         pass
@@ -271,7 +297,7 @@ class StageAgent:
         self.intake.receive()
 
     def _run(self, descriptor: BatchDescriptor, inputs: torch.Tensor | None) -> None:
-        started = time.monotonic()
+        started = time.monotonic_ns()
         if inputs is None:
             self.engine.release(descriptor)
             self.outlet.emit(descriptor, None)
@@ -279,11 +305,14 @@ class StageAgent:
         output = self.engine.run(descriptor, inputs)
         self.intake.consumed(descriptor)
         self.outlet.emit(descriptor, output)
+        ended = time.monotonic_ns()
         clock = self.clock
-        clock.busy_s += time.monotonic() - started
+        clock.busy_s += (ended - started) / 1e9
         clock.batches += 1
         clock.rows += len(descriptor.rows)
         clock.tokens += descriptor.num_tokens
+        decode = sum(1 for row in descriptor.rows if row.num_tokens == 1)
+        clock.spans.append(BatchSpan(descriptor.batch_id, started, ended, descriptor.num_tokens - decode, decode))
 
     def _wait(self) -> None:
         blocked = self.outlet.pending
@@ -322,7 +351,14 @@ class StageAgent:
             inflight=self.intake.counters()["inflight"],
             kv_requests=cache.requests,
             kv_blocks=cache.blocks_held,
+            hop_s=(self.intake.hop_ns + self.outlet.hop_ns) / 1e9,
+            spans=self._take_spans(),
         )
+
+    def _take_spans(self) -> tuple[BatchSpan, ...]:
+        spans = tuple(self.clock.spans)
+        self.clock.spans.clear()
+        return spans
 
 
 # -- the process -----------------------------------------------------------------------------

@@ -47,6 +47,8 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise RequestError("invalid_request", f"top_k must be an integer >= 0 (0 = off), got {params.top_k!r}")
     if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed <= MAX_SEED):
         raise RequestError("invalid_request", f"seed must be an integer in [0, 2**63), got {params.seed!r}")
+    if not isinstance(params.ignore_eos, bool):
+        raise RequestError("invalid_request", f"ignore_eos must be true or false, got {params.ignore_eos!r}")
     if not _is_int(params.max_tokens) or params.max_tokens < 1:
         raise RequestError("invalid_request", f"max_tokens must be an integer >= 1, got {params.max_tokens!r}")
     for tok in params.stop_token_ids:

@@ -1,118 +1,241 @@
-"""``kvasir bench``: load a running daemon and report throughput, latency and stage use."""
+"""``kvasir bench``: load a daemon and report throughput, latency, goodput and stage use."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import click
-import msgspec
 
 from kvasir.errors import KvasirError
 from kvasir.transport import default_runtime_dir
 
 
 @click.command()
-@click.option("--concurrency", type=int, default=None, help="Closed loop: requests kept in flight.")
+@click.option("--concurrency", type=int, default=None, help="Closed loop: requests kept in flight (default 32).")
 @click.option("--rate", type=float, default=None, help="Open loop: requests per second (Poisson, seeded).")
-@click.option("--requests", "count", type=int, default=64, show_default=True, help="Measured requests.")
+@click.option("--requests", "count", type=int, default=64, show_default=True, help="Measured requests (per rate).")
 @click.option("--warmup", type=int, default=8, show_default=True, help="Requests run first and left out of the figures.")
 @click.option("--prompt-len", default="128", show_default=True, help="Prompt tokens: N or LOW:HIGH (uniform).")
 @click.option("--output-len", default="64", show_default=True, help="Output tokens: N or LOW:HIGH (uniform).")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, exists=True), default=None,
               help='JSONL file, one {"prompt": ...} or {"token_ids": [...]} per line (instead of random ids).')
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Every request produces exactly its output length.")
 @click.option("--slo-ttft", type=float, default=None, help="Target time to first token, seconds.")
 @click.option("--slo-tpot", type=float, default=None, help="Target time per output token, seconds.")
+@click.option("--slo-attain", type=float, default=0.9, show_default=True,
+              help="Share of requests that must meet both targets for a rate to count as goodput.")
+@click.option("--rate-sweep", is_flag=True,
+              help="Search the goodput: open-loop runs from --rate (default 1), doubling, then bisecting.")
+@click.option("--sweep-steps", type=int, default=3, show_default=True, help="Bisection steps of --rate-sweep.")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Start a daemon from this plan for the run (private runtime dir) and stop it after.")
+@click.option("--compare", is_flag=True,
+              help="Run the workload on the ring, the drained ring (inflight = 1), transformers generate "
+                   "(static batches) and generate_batch, alternating; print ratios. Uses --plan (default plan if absent).")
+@click.option("--contenders", default="ring,drained,hf-static,hf-continuous", show_default=True,
+              help="With --compare: which contenders, comma-separated.")
+@click.option("--rounds", type=int, default=1, show_default=True, help="With --compare: alternating rounds.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
+              help="Write timeline.png, stages.png and latency.png into this folder.")
+@click.option("--hop", is_flag=True, help="Measure one stage-to-stage hand-off next to memcpy and ZMQ round trips.")
 @click.option("--submit-only", is_flag=True,
               help="Measure submission line rate: --requests one-token requests as fast as one client can.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--runtime-dir", type=click.Path(file_okay=False), default=None,
-              help="The daemon's runtime dir (default as for every command).")
-def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, slo_ttft, slo_tpot,
-          submit_only, as_json, runtime_dir):
-    """Load a running daemon and report requests/s, tokens/s, TTFT / ITL / end-to-end
-    latency percentiles, SLO attainment and each stage's busy/starved/blocked share.
+              help="The daemon's runtime dir (default as for every command; ignored with --plan).")
+def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, ignore_eos, slo_ttft, slo_tpot,
+          slo_attain, rate_sweep, sweep_steps, plan_path, compare, contenders, rounds, plot_dir, hop, submit_only,
+          as_json, runtime_dir):
+    """Load a daemon and report requests/s, tokens/s, TTFT / ITL / end-to-end latency
+    percentiles, goodput under SLOs and each stage's busy/starved/blocked share.
 
-    Exit code: 0 done, 2 bad arguments, 3 no daemon answers.
+    Drives the daemon at --runtime-dir, or one started from --plan. --compare runs the
+    same workload on the ring and its baselines; --hop measures the hand-off alone.
+
+    Exit code: 0 done, 1 a daemon it started failed, 2 bad arguments, 3 no daemon answers.
     """
-    from kvasir.bench.metrics import summarise
-    from kvasir.bench.runner import run_load, stage_fractions
-    from kvasir.bench.runner import submit_only as line_rate
-    from kvasir.bench.workload import LengthSpec, file_jobs, synthetic_jobs
-    from kvasir.client import AsyncClient, NoDaemon
+    from kvasir.bench.workload import LengthSpec
+    from kvasir.client import NoDaemon
 
-    if concurrency is None and rate is None:
-        concurrency = 32
     if concurrency is not None and rate is not None:
         raise click.UsageError("give --concurrency or --rate, not both")
+    if rate_sweep and concurrency is not None:
+        raise click.UsageError("--rate-sweep runs open loop: give --rate (its first rate), not --concurrency")
     if (slo_ttft is None) != (slo_tpot is None):
         raise click.UsageError("give both --slo-ttft and --slo-tpot, or neither")
+    if rate_sweep and slo_ttft is None:
+        raise click.UsageError("--rate-sweep needs --slo-ttft and --slo-tpot")
     if count < 1 or warmup < 0 or (concurrency is not None and concurrency < 1) or (rate is not None and rate <= 0):
         raise click.UsageError("--requests, --concurrency and --rate must be positive, --warmup >= 0")
+    if rounds < 1 or sweep_steps < 0 or not 0 < slo_attain <= 1:
+        raise click.UsageError("--rounds must be >= 1, --sweep-steps >= 0, --slo-attain in (0, 1]")
+    if concurrency is None and rate is None and not rate_sweep:
+        concurrency = 32
     try:
-        outputs = LengthSpec.parse(output_len)
-        prompts = LengthSpec.parse(prompt_len)
+        lengths = (LengthSpec.parse(prompt_len), LengthSpec.parse(output_len))
     except KvasirError as exc:
         raise click.UsageError(str(exc)) from None
-
-    async def main():
-        rt = Path(runtime_dir) if runtime_dir else default_runtime_dir()
-        async with await AsyncClient.connect(rt) as client:
-            if submit_only:
-                return await line_rate(client, count)
-            info = await client.stats()
-            total = count + warmup
-            if prompts_file:
-                jobs = file_jobs(Path(prompts_file), total, outputs, seed)
-            else:
-                jobs = synthetic_jobs(total, prompts, outputs, info.vocab_size, seed)
-            return await run_load(client, jobs, warmup=warmup, concurrency=concurrency, rate=rate, seed=seed)
-
+    slo = (slo_ttft, slo_tpot) if slo_ttft is not None else None
+    say = _progress_line if not as_json else (lambda line: None)
     try:
-        result = asyncio.run(main())
+        if hop:
+            from kvasir.bench.hop import hop_report, print_hop
+
+            report = hop_report()
+            click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
+            return
+        if compare:
+            report, pictures = _compare(plan_path, concurrency or 32, count, warmup, lengths, prompts_file, seed,
+                                        contenders, rounds, slo, plot_dir, say)
+        else:
+            with _daemon(plan_path, runtime_dir) as rt:
+                report, pictures = _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed,
+                                            ignore_eos, slo, slo_attain, rate_sweep, sweep_steps, submit_only,
+                                            plot_dir, say)
+        if plot_dir is not None:
+            from kvasir.bench.plot import plot_run
+
+            report["plots"] = [str(p) for p in plot_run(pictures, Path(plot_dir))]
     except NoDaemon as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(3)
     except KvasirError as exc:
+        from kvasir.bench.daemon import BenchDaemonError
+
         click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    if submit_only:
-        if as_json:
-            click.echo(json.dumps(result))
-        else:
-            click.echo(
-                f"submitted {result['submitted']}: accepted {result['accepted']}, overloaded {result['overloaded']}, "
-                f"lost {result['lost']}; {result['sent_per_s']:.0f} sent/s, {result['accepted_per_s']:.0f} accepted/s"
-            )
-        return
-    slo = (slo_ttft, slo_tpot) if slo_ttft is not None else None
-    summary = summarise(result.records, result.duration_s, slo)
-    report = {
-        "mode": {"concurrency": concurrency} if concurrency is not None else {"rate": rate},
-        "workload": {"requests": count, "warmup": warmup, "prompt_len": prompt_len, "output_len": output_len, "seed": seed},
-        "summary": msgspec.to_builtins(summary.__dict__ | {"ttft": summary.ttft.__dict__, "itl": summary.itl.__dict__, "e2e": summary.e2e.__dict__}),
-        "stages": stage_fractions(result.stats_before, result.stats_after),
-    }
+        sys.exit(1 if isinstance(exc, BenchDaemonError) else 2)
     if as_json:
         click.echo(json.dumps(report))
-    else:
-        _print(report)
+        return
+    from kvasir.bench.report import print_report
+
+    print_report(report, click.echo)
 
 
-def _print(report: dict) -> None:
-    s = report["summary"]
-    click.echo(f"requests {s['requests']} ok, {s['errors']} failed, in {s['duration_s']:.2f} s")
-    click.echo(f"throughput  {s['requests_per_s']:.2f} requests/s, {s['output_tokens_per_s']:.1f} output tokens/s")
-    for name in ("ttft", "itl", "e2e"):
-        d = s[name]
-        click.echo(f"{name:<5} ms    p50 {d['p50'] * 1e3:8.1f}  p90 {d['p90'] * 1e3:8.1f}  p99 {d['p99'] * 1e3:8.1f}")
-    if s["slo_attainment"] is not None:
-        click.echo(f"SLO attainment {s['slo_attainment']:.1%}")
-    for st in report["stages"]:
-        click.echo(
-            f"stage {st['index']}  busy {st['busy']:.0%}  starved {st['starved']:.0%}  blocked {st['blocked']:.0%}  "
-            f"{st['batches_per_s']:.1f} batches/s  {st['rows_per_batch']:.1f} rows, {st['tokens_per_batch']:.1f} tokens per batch"
-        )
+def _progress_line(line: str) -> None:
+    click.echo(line, err=True)
+
+
+@contextlib.contextmanager
+def _daemon(plan_path: str | None, runtime_dir: str | None):
+    """The runtime dir to drive: a daemon started from ``plan_path``, or the given one."""
+    if plan_path is None:
+        yield Path(runtime_dir) if runtime_dir else default_runtime_dir()
+        return
+    from kvasir.bench.daemon import ManagedDaemon
+    from kvasir.plan import load_plan
+
+    stages = len(load_plan(plan_path).stages)
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp:
+        with ManagedDaemon(Path(plan_path), Path(tmp), stages) as daemon:
+            yield daemon.runtime_dir
+
+
+def _jobs(total, lengths, prompts_file, seed, vocab_size):
+    from kvasir.bench.workload import file_jobs, synthetic_jobs
+
+    prompts, outputs = lengths
+    if prompts_file:
+        return file_jobs(Path(prompts_file), total, outputs, seed)
+    return synthetic_jobs(total, prompts, outputs, vocab_size, seed)
+
+
+def _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed, ignore_eos, slo, slo_attain,
+             rate_sweep, sweep_steps, submit_only, plot_dir, say):
+    """Runs against one daemon: a load run, a goodput sweep, or the submission line rate."""
+    from kvasir.bench.metrics import attainment, search_goodput
+    from kvasir.bench.plot import RunPicture
+    from kvasir.bench.runner import ring_report, run_load
+    from kvasir.bench.runner import submit_only as line_rate
+    from kvasir.client import AsyncClient
+
+    async def load(mode_concurrency, mode_rate, timeline):
+        async with await AsyncClient.connect(rt) as client:
+            info = await client.stats()
+            jobs = _jobs(count + warmup, lengths, prompts_file, seed, info.vocab_size)
+            result = await run_load(client, jobs, warmup=warmup, concurrency=mode_concurrency, rate=mode_rate,
+                                    seed=seed, ignore_eos=ignore_eos, progress=_bar(count, say))
+            spans = (await client.stats(timeline=True)).timeline if timeline else []
+            return result, spans
+
+    if submit_only:
+        async def submit():
+            async with await AsyncClient.connect(rt) as client:
+                return await line_rate(client, count)
+
+        return {"submit_only": asyncio.run(submit())}, []
+    mode = {"concurrency": concurrency} if concurrency is not None else {"rate": rate}
+    workload = {"requests": count, "warmup": warmup, "prompt_len": f"{lengths[0].low}:{lengths[0].high}",
+                "output_len": f"{lengths[1].low}:{lengths[1].high}", "seed": seed, "ignore_eos": ignore_eos}
+    if rate_sweep:
+        runs = []
+
+        def measure(point):
+            say(f"rate {point:.3g} requests/s")
+            result, spans = asyncio.run(load(None, point, plot_dir is not None))
+            runs.append((point, result, spans))
+            return attainment(result.records, *slo)
+
+        best, points = search_goodput(measure, slo_attain, rate or 1.0, sweep_steps)
+        sweep = []
+        for point, result, _ in runs:
+            report = ring_report(result, slo)
+            sweep.append({"rate": point, "attainment": report["summary"]["slo_attainment"], **report})
+        report = {"mode": {"rate_sweep": True}, "workload": workload, "slo": _slo(slo, slo_attain),
+                  "goodput": best, "sweep": sweep}
+        point, result, spans = max(runs, key=lambda run: run[0] if run[0] <= best else -1)
+        return report, [RunPicture(f"{point:.3g} req/s", result.records, ring_report(result, slo)["stages"], spans)]
+    result, spans = asyncio.run(load(concurrency, rate, plot_dir is not None))
+    report = {"mode": mode, "workload": workload, **ring_report(result, slo)}
+    if slo is not None:
+        report["slo"] = _slo(slo, slo_attain)
+    return report, [RunPicture("ring", result.records, report["stages"], spans)]
+
+
+def _slo(slo, attain) -> dict:
+    return {"ttft_s": slo[0], "tpot_s": slo[1], "attain": attain}
+
+
+def _compare(plan_path, concurrency, count, warmup, lengths, prompts_file, seed, contenders, rounds, slo, plot_dir, say):
+    from kvasir.bench.compare import Workload, run_compare
+    from kvasir.bench.plot import RunPicture
+    from kvasir.bench.runner import stage_fractions
+    from kvasir.cli import default_plan_path
+    from kvasir.resolve import resolve_plan
+
+    path = Path(plan_path) if plan_path else default_plan_path()
+    _, source = resolve_plan(path)
+    jobs = _jobs(count + warmup, lengths, prompts_file, seed, source.vocab_size)
+    pictures: dict[str, RunPicture] = {}
+
+    async def keep(kind, client, result):
+        if plot_dir is not None:
+            spans = (await client.stats(timeline=True)).timeline
+            pictures[kind] = RunPicture(kind, result.records, stage_fractions(result.stats_before, result.stats_after), spans)
+
+    names = tuple(name.strip() for name in contenders.split(",") if name.strip())
+    report = run_compare(path, Workload(jobs, warmup, concurrency), names, rounds, slo, keep, say)
+    report["workload"].update(prompt_len=f"{lengths[0].low}:{lengths[0].high}",
+                              output_len=f"{lengths[1].low}:{lengths[1].high}", seed=seed)
+    return {"compare": report}, list(pictures.values())
+
+
+def _bar(total: int, say):
+    """A progress callback: a bar on a terminal's stderr, nothing otherwise."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int) -> None:
+        filled = 30 * done // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show

@@ -9,7 +9,7 @@ the requests meet both the TTFT and the TPOT targets.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -87,6 +87,49 @@ def goodput(points: Sequence[tuple[float, float]], attain: float) -> float:
     return best
 
 
+def search_goodput(
+    measure: Callable[[float], float], attain: float, start: float, steps: int = 3, max_moves: int = 8
+) -> tuple[float, list[tuple[float, float]]]:
+    """Find goodput by measuring attainment at chosen rates: from ``start``, double (or
+    halve) until attainment crosses ``attain``, then bisect ``steps`` times between the
+    last passing and the first failing rate. Returns (goodput, (rate, attainment) points).
+    """
+    points: list[tuple[float, float]] = []
+
+    def passes(rate: float) -> bool:
+        share = measure(rate)
+        points.append((rate, share))
+        return share >= attain
+
+    low: float | None = None
+    high: float | None = None
+    rate = start
+    if passes(rate):
+        low = rate
+        for _ in range(max_moves):
+            rate *= 2
+            if not passes(rate):
+                high = rate
+                break
+            low = rate
+    else:
+        high = rate
+        for _ in range(max_moves):
+            rate /= 2
+            if passes(rate):
+                low = rate
+                break
+            high = rate
+    if low is not None and high is not None:
+        for _ in range(steps):
+            middle = (low + high) / 2
+            if passes(middle):
+                low = middle
+            else:
+                high = middle
+    return goodput(points, attain), points
+
+
 @dataclass
 class Summary:
     """The figures a bench run reports."""
@@ -94,6 +137,7 @@ class Summary:
     requests: int
     errors: int
     duration_s: float
+    output_tokens: int
     requests_per_s: float
     output_tokens_per_s: float
     ttft: Distribution
@@ -110,6 +154,7 @@ def summarise(records: Sequence[RequestRecord], duration_s: float, slo: tuple[fl
         requests=len(done),
         errors=len(records) - len(done),
         duration_s=duration_s,
+        output_tokens=tokens,
         requests_per_s=len(done) / duration_s if duration_s > 0 else 0.0,
         output_tokens_per_s=tokens / duration_s if duration_s > 0 else 0.0,
         ttft=Distribution.of([r.first_token_s for r in done]),

@@ -6,8 +6,11 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 
-from kvasir.bench.metrics import RequestRecord
+import msgspec
+
+from kvasir.bench.metrics import RequestRecord, summarise
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.messages import DaemonStats, Finished, TokenOut
@@ -21,9 +24,10 @@ class LoadResult:
     stats_after: DaemonStats
 
 
-async def one_request(client: AsyncClient, job: Job, clock=time.perf_counter) -> RequestRecord:
+async def one_request(client: AsyncClient, job: Job, ignore_eos: bool = False, clock=time.perf_counter) -> RequestRecord:
     submitted = clock()
-    stream = await client.submit(job.text, token_ids=job.token_ids, max_tokens=job.max_tokens, temperature=0)
+    stream = await client.submit(job.text, token_ids=job.token_ids, max_tokens=job.max_tokens, temperature=0,
+                                 ignore_eos=ignore_eos)
     times: list[float] = []
     ok = False
     async for event in stream:
@@ -43,21 +47,24 @@ async def run_load(
     concurrency: int | None = None,
     rate: float | None = None,
     seed: int = 0,
+    ignore_eos: bool = False,
     progress=None,
 ) -> LoadResult:
     """Run ``warmup`` jobs first (not measured), then the rest; exactly one of
-    ``concurrency`` (closed loop) or ``rate`` (open loop, Poisson arrivals) is given."""
+    ``concurrency`` (closed loop) or ``rate`` (open loop, Poisson arrivals) is given.
+    ``ignore_eos`` makes every request produce exactly its ``max_tokens``."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency or rate")
+    send = partial(one_request, client, ignore_eos=ignore_eos)
     if warmup:
-        await _closed(client, jobs[:warmup], concurrency or 8, None)
+        await _closed(send, jobs[:warmup], concurrency or 8, None)
     before = await client.stats()
     measured = jobs[warmup:]
     started = time.perf_counter()
     if concurrency is not None:
-        records = await _closed(client, measured, concurrency, progress)
+        records = await _closed(send, measured, concurrency, progress)
     else:
-        records = await _open(client, measured, rate, random.Random(seed), progress)
+        records = await _open(send, measured, rate, random.Random(seed), progress)
     duration = max((r.submitted + r.e2e_s for r in records), default=started) - started
     after = await fresh_stats(client, before, duration)
     return LoadResult(records, duration, before, after)
@@ -80,13 +87,13 @@ async def fresh_stats(client: AsyncClient, before: DaemonStats, window_s: float,
         await asyncio.sleep(0.1)
 
 
-async def _closed(client, jobs, concurrency, progress) -> list[RequestRecord]:
+async def _closed(send, jobs, concurrency, progress) -> list[RequestRecord]:
     queue = list(reversed(jobs))
     records: list[RequestRecord] = []
 
     async def worker() -> None:
         while queue:
-            records.append(await one_request(client, queue.pop()))
+            records.append(await send(queue.pop()))
             if progress is not None:
                 progress(len(records))
 
@@ -94,11 +101,11 @@ async def _closed(client, jobs, concurrency, progress) -> list[RequestRecord]:
     return records
 
 
-async def _open(client, jobs, rate, rng, progress) -> list[RequestRecord]:
+async def _open(send, jobs, rate, rng, progress) -> list[RequestRecord]:
     records: list[RequestRecord] = []
 
     async def timed(job) -> None:
-        records.append(await one_request(client, job))
+        records.append(await send(job))
         if progress is not None:
             progress(len(records))
 
@@ -108,6 +115,13 @@ async def _open(client, jobs, rate, rng, progress) -> list[RequestRecord]:
         await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
     return records
+
+
+def ring_report(result: LoadResult, slo: tuple[float, float] | None) -> dict:
+    """The summary and per-stage figures of one run, as plain data."""
+    summary = summarise(result.records, result.duration_s, slo)
+    fields = summary.__dict__ | {name: getattr(summary, name).__dict__ for name in ("ttft", "itl", "e2e")}
+    return {"summary": msgspec.to_builtins(fields), "stages": stage_fractions(result.stats_before, result.stats_after)}
 
 
 def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
@@ -126,6 +140,8 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
                 "layers": list(s.layers),
                 "window_s": wall,
                 "busy": (s.busy_s - b.busy_s) / wall,
+                "hop_s": s.hop_s - b.hop_s,
+                "hop_of_busy": (s.hop_s - b.hop_s) / max(s.busy_s - b.busy_s, 1e-9),
                 "starved": (s.starved_s - b.starved_s) / wall,
                 "blocked": (s.blocked_s - b.blocked_s) / wall,
                 "batches_per_s": batches / wall,

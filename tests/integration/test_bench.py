@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
-from daemon import BIN
+from daemon import BIN, write_plan
 
 
 def bench(runtime_dir, *args):
@@ -21,7 +22,8 @@ def test_bench_closed_and_open_loop_report(tiny_models, start_daemon, tmp_path):
                    "--prompt-len", "8:24", "--output-len", "6", "--slo-ttft", "5", "--slo-tpot", "1", "--json")
     assert closed.returncode == 0, closed.stderr
     report = json.loads(closed.stdout)
-    assert set(report) == {"mode", "workload", "summary", "stages"}
+    assert set(report) == {"mode", "workload", "summary", "stages", "slo"}
+    assert report["slo"] == {"ttft_s": 5, "tpot_s": 1, "attain": 0.9}
     summary = report["summary"]
     assert summary["requests"] == 24 and summary["errors"] == 0
     assert summary["output_tokens_per_s"] > 0 and summary["requests_per_s"] > 0
@@ -48,8 +50,100 @@ def test_submit_only_counts_every_reply_and_respects_the_queue_bound(tiny_models
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_waiting=2000).wait_ready()
     run = bench(daemon.runtime_dir, "--submit-only", "--requests", "6000", "--json")
     assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout)
+    result = json.loads(run.stdout)["submit_only"]
     assert result["submitted"] == 6000 and result["lost"] == 0
     assert result["accepted"] + result["overloaded"] == 6000
     assert result["accepted"] >= 2000 and result["overloaded"] > 0  # beyond the bound: overloaded at once
     assert result["accepted_per_s"] > 0
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def valid_png(path):
+    from PIL import Image
+
+    assert path.read_bytes().startswith(PNG)
+    with Image.open(path) as image:
+        image.verify()
+        assert image.size[0] > 200 and image.size[1] > 100
+
+
+def test_compare_runs_every_contender_with_exact_lengths_and_plots(tiny_models, tmp_path):
+    plan = write_plan(tmp_path / "plan.toml", tiny_models["llama"], [(0, 3), (3, 6)], max_rows=8, max_tokens=64)
+    run = subprocess.run(
+        [str(BIN / "kvasir"), "bench", "--compare", "--plan", str(plan), "--requests", "12", "--warmup", "2",
+         "--concurrency", "4", "--prompt-len", "4:12", "--output-len", "5", "--plot", str(tmp_path / "pics"), "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    compare = report["compare"]
+    assert set(compare["contenders"]) == {"ring", "drained", "hf-static", "hf-continuous"}
+    assert set(compare["ratios"]) == {"ring/drained", "ring/hf-static", "ring/hf-continuous"}
+    assert compare["threads"] == 2 and compare["workload"]["requests"] == 12
+    for name, entry in compare["contenders"].items():
+        assert len(entry["output_tokens_per_s"]) == 1 and entry["mean_output_tokens_per_s"] > 0, name
+    for name in ("ring", "drained"):
+        summary = compare["contenders"][name]["summary"]
+        # EOS ignored: every request produced exactly its 5 tokens, like the baselines
+        assert summary["requests"] == 12 and summary["errors"] == 0 and summary["output_tokens"] == 60
+        assert [s["index"] for s in compare["contenders"][name]["stages"]] == [0, 1]
+    ring = compare["contenders"]["ring"]["mean_output_tokens_per_s"]
+    assert compare["ratios"]["ring/drained"] == ring / compare["contenders"]["drained"]["mean_output_tokens_per_s"]
+    assert sorted(Path(p).name for p in report["plots"]) == ["latency.png", "stages.png", "timeline.png"]
+    for path in report["plots"]:
+        valid_png(Path(path))
+    assert not list(tmp_path.glob("run")), "the compare's daemons live in their own temp dirs"
+
+
+def test_timeline_spans_follow_one_batch_plan(tiny_models, start_daemon):
+    import asyncio
+
+    from kvasir.client import AsyncClient
+
+    daemon = start_daemon(tiny_models["llama"], [(0, 2), (2, 4), (4, 6)], max_rows=8, max_tokens=64).wait_ready()
+
+    async def main():
+        async with await AsyncClient.connect(daemon.runtime_dir) as client:
+            streams = [await client.submit(token_ids=[5 + i, 6, 7], max_tokens=6, temperature=0) for i in range(10)]
+            for stream in streams:
+                await stream.result()
+            await asyncio.sleep(1.2)  # stages report every 0.5 s
+            return await client.stats(timeline=True), await client.stats()
+
+    with_timeline, plain = asyncio.run(main())
+    assert plain.timeline == [] and len(with_timeline.timeline) == 3
+    lanes = with_timeline.timeline
+    for lane in lanes:
+        assert lane and all(s.start_ns <= s.end_ns for s in lane)
+        assert all(a.end_ns <= b.start_ns for a, b in zip(lane, lane[1:]))  # one batch at a time per stage
+        assert sum(s.prefill_tokens + s.decode_tokens for s in lane) == sum(
+            st.tokens for st in with_timeline.stages if st.index == lanes.index(lane))
+    # every stage ran the same batches in the same order, each after its upstream stage
+    assert [s.batch_id for s in lanes[0]] == [s.batch_id for s in lanes[1]] == [s.batch_id for s in lanes[2]]
+    for up, down in zip(lanes, lanes[1:]):
+        assert all(a.end_ns <= b.end_ns for a, b in zip(up, down))
+    assert sum(s.decode_tokens for s in lanes[0]) == 10 * 5  # tokens after each request's first
+
+
+def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
+    plan = write_plan(tmp_path / "plan.toml", tiny_models["llama"], [(0, 3), (3, 6)])
+    sweep = subprocess.run(
+        [str(BIN / "kvasir"), "bench", "--plan", str(plan), "--rate-sweep", "--rate", "20", "--sweep-steps", "1",
+         "--requests", "6", "--warmup", "0", "--prompt-len", "4", "--output-len", "3",
+         "--slo-ttft", "60", "--slo-tpot", "60", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert sweep.returncode == 0, sweep.stderr
+    report = json.loads(sweep.stdout)
+    rates = [point["rate"] for point in report["sweep"]]
+    assert rates == [20 * 2**i for i in range(len(rates))] and len(rates) == 9  # never fails: 8 doublings
+    assert report["goodput"] == rates[-1]
+    assert all(point["attainment"] == 1.0 and point["summary"]["requests"] == 6 for point in report["sweep"])
+    hop = subprocess.run([str(BIN / "kvasir"), "bench", "--hop", "--json"], capture_output=True, text=True, timeout=300)
+    assert hop.returncode == 0, hop.stderr
+    sizes = json.loads(hop.stdout)["sizes"]
+    assert [s["tokens"] for s in sizes] == [1, 16, 128, 512]
+    assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 and s["memcpy_gibps"] > 0 for s in sizes)
+    assert not list(Path("/dev/shm").glob("kvasir-hop-*"))

@@ -96,3 +96,25 @@ def test_length_specs_and_jobs(tmp_path):
     path.write_text("[1]\n")
     with pytest.raises(WorkloadError, match="needs"):
         file_jobs(path, 1, LengthSpec(1, 1), seed=0)
+
+
+def test_goodput_search_finds_a_known_knee():
+    from kvasir.bench.metrics import search_goodput
+
+    # every request meets its targets up to 6.3 requests/s, half of them beyond
+    measured = []
+
+    def measure(rate):
+        measured.append(rate)
+        return 1.0 if rate <= 6.3 else 0.5
+
+    best, points = search_goodput(measure, attain=0.9, start=1.0, steps=3)
+    assert measured == [1.0, 2.0, 4.0, 8.0, 6.0, 7.0, 6.5]
+    assert best == 6.0 and points[-1] == (6.5, 0.5)
+    # starting above the knee: halve first, then bisect
+    best, points = search_goodput(measure, attain=0.9, start=20.0, steps=4)
+    assert [r for r, _ in points][:3] == [20.0, 10.0, 5.0]
+    assert 5.0 < best <= 6.3 and best == max(r for r, a in points if a >= 0.9)
+    # nothing passes: goodput 0 after the allowed halvings
+    best, points = search_goodput(lambda rate: 0.0, attain=0.9, start=1.0, max_moves=3)
+    assert best == 0.0 and [r for r, _ in points] == [1.0, 0.5, 0.25, 0.125]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
@@ -236,3 +237,16 @@ def test_default_plan_is_packaged():
 
     assert default_plan_path().is_file()
     assert load_plan(default_plan_path()) == load_plan(Path(__file__).parents[2] / "plans" / "smollm2-2stage.toml")
+
+
+@pytest.mark.parametrize("name", ["smollm2-2stage.toml", "smollm2-3stage.toml", "tiny-2stage.toml"])
+def test_plan_toml_reads_back_equal(name):
+    from kvasir.plan import plan_toml
+
+    plan = load_plan(Path(__file__).parents[2] / "plans" / name)
+    assert parse_plan(plan_toml(plan)) == plan
+    pinned = msgspec.structs.replace(
+        plan, stages=(msgspec.structs.replace(plan.stages[0], cpus=(0, 1)), *plan.stages[1:]),
+        model=msgspec.structs.replace(plan.model, source='/models/a "quoted" dir'),
+    )
+    assert parse_plan(plan_toml(pinned)) == pinned

@@ -69,6 +69,11 @@ def test_finish_reasons():
     assert s.finish(5, length=10) is None and s.finish(5, length=11) == "length"
     s = sampler_for(max_tokens=100, max_seq_len=12)
     assert s.finish(5, length=11) is None and s.finish(5, length=12) == "length"
+    # ignore_eos runs past the model's EOS ids, but explicit stop ids still stop
+    s = sampler_for(eos=(2,), max_tokens=3, stop_token_ids=(9,), ignore_eos=True)
+    assert s.finish(2, length=10) is None and s.finish(9, length=11) == "stop"
+    s = sampler_for(eos=(2,), max_tokens=2, ignore_eos=True)
+    assert s.finish(2, length=10) is None and s.finish(2, length=11) == "length"
 
 
 def descriptor(rows, new=(), release=()):

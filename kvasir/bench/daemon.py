@@ -1,0 +1,92 @@
+"""A kvasird the bench starts from a plan, in a private runtime dir, and stops after."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvasir.client import Client, NoDaemon
+from kvasir.errors import KvasirError
+
+
+class BenchDaemonError(KvasirError):
+    """The daemon the bench started did not come up."""
+
+
+def kvasird_command() -> list[str]:
+    """The ``kvasird`` next to this interpreter (a venv's bin), else the one on PATH."""
+    found = shutil.which("kvasird", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if found is None:
+        raise BenchDaemonError("cannot find the kvasird command next to this Python or on PATH")
+    return [found]
+
+
+class ManagedDaemon:
+    """``kvasird start --plan PLAN`` in ``work_dir/run``, its log in ``work_dir/kvasird.log``.
+
+    Use as a context manager: entering waits until every stage answers in the stats,
+    leaving stops it with SIGTERM (drain) and waits for it to exit.
+    """
+
+    def __init__(self, plan_path: Path, work_dir: Path, stages: int, ready_timeout_s: float = 600.0) -> None:
+        self.plan_path = plan_path
+        self.runtime_dir = work_dir / "run"
+        self.log_path = work_dir / "kvasird.log"
+        self.stages = stages
+        self.ready_timeout_s = ready_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ManagedDaemon":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [*kvasird_command(), "start", "--plan", str(self.plan_path), "--runtime-dir", str(self.runtime_dir),
+                 "--ready-timeout", str(self.ready_timeout_s), "--log-level", "warning"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise BenchDaemonError(f"kvasird exited with {self.process.returncode} before serving:\n{self.log_tail()}")
+            try:
+                with Client(self.runtime_dir, timeout_s=2.0) as client:
+                    if len(client.stats().stages) == self.stages:
+                        return
+            except NoDaemon:
+                pass
+            time.sleep(0.25)
+        raise BenchDaemonError(f"kvasird not serving after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

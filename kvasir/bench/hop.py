@@ -1,0 +1,160 @@
+"""``kvasir bench --hop``: the cost of one stage-to-stage hand-off, next to the raw limits.
+
+A producer (this process) and a consumer (a child process) use the stage agent's own
+edge classes, ``DownstreamOutlet`` and ``UpstreamIntake``, over a one-slot shared-memory
+ring: one hand-off is writing the boundary into the slot, sending the descriptor, the
+consumer taking the boundary (in place) and returning the credit, and the producer
+receiving it. Beside it, in the same run: memcpy bandwidth into shared memory, and a
+raw ZMQ ipc message round trip between the same two processes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+import zmq
+
+from kvasir.messages import BatchDescriptor, Credit, EdgeSpec, Row
+from kvasir.slots import attach_ring, create_ring
+from kvasir.stage import DownstreamOutlet, UpstreamIntake
+from kvasir.transport import PullChannel, PushChannel, make_socket
+
+SIZES = (1, 16, 128, 512)  # boundary tokens
+HIDDEN = 576  # SmolLM2-135M's hidden size
+PING = b"p" * 64
+
+
+def _edge(folder: Path) -> EdgeSpec:
+    return EdgeSpec(kind="shm", name=f"kvasir-hop-{os.getpid()}-{time.monotonic_ns()}", slots=1,
+                    max_tokens=max(SIZES), hidden=HIDDEN, dtype="float32")
+
+
+def _endpoints(folder: Path) -> tuple[str, str, str]:
+    return (f"ipc://{folder / 'descriptors.sock'}", f"ipc://{folder / 'credits.sock'}", f"ipc://{folder / 'ping.sock'}")
+
+
+def consumer_main(argv: list[str]) -> None:
+    """The child: echo pings, take boundaries and return credits until told to stop."""
+    folder, edge = Path(argv[0]), msgspec.json.decode(argv[1].encode(), type=EdgeSpec)
+    descriptors_at, credits_at, ping_at = _endpoints(folder)
+    torch.set_num_threads(1)
+    ctx = zmq.Context()
+    ring = attach_ring(edge)
+    pings = make_socket(ctx, zmq.PULL, bind=ping_at)
+    credits = make_socket(ctx, zmq.PUSH, connect=credits_at)
+    descriptors = PullChannel[BatchDescriptor](make_socket(ctx, zmq.PULL, bind=descriptors_at), BatchDescriptor)
+    intake = UpstreamIntake(descriptors, ring, PushChannel[Credit](credits))
+    poller = zmq.Poller()
+    poller.register(pings, zmq.POLLIN)
+    poller.register(descriptors.socket, zmq.POLLIN)
+    try:
+        while True:
+            ready = dict(poller.poll())
+            if pings in ready:
+                frame = pings.recv()
+                if frame == b"stop":
+                    return
+                credits.send(frame)
+            if descriptors.socket in ready:
+                intake.receive()
+                while (work := intake.take(True)) is not None:
+                    intake.consumed(work[0])
+    finally:
+        ring.close()
+        ctx.destroy(linger=0)
+
+
+def _median_us(samples: list[int]) -> float:
+    return statistics.median(samples) / 1e3
+
+
+def hop_report(iterations: int = 400) -> dict:
+    """Measure memcpy into shared memory, the ZMQ round trip and the hand-off per size."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="kvasir-hop-") as tmp:
+        folder = Path(tmp)
+        edge = _edge(folder)
+        ring = create_ring(edge)
+        ctx = zmq.Context()
+        descriptors_at, credits_at, ping_at = _endpoints(folder)
+        credits = make_socket(ctx, zmq.PULL, bind=credits_at)
+        child = subprocess.Popen([sys.executable, "-m", "kvasir.bench.hop", str(folder), msgspec.json.encode(edge).decode()])
+        try:
+            pings = make_socket(ctx, zmq.PUSH, connect=ping_at)
+            descriptors = make_socket(ctx, zmq.PUSH, connect=descriptors_at)
+            outlet = DownstreamOutlet(PushChannel[BatchDescriptor](descriptors), ring,
+                                      PullChannel[Credit](credits, Credit), slots=1)
+            report = _measure(outlet, pings, credits, ring, iterations)
+            pings.send(b"stop")
+            child.wait(30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            ring.close()
+            ring.unlink()
+            ctx.destroy(linger=0)
+    return report
+
+
+def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int) -> dict:
+    """Per size: back-to-back copies into the slot (the memcpy limit), then hand-offs
+    alternating with raw round trips (so the machine's drift touches both alike); medians."""
+    poller = zmq.Poller()
+    poller.register(credits, zmq.POLLIN)
+
+    def round_trip() -> int:
+        started = time.perf_counter_ns()
+        pings.send(PING)
+        credits.recv()
+        return time.perf_counter_ns() - started
+
+    def hand_off(i: int, boundary: torch.Tensor) -> int:
+        tokens = boundary.shape[0]
+        rows = (Row(request_id=1, start=0, num_tokens=tokens, new_blocks=(), emit=True),)
+        descriptor = BatchDescriptor(i, -1, tokens, rows, (), (), time.monotonic_ns())
+        started = time.perf_counter_ns()
+        outlet.emit(descriptor, boundary)
+        while not outlet.credits.available:
+            poller.poll(1000)
+            outlet.receive()
+        return time.perf_counter_ns() - started
+
+    warm = 20
+    sizes = []
+    for tokens in SIZES:
+        boundary = torch.randn(tokens, HIDDEN)
+        copies, hops, trips = [], [], []
+        for i in range(iterations + warm):  # the raw copy, back to back
+            started = time.perf_counter_ns()
+            ring.write(0, boundary)
+            copies.append(time.perf_counter_ns() - started)
+        for i in range(iterations + warm):
+            hops.append(hand_off(i, boundary))
+            trips.append(round_trip())
+        nbytes = boundary.numel() * boundary.element_size()
+        copy_us, hop_us, rtt_us = (_median_us(x[warm:]) for x in (copies, hops, trips))
+        sizes.append({"tokens": tokens, "bytes": nbytes, "memcpy_us": copy_us,
+                      "memcpy_gibps": nbytes / (copy_us * 1e-6) / 2**30, "zmq_rtt_us": rtt_us,
+                      "hop_us": hop_us, "hop_over_zmq_rtt": hop_us / rtt_us})
+    return {"hidden": HIDDEN, "dtype": "float32", "iterations": iterations, "sizes": sizes}
+
+
+def print_hop(report: dict, echo) -> None:
+    echo(f"medians of {report['iterations']} samples each; hand-offs alternate with 64-byte ZMQ ipc round trips")
+    echo("boundary (float32 x 576)   memcpy into shm          ZMQ round trip   one hand-off   hand-off / round trip")
+    for s in report["sizes"]:
+        echo(f"{s['tokens']:5d} tokens {s['bytes'] / 1024:9.1f} KiB  {s['memcpy_us']:7.1f} us {s['memcpy_gibps']:6.2f} GiB/s"
+             f"   {s['zmq_rtt_us']:8.1f} us   {s['hop_us']:8.1f} us   {s['hop_over_zmq_rtt']:6.2f}x")
+
+
+if __name__ == "__main__":
+    consumer_main(sys.argv[1:])

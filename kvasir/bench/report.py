@@ -1,0 +1,74 @@
+"""``kvasir bench`` reports as terminal text (the same dicts ``--json`` prints)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+Echo = Callable[[str], None]
+
+NAMES = {
+    "ring": "(a) in-flight ring",
+    "drained": "(b) drained ring, inflight = 1",
+    "hf-static": "(c) transformers generate, static batches",
+    "hf-continuous": "(d) transformers generate_batch",
+}
+
+
+def print_report(report: dict, echo: Echo) -> None:
+    if "submit_only" in report:
+        r = report["submit_only"]
+        echo(f"submitted {r['submitted']}: accepted {r['accepted']}, overloaded {r['overloaded']}, lost {r['lost']}; "
+             f"{r['sent_per_s']:.0f} sent/s, {r['accepted_per_s']:.0f} accepted/s")
+    elif "compare" in report:
+        print_compare(report["compare"], echo)
+    elif "sweep" in report:
+        for point in report["sweep"]:
+            s = point["summary"]
+            echo(f"rate {point['rate']:8.3g} req/s  attainment {point['attainment']:6.1%}  "
+                 f"{s['output_tokens_per_s']:8.1f} tok/s  TTFT p90 {s['ttft']['p90'] * 1e3:8.1f} ms  "
+                 f"ITL p90 {s['itl']['p90'] * 1e3:7.1f} ms")
+        slo = report["slo"]
+        echo(f"goodput {report['goodput']:.3g} requests/s (>= {slo['attain']:.0%} within TTFT {slo['ttft_s']} s "
+             f"and TPOT {slo['tpot_s']} s)")
+    else:
+        print_run(report, echo)
+    for path in report.get("plots", ()):
+        echo(f"wrote {path}")
+
+
+def print_run(report: dict, echo: Echo) -> None:
+    s = report["summary"]
+    echo(f"requests {s['requests']} ok, {s['errors']} failed, in {s['duration_s']:.2f} s")
+    echo(f"throughput  {s['requests_per_s']:.2f} requests/s, {s['output_tokens_per_s']:.1f} output tokens/s")
+    for name in ("ttft", "itl", "e2e"):
+        d = s[name]
+        echo(f"{name:<5} ms    p50 {d['p50'] * 1e3:8.1f}  p90 {d['p90'] * 1e3:8.1f}  p99 {d['p99'] * 1e3:8.1f}")
+    if s["slo_attainment"] is not None:
+        echo(f"SLO attainment {s['slo_attainment']:.1%}")
+    print_stages(report["stages"], echo)
+
+
+def print_stages(stages: list[dict], echo: Echo, indent: str = "") -> None:
+    for st in stages:
+        echo(
+            f"{indent}stage {st['index']}  busy {st['busy']:.0%}  starved {st['starved']:.0%}  blocked {st['blocked']:.0%}  "
+            f"hop {st['hop_of_busy']:.2%} of busy  {st['batches_per_s']:.1f} batches/s  "
+            f"{st['rows_per_batch']:.1f} rows, {st['tokens_per_batch']:.1f} tokens per batch"
+        )
+
+
+def print_compare(report: dict, echo: Echo) -> None:
+    w = report["workload"]
+    echo(f"plan {report['plan']}: {w['requests']} requests (+{w['warmup']} warm-up), concurrency {w['concurrency']}, "
+         f"prompt {w.get('prompt_len')}, output {w.get('output_len')} tokens; {report['threads']} torch threads "
+         f"per contender; {report['rounds']} round(s), alternating")
+    for name, entry in report["contenders"].items():
+        rounds = ", ".join(f"{v:.1f}" for v in entry["output_tokens_per_s"])
+        echo(f"{NAMES.get(name, name):<45} {entry['mean_output_tokens_per_s']:8.1f} output tokens/s  (rounds: {rounds})")
+        if "summary" in entry:
+            s = entry["summary"]
+            echo(f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
+                 f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms")
+            print_stages(entry["stages"], echo, indent="    ")
+    for name, value in report["ratios"].items():
+        echo(f"ratio {name:<22} {value:.2f}x")
