@@ -368,7 +368,7 @@ def stats(as_json, wait_s, runtime_dir) -> None:
         daemon = client.stats()
     finally:
         client.close()
-    body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f != "stages"}
+    body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f not in ("stages", "timeline")}
     body["stages"] = [msgspec.structs.asdict(stage) for stage in daemon.stages]
     body = msgspec.to_builtins(body)
     for stage in body["stages"]:
@@ -391,3 +391,27 @@ def stats(as_json, wait_s, runtime_dir) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
+@kvasir.command()
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between frames.")
+@click.option("--count", type=int, default=None, help="Stop after this many frames (default: until q or Ctrl-C).")
+@RUNTIME_DIR
+def top(interval, count, runtime_dir) -> None:
+    """Live view: per-stage busy / starved / blocked bars, batches in flight, queue, tokens/s.
+
+    Press q (or Ctrl-C) to quit. Exit code 3 when no daemon answers (or it stops answering).
+    """
+    from kvasir.client import NoDaemon
+    from kvasir.top import run_top
+
+    if interval <= 0 or (count is not None and count < 1):
+        raise click.UsageError("--interval must be > 0 and --count >= 1")
+    client = _connect(runtime_dir)
+    try:
+        run_top(lambda: client.stats(timeout_s=max(5.0, 3 * interval)), interval, count)
+    except (NoDaemon, KvasirError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(3)
+    finally:
+        client.close()

@@ -158,15 +158,18 @@ class AsyncClient:
         self._raise_if_failed()
         await self._sock.send(self._encoder.encode(Cancel(request_id=request_id)))
 
-    async def stats(self, timeline: bool = False) -> DaemonStats:
-        """The daemon's statistics; with ``timeline``, each stage's recent batch spans too."""
+    async def stats(self, timeline: bool = False, timeout_s: float = 10.0) -> DaemonStats:
+        """The daemon's statistics; with ``timeline``, each stage's recent batch spans too.
+        NoDaemon when no answer comes within ``timeout_s``."""
         self._raise_if_failed()
         key = next(self._keys)
         future = asyncio.get_running_loop().create_future()
         self._stats[key] = future
         await self._sock.send(self._encoder.encode(StatsQuery(key=key, timeline=timeline)))
         try:
-            return await future
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise NoDaemon(f"kvasird at {self.runtime_dir} did not answer a stats query within {timeout_s:g} s") from None
         finally:
             self._stats.pop(key, None)
 
@@ -260,8 +263,8 @@ class Client:
     def cancel(self, request_id: int) -> None:
         self._call(self._client.cancel(request_id))
 
-    def stats(self, timeline: bool = False) -> DaemonStats:
-        return self._call(self._client.stats(timeline))
+    def stats(self, timeline: bool = False, timeout_s: float = 10.0) -> DaemonStats:
+        return self._call(self._client.stats(timeline, timeout_s))
 
     def close(self) -> None:
         self._call(self._client.close())

@@ -151,6 +151,7 @@ class StageStats(_Tagged):
     inflight: int  # batches in flight (head only; 0 elsewhere)
     kv_requests: int  # requests whose KV the stage holds
     kv_blocks: int  # KV blocks those requests hold on this stage
+    waiting: int = 0  # requests queued for admission (head only; 0 elsewhere)
     hop_s: float = 0.0  # of busy and waiting time: spent handing boundaries over (slots, descriptors, credits)
     spans: tuple[BatchSpan, ...] = ()  # batches run since the previous report (the bridge keeps a bounded timeline)
 
@@ -236,6 +237,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     uptime_s: float
     requests: int  # accepted since start
     in_flight: int  # accepted and not yet ended
+    tokens_out: int = 0  # output tokens streamed to clients since start
     waiting_limit: int
     vocab_size: int
     max_seq_len: int

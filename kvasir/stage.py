@@ -137,7 +137,7 @@ class SchedulerIntake:
         pass
 
     def counters(self) -> dict[str, int]:
-        return {"inflight": len(self.scheduler.inflight)}
+        return {"inflight": len(self.scheduler.inflight), "waiting": len(self.scheduler.waiting)}
 
 
 # -- every other stage: batches come from upstream ----------------------------------------
@@ -175,7 +175,7 @@ class UpstreamIntake:
             self.hop_ns += time.perf_counter_ns() - started
 
     def counters(self) -> dict[str, int]:
-        return {"inflight": 0}
+        return {"inflight": 0, "waiting": 0}
 
 
 # -- outputs -------------------------------------------------------------------------------
@@ -337,6 +337,7 @@ class StageAgent:
     def stats(self, now: float) -> StageStats:
         c = self.clock
         cache = self.engine.cache
+        counters = self.intake.counters()
         return StageStats(
             index=self.engine.index,
             layers=self.engine.spec.layers,
@@ -348,7 +349,8 @@ class StageAgent:
             batches=c.batches,
             rows=c.rows,
             tokens=c.tokens,
-            inflight=self.intake.counters()["inflight"],
+            inflight=counters["inflight"],
+            waiting=counters["waiting"],
             kv_requests=cache.requests,
             kv_blocks=cache.blocks_held,
             hop_s=(self.intake.hop_ns + self.outlet.hop_ns) / 1e9,

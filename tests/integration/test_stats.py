@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvasir.client import AsyncClient
+from kvasir.client import AsyncClient, Client
 from models import save_tiny_model
 
 SPLITS = [(0, 2), (2, 4), (4, 6)]
@@ -58,3 +58,55 @@ def test_inflight_ring_is_busy_and_drained_ring_starves(wider_model, start_daemo
         assert ring_busy > 0.55  # far above 1/S = 0.33
         assert drained_starved > 0.5  # about (S-1)/S = 0.67 in theory
         assert ring_busy > 1.5 * drained_busy
+
+
+def test_top_draws_frames_from_live_stats(tiny_models, start_daemon):
+    import subprocess
+    import threading
+
+    from daemon import BIN
+
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)]).wait_ready()
+    with Client(daemon.runtime_dir) as client:
+        def load():
+            for _ in range(6):
+                client.generate(token_ids=[5, 6, 7], max_tokens=40, temperature=0)
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        run = subprocess.run([str(BIN / "kvasir"), "top", "--interval", "0.6", "--count", "3",
+                              "--runtime-dir", str(daemon.runtime_dir)], capture_output=True, text=True, timeout=60)
+        worker.join()
+    assert run.returncode == 0, run.stderr
+    frames = [line for line in run.stdout.splitlines() if line.startswith("kvasir  up")]
+    assert len(frames) == 3
+    stage_lines = [line for line in run.stdout.splitlines() if line.lstrip().startswith(("0 ", "1 "))]
+    assert len(stage_lines) == 6 and any("#" in line for line in stage_lines)
+    assert "tokens/s out" in run.stdout
+    # on a terminal: redraws in place, and q quits at once
+    import os
+    import pty
+
+    main, side = pty.openpty()
+    live = subprocess.Popen([str(BIN / "kvasir"), "top", "--interval", "0.3", "--runtime-dir", str(daemon.runtime_dir)],
+                            stdin=side, stdout=side, stderr=side)
+    os.close(side)
+    seen = b""
+    deadline = time.monotonic() + 30
+    while b"(q to quit)" not in seen and time.monotonic() < deadline:
+        seen += os.read(main, 4096)
+    assert b"\x1b[2J" in seen and b"(q to quit)" in seen
+    os.write(main, b"q")
+    assert live.wait(10) == 0
+    os.close(main)
+    gone = subprocess.run([str(BIN / "kvasir"), "top", "--count", "1", "--runtime-dir", str(daemon.runtime_dir / "none")],
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 3
+
+
+def test_bar_shares():
+    from kvasir.top import bar
+
+    assert bar(0.5, 0.25, 0.25, width=8) == "####--xx"
+    assert bar(0.0, 0.0, 0.0, width=4) == "    "
+    assert len(bar(0.34, 0.33, 0.34, width=10)) == 10

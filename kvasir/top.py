@@ -1,0 +1,96 @@
+"""``kvasir top``: a live terminal view of a running daemon, refreshed about once a second.
+
+Each frame compares two stats snapshots: per stage the busy / starved / blocked shares
+of the interval as bars, batches and tokens per second, KV held; daemon-wide the
+requests in flight, the head's queue and batches in flight, and output tokens/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import sys
+import termios
+import time
+import tty
+from collections.abc import Callable
+
+import click
+
+from kvasir.messages import DaemonStats, StageStats
+
+BAR = 24
+
+
+def bar(busy: float, starved: float, blocked: float, width: int = BAR) -> str:
+    """``#`` busy, ``-`` starved, ``x`` blocked, spaces for the rest (unaccounted)."""
+    cells = [round(busy * width), round(starved * width), round(blocked * width)]
+    while sum(cells) > width:
+        cells[cells.index(max(cells))] -= 1
+    return "#" * cells[0] + "-" * cells[1] + "x" * cells[2] + " " * (width - sum(cells))
+
+
+def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
+    """The lines of one frame: what changed between two snapshots."""
+    seconds = max(after.uptime_s - before.uptime_s, 1e-9)
+    head = next((s for s in after.stages if s.index == 0), None)
+    lines = [
+        f"kvasir  up {after.uptime_s:7.0f} s   requests {after.requests}   in flight {after.in_flight}"
+        f"   queued {head.waiting if head else 0}   batches in flight {head.inflight if head else 0}"
+        f"   {(after.tokens_out - before.tokens_out) / seconds:7.1f} tokens/s out",
+        f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks",
+    ]
+    old = {s.index: s for s in before.stages}
+    for s in after.stages:
+        lines.append(_stage_line(old.get(s.index), s))
+    return lines
+
+
+def _stage_line(b: StageStats | None, s: StageStats) -> str:
+    if b is None or s.wall_s <= b.wall_s:
+        return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  (waiting for the stage's next report)"
+    wall = s.wall_s - b.wall_s
+    busy, starved, blocked = ((s.busy_s - b.busy_s) / wall, (s.starved_s - b.starved_s) / wall, (s.blocked_s - b.blocked_s) / wall)
+    return (
+        f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  [{bar(busy, starved, blocked)}]  {busy:4.0%} {starved:5.0%} {blocked:5.0%}"
+        f"  {(s.batches - b.batches) / wall:9.1f}  {(s.tokens - b.tokens) / wall:8.1f}   {s.kv_blocks:9d}"
+    )
+
+
+@contextlib.contextmanager
+def _keys():
+    """Single keypresses from a terminal's stdin (cbreak mode, restored on exit); a
+    function that waits up to some seconds and returns the key pressed, or ''."""
+    if not sys.stdin.isatty():
+        yield lambda seconds: time.sleep(seconds) or ""
+        return
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    try:
+        def wait(seconds: float) -> str:
+            ready, _, _ = select.select([fd], [], [], seconds)
+            return os.read(fd, 1).decode(errors="replace") if ready else ""
+
+        yield wait
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def run_top(stats: Callable[[], DaemonStats], interval_s: float, count: int | None, echo=click.echo) -> None:
+    """Draw frames until q, Ctrl-C, ``count`` frames, or the daemon going away."""
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    before = stats()
+    shown = 0
+    with _keys() as wait:
+        try:
+            while count is None or shown < count:
+                if wait(interval_s).lower() == "q":
+                    return
+                after = stats()
+                echo(clear + "\n".join(frame(before, after)) + ("\n(q to quit)" if clear else ""))
+                before = after
+                shown += 1
+        except KeyboardInterrupt:
+            return
