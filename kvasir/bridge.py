@@ -52,7 +52,7 @@ from kvasir.messages import (
     WorkerSettings,
 )
 from kvasir.model.source import resolve_source
-from kvasir.transport import Endpoints, make_socket
+from kvasir.transport import BatchedSocket, Endpoints, make_socket
 from kvasir.validation import check_prompt, check_sampling
 
 
@@ -109,6 +109,8 @@ class Bridge:
         self.commands = make_socket(ctx, zmq.PULL, bind=ends.command("bridge"))
         self.head = make_socket(ctx, zmq.PUSH, connect=ends.stage_in(0))
         self.control = make_socket(ctx, zmq.PUSH, connect=ends.control)
+        self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
+        self.inbox_io, self.head_io = BatchedSocket(self.inbox), BatchedSocket(self.head)
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
@@ -142,24 +144,27 @@ class Bridge:
 
     async def _clients(self) -> None:
         while True:
-            frames = await self.clients.recv_multipart()
-            if len(frames) != 2:
-                if frames:
-                    await self._send(frames[0], ErrorEvent(code="invalid_request", message=f"expected one frame, got {len(frames) - 1}"))
-                continue
-            identity, body = frames
-            try:
-                message = self.client_decoder.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                await self._send(identity, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}"))
-                continue
-            match message:
-                case Submit():
-                    await self._submit(identity, message)
-                case Cancel(request_id=rid):
-                    await self._cancel(identity, rid)
-                case StatsQuery(key=key, timeline=timeline):
-                    await self._send(identity, StatsReply(key=key, stats=self.daemon_stats(timeline)))
+            for frames in await self.client_io.recv_batch(multipart=True):
+                await self._client_message(frames)
+
+    async def _client_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            if frames:
+                await self._send(frames[0], ErrorEvent(code="invalid_request", message=f"expected one frame, got {len(frames) - 1}"))
+            return
+        identity, body = frames
+        try:
+            message = self.client_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await self._send(identity, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}"))
+            return
+        match message:
+            case Submit():
+                await self._submit(identity, message)
+            case Cancel(request_id=rid):
+                await self._cancel(identity, rid)
+            case StatsQuery(key=key, timeline=timeline):
+                await self._send(identity, StatsReply(key=key, stats=self.daemon_stats(timeline)))
 
     async def _submit(self, identity: bytes, msg: Submit) -> None:
         try:
@@ -187,7 +192,7 @@ class Bridge:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.pending[rid] = Pending(identity, msg.key, len(ids), time.monotonic_ns(), detok)
         await self._send(identity, Accepted(key=msg.key, request_id=rid))
-        await self.head.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling)))
+        await self.head_io.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling)))
 
     def _prompt_ids(self, msg: Submit) -> list[int]:
         if (msg.prompt is None) == (msg.token_ids is None):
@@ -214,24 +219,27 @@ class Bridge:
                 identity, ErrorEvent(code="unknown_request", message=f"no running request {rid} of yours", request_id=rid)
             )
             return
-        await self.head.send(self.encoder.encode(CancelRequest(rid)))
+        await self.head_io.send(self.encoder.encode(CancelRequest(rid)))
 
     async def _stages(self) -> None:
         while True:
-            body = await self.inbox.recv()
-            match self.inbox_decoder.decode(body):
-                case TokenEvents(tokens=tokens):
-                    for token in tokens:
-                        await self._token(token)
-                case RequestEnded(request_id=rid, code=code, message=text):
-                    record = self.pending.pop(rid, None)
-                    if record is not None:
-                        event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
-                        await self._send(record.identity, event)
-                case StageStats() as stats:
-                    self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
-                    self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
+            for body in await self.inbox_io.recv_batch():
+                await self._stage_message(self.inbox_decoder.decode(body))
             await self._maybe_drained()
+
+    async def _stage_message(self, message: BridgeMessage) -> None:
+        match message:
+            case TokenEvents(tokens=tokens):
+                for token in tokens:
+                    await self._token(token)
+            case RequestEnded(request_id=rid, code=code, message=text):
+                record = self.pending.pop(rid, None)
+                if record is not None:
+                    event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
+                    await self._send(record.identity, event)
+            case StageStats() as stats:
+                self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
+                self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
 
     async def _token(self, token: SampledToken) -> None:
         record = self.pending.get(token.request_id)
@@ -251,8 +259,8 @@ class Bridge:
                 text += record.detokenizer.flush()
         event = TokenOut(request_id=token.request_id, index=token.index, token_id=token.token_id, text=text)
         encoded = self.encoder.encode(event)
-        await self.publisher.send(encoded)
-        await self.clients.send_multipart([record.identity, encoded])
+        await self.publisher_io.send(encoded)
+        await self.client_io.send_multipart([record.identity, encoded])
         if token.finish is not None:
             del self.pending[token.request_id]
             await self._send(record.identity, self._finished(token.request_id, token.finish, record))
@@ -302,7 +310,7 @@ class Bridge:
         self.pending.clear()
 
     async def _send(self, identity: bytes, event) -> None:
-        await self.clients.send_multipart([identity, self.encoder.encode(event)])
+        await self.client_io.send_multipart([identity, self.encoder.encode(event)])
 
     def daemon_stats(self, timeline: bool = False) -> DaemonStats:
         order = sorted(self.stage_stats)

@@ -37,7 +37,7 @@ from kvasir.messages import (
     Submit,
     TokenOut,
 )
-from kvasir.transport import Endpoints, default_runtime_dir
+from kvasir.transport import BatchedSocket, Endpoints, default_runtime_dir
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 
@@ -84,6 +84,7 @@ class AsyncClient:
         self.runtime_dir = runtime_dir
         self._ctx = ctx
         self._sock = sock
+        self._io = BatchedSocket(sock)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ClientEvent)
         self._keys = itertools.count(1)
@@ -151,12 +152,12 @@ class AsyncClient:
             stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos,
         )
-        await self._sock.send(self._encoder.encode(message))
+        await self._io.send(self._encoder.encode(message))
         return stream
 
     async def cancel(self, request_id: int) -> None:
         self._raise_if_failed()
-        await self._sock.send(self._encoder.encode(Cancel(request_id=request_id)))
+        await self._io.send(self._encoder.encode(Cancel(request_id=request_id)))
 
     async def stats(self, timeline: bool = False, timeout_s: float = 10.0) -> DaemonStats:
         """The daemon's statistics; with ``timeline``, each stage's recent batch spans too.
@@ -165,7 +166,7 @@ class AsyncClient:
         key = next(self._keys)
         future = asyncio.get_running_loop().create_future()
         self._stats[key] = future
-        await self._sock.send(self._encoder.encode(StatsQuery(key=key, timeline=timeline)))
+        await self._io.send(self._encoder.encode(StatsQuery(key=key, timeline=timeline)))
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
@@ -183,7 +184,8 @@ class AsyncClient:
     async def _read(self) -> None:
         try:
             while True:
-                self._route(self._decoder.decode(await self._sock.recv()))
+                for body in await self._io.recv_batch():
+                    self._route(self._decoder.decode(body))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # deliver the failure to every waiting caller

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +74,7 @@ class Scheduler:
         self.max_seq_len = plan.model.max_seq_len
         self.vocab_size = vocab_size
         self.blocks = BlockAllocator(plan.kv.num_blocks)
-        self.waiting: deque[RequestState] = deque()
+        self.waiting: dict[int, RequestState] = {}  # by request id, in arrival order
         self.running: dict[int, RequestState] = {}
         self.inflight: dict[int, tuple[int, ...]] = {}  # batch id -> request ids
         self._release: list[int] = []
@@ -97,18 +96,17 @@ class Scheduler:
         if request_id is None:
             request_id = self._next_request
             self._next_request += 1
-        elif request_id in self.running or any(w.request_id == request_id for w in self.waiting):
+        elif request_id in self.running or request_id in self.waiting:
             raise RequestError("invalid_request", f"request id {request_id} is already in use")
         rid = request_id
-        self.waiting.append(RequestState(rid, ids, sampling, seed, need))
+        self.waiting[rid] = RequestState(rid, ids, sampling, seed, need)
         return rid
 
     def cancel(self, request_id: int) -> Emitted | None:
         """Cancel a request; its terminal event now, or when its in-flight batch returns."""
-        for state in self.waiting:
-            if state.request_id == request_id:
-                self.waiting.remove(state)
-                return Emitted(request_id, None, len(state.output), "cancelled")
+        state = self.waiting.pop(request_id, None)
+        if state is not None:
+            return Emitted(request_id, None, len(state.output), "cancelled")
         state = self.running.get(request_id)
         if state is None or state.cancelled:
             return None
@@ -179,10 +177,11 @@ class Scheduler:
     def _admit(self):
         """Admit waiting requests in arrival order while their KV reservation fits."""
         while self.waiting:
-            blocks = self.blocks.allocate(self.waiting[0].need_blocks)
+            first = next(iter(self.waiting.values()))
+            blocks = self.blocks.allocate(first.need_blocks)
             if blocks is None:
                 return
-            state = self.waiting.popleft()
+            state = self.waiting.pop(first.request_id)
             state.blocks = blocks
             self.running[state.request_id] = state
             yield state

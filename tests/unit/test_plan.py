@@ -222,7 +222,7 @@ def test_installed_console_script_exits_2_on_a_bad_plan(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert good.returncode == 0, good.stderr
-    assert "middle" in good.stdout and "[9, 21)" in good.stdout
+    assert "middle" in good.stdout and "[11, 22)" in good.stdout
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "plans").glob("*.toml")), ids=lambda p: p.name)
