@@ -7,6 +7,7 @@ one msgspec type (or tagged union) each; nothing is pickled.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -117,19 +118,45 @@ NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 
 
 class BatchedSocket:
-    """An asyncio ZMQ socket used in batches: one await for everything already waiting,
-    and sends that do not await unless the socket is full.
+    """A ZMQ socket driven from asyncio in batches: one wake-up for everything already
+    waiting, and sends that never wait unless the socket is full.
 
     pyzmq's asyncio layer costs a future and a few callbacks per message; at tens of
-    thousands of small messages a second that, not the socket, is the limit. The
-    synchronous ``shadow`` of the same socket does the non-blocking calls; ``poll``
-    on the asyncio socket checks ZMQ's EVENTS before waiting, so no wake-up is lost.
+    thousands of small messages a second that, not the socket, is the limit. This class
+    owns the socket outright (its asyncio wrapper must not be used for I/O): it makes
+    non-blocking calls on a synchronous shadow and waits on ZMQ's file descriptor itself.
+    That descriptor is edge-triggered and any operation may consume its notification,
+    so after every operation, and on every wake-up, the waiters re-check ZMQ's EVENTS.
     """
 
     def __init__(self, sock, max_batch: int = 512) -> None:
-        self.socket = sock  # a zmq.asyncio.Socket
+        self.socket = sock  # bind, connect, options and close stay with the caller
         self.shadow = zmq.Socket.shadow(sock.underlying)
         self.max_batch = max_batch
+        self._waiters: list[tuple[int, Any]] = []  # (zmq.POLLIN | zmq.POLLOUT, future)
+
+    def _wake(self) -> None:
+        if not self._waiters:
+            return
+        events = self.shadow.get(zmq.EVENTS)
+        for event, future in self._waiters:
+            if events & event and not future.done():
+                future.set_result(None)
+
+    async def _wait(self, event: int) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._waiters:
+            loop.add_reader(self.shadow.FD, self._wake)
+        waiter = (event, future)
+        self._waiters.append(waiter)
+        try:
+            self._wake()  # it may have happened already
+            await future
+        finally:
+            self._waiters.remove(waiter)
+            if not self._waiters:
+                loop.remove_reader(self.shadow.FD)
 
     async def recv_batch(self, multipart: bool = False) -> list:
         """At least one message (frames lists with ``multipart``), at most ``max_batch``."""
@@ -142,25 +169,23 @@ class BatchedSocket:
             except zmq.Again:
                 pass
             if out:
+                self._wake()
                 return out
-            await self.socket.poll(flags=zmq.POLLIN)
+            await self._wait(zmq.POLLIN)
 
     async def send(self, data: bytes) -> None:
-        try:
-            self.shadow.send(data, NOBLOCK)
-        except zmq.Again:
-            await self.socket.send(data)
+        await self.send_multipart([data])
 
     async def send_multipart(self, frames: list) -> None:
         """ZMQ takes a multipart message whole or not at all: once the first frame is
         queued, the rest are too."""
-        if len(frames) == 1:
-            return await self.send(frames[0])
-        try:
-            self.shadow.send(frames[0], NOBLOCK_MORE)
-        except zmq.Again:
-            await self.socket.send_multipart(frames)
-            return
-        for frame in frames[1:-1]:
-            self.shadow.send(frame, NOBLOCK_MORE)
-        self.shadow.send(frames[-1], NOBLOCK)
+        last = len(frames) - 1
+        while True:
+            try:
+                self.shadow.send(frames[0], NOBLOCK_MORE if last else NOBLOCK)
+                break
+            except zmq.Again:
+                await self._wait(zmq.POLLOUT)
+        for index in range(1, last + 1):
+            self.shadow.send(frames[index], NOBLOCK_MORE if index < last else NOBLOCK)
+        self._wake()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -63,6 +64,8 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
     from kvasir.bench.workload import LengthSpec
     from kvasir.client import NoDaemon
 
+    # SIGTERM unwinds like Ctrl-C, so a daemon this run started is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if concurrency is not None and rate is not None:
         raise click.UsageError("give --concurrency or --rate, not both")
     if rate_sweep and concurrency is not None:

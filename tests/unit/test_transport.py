@@ -1,0 +1,96 @@
+"""BatchedSocket: batched asyncio I/O over ZMQ without lost wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvasir.transport import BatchedSocket
+
+
+def echo(ctx: zmq.Context, endpoint: str, stop: threading.Event) -> None:
+    """A ROUTER that sends every message straight back (a thread with a plain socket)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not stop.is_set():
+        if poller.poll(50):
+            sock.send_multipart(sock.recv_multipart())
+    sock.close()
+
+
+def test_one_socket_shared_by_a_reader_and_writers_never_stalls(tmp_path):
+    # A reader task waits on the socket while writer tasks send on it: every send may
+    # consume the edge-triggered descriptor's notification of an arrived reply, which
+    # must still wake the reader. Thousands of round trips, each bounded by a timeout.
+    endpoint = f"ipc://{tmp_path / 'echo.sock'}"
+    ctx = zmq.asyncio.Context()
+    stop = threading.Event()
+    peer = threading.Thread(target=echo, args=(zmq.Context.shadow(ctx.underlying), endpoint, stop))
+    peer.start()
+
+    async def main() -> int:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 16)  # small queue: writers also wait for room
+        sock.connect(endpoint)
+        io = BatchedSocket(sock, max_batch=7)
+        waiting: dict[bytes, asyncio.Future] = {}
+
+        async def reader() -> None:
+            while True:
+                for reply in await io.recv_batch():
+                    waiting.pop(reply).set_result(None)
+
+        async def writer(name: int) -> int:
+            done = 0
+            for i in range(600):
+                key = f"{name}-{i}".encode()
+                waiting[key] = asyncio.get_running_loop().create_future()
+                await io.send(key)
+                if i % 3 == 0:
+                    await asyncio.wait_for(waiting[key], 5)
+                    done += 1
+            return done
+
+        task = asyncio.create_task(reader())
+        try:
+            counts = await asyncio.wait_for(asyncio.gather(*(writer(n) for n in range(6))), 60)
+            await asyncio.wait_for(asyncio.gather(*waiting.values()), 10)
+        finally:
+            task.cancel()
+            sock.close()
+        return sum(counts)
+
+    try:
+        assert asyncio.run(main()) == 6 * 200
+    finally:
+        stop.set()
+        peer.join()
+        ctx.term()
+
+
+@pytest.mark.parametrize("frames", [[b"one"], [b"id", b"body"], [b"a", b"b", b"c"]])
+def test_multipart_frames_arrive_whole(tmp_path, frames):
+    endpoint = f"ipc://{tmp_path / 'pair.sock'}"
+    ctx = zmq.asyncio.Context()
+
+    async def main():
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind(endpoint)
+        b.connect(endpoint)
+        try:
+            await BatchedSocket(a).send_multipart(frames)
+            return await asyncio.wait_for(BatchedSocket(b).recv_batch(multipart=True), 5)
+        finally:
+            a.close(linger=0)
+            b.close(linger=0)
+
+    assert asyncio.run(main()) == [frames]
+    ctx.term()
