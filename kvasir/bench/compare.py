@@ -15,6 +15,7 @@ import asyncio
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -121,10 +122,7 @@ def run_compare(
             for kind in contenders:
                 say(f"round {round_index + 1}/{rounds}: {kind}")
                 if kind in RING_KINDS:
-                    hook = None
-                    if on_ring_result is not None:
-                        async def hook(client, result, kind=kind):
-                            await on_ring_result(kind, client, result)
+                    hook = partial(on_ring_result, kind) if on_ring_result is not None else None
                     with ManagedDaemon(plans[kind], Path(tmp) / kind, len(plan.stages)) as daemon:
                         result = asyncio.run(_drive(daemon.runtime_dir, workload, hook))
                     report = ring_report(result, slo)

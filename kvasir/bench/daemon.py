@@ -26,6 +26,35 @@ def kvasird_command() -> list[str]:
     return [found]
 
 
+def wait_serving(process: subprocess.Popen, runtime_dir: Path, stages: int, timeout_s: float, log_tail) -> None:
+    """Return once the daemon answers stats with all ``stages``; BenchDaemonError if it
+    exits first or does not answer within ``timeout_s`` (``log_tail()`` says why)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise BenchDaemonError(f"kvasird exited with {process.returncode} before serving:\n{log_tail()}")
+        try:
+            with Client(runtime_dir, timeout_s=2.0) as client:
+                if len(client.stats().stages) == stages:
+                    return
+        except NoDaemon:
+            pass
+        time.sleep(0.25)
+    raise BenchDaemonError(f"kvasird not serving after {timeout_s:.0f} s:\n{log_tail()}")
+
+
+def stop_gracefully(process: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """SIGTERM (drain, then exit), SIGKILL after ``timeout_s``; the exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 class ManagedDaemon:
     """``kvasird start --plan PLAN`` in ``work_dir/run``, its log in ``work_dir/kvasird.log``.
 
@@ -62,18 +91,7 @@ class ManagedDaemon:
         self.stop()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise BenchDaemonError(f"kvasird exited with {self.process.returncode} before serving:\n{self.log_tail()}")
-            try:
-                with Client(self.runtime_dir, timeout_s=2.0) as client:
-                    if len(client.stats().stages) == self.stages:
-                        return
-            except NoDaemon:
-                pass
-            time.sleep(0.25)
-        raise BenchDaemonError(f"kvasird not serving after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
+        wait_serving(self.process, self.runtime_dir, self.stages, self.ready_timeout_s, self.log_tail)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -82,11 +100,5 @@ class ManagedDaemon:
             return "(no log)"
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            stop_gracefully(self.process, timeout_s)

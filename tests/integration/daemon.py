@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from kvasir.client import Client, NoDaemon
+from kvasir.bench.daemon import stop_gracefully, wait_serving
+from kvasir.client import Client
 
 BIN = Path(sys.executable).parent
 
@@ -47,33 +47,17 @@ class Daemon:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout_s: float = 180.0) -> "Daemon":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvasird exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                with Client(self.runtime_dir, timeout_s=2.0) as client:
-                    if len(client.stats().stages) == self.stages:
-                        return self
-            except NoDaemon:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"kvasird not ready after {timeout_s} s:\n{self.log()}")
+        wait_serving(self.process, self.runtime_dir, self.stages, timeout_s, self.log)
+        return self
 
     def child_pids(self) -> list[int]:
         with Client(self.runtime_dir) as client:
             return [s.pid for s in client.stats().stages]
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = stop_gracefully(self.process, timeout_s)
         self._log.close()
-        return self.process.returncode
+        return code
 
 
 def alive(pid: int) -> bool:

@@ -8,7 +8,6 @@ import subprocess
 import time
 
 import msgspec
-import pytest
 import zmq
 import zmq.asyncio
 
