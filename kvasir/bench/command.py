@@ -68,10 +68,14 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if concurrency is not None and rate is not None:
         raise click.UsageError("give --concurrency or --rate, not both")
+    if compare and (rate is not None or rate_sweep or submit_only):
+        raise click.UsageError("--compare runs a closed loop: give --concurrency, not --rate, --rate-sweep or --submit-only")
     if rate_sweep and concurrency is not None:
         raise click.UsageError("--rate-sweep runs open loop: give --rate (its first rate), not --concurrency")
     if (slo_ttft is None) != (slo_tpot is None):
         raise click.UsageError("give both --slo-ttft and --slo-tpot, or neither")
+    if plot_dir is not None and (submit_only or hop):
+        raise click.UsageError("--plot draws load runs: it does not go with --submit-only or --hop")
     if rate_sweep and slo_ttft is None:
         raise click.UsageError("--rate-sweep needs --slo-ttft and --slo-tpot")
     if count < 1 or warmup < 0 or (concurrency is not None and concurrency < 1) or (rate is not None and rate <= 0):
@@ -103,6 +107,9 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
                                             plot_dir, say)
         if plot_dir is not None:
             from kvasir.bench.plot import plot_run
+
+            if not pictures:
+                raise KvasirError("--plot: no ring run to draw (add ring or drained to --contenders)")
 
             report["plots"] = [str(p) for p in plot_run(pictures, Path(plot_dir))]
     except NoDaemon as exc:

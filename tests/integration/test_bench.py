@@ -120,10 +120,12 @@ def test_timeline_spans_follow_one_batch_plan(tiny_models, start_daemon):
         assert all(a.end_ns <= b.start_ns for a, b in zip(lane, lane[1:]))  # one batch at a time per stage
         assert sum(s.prefill_tokens + s.decode_tokens for s in lane) == sum(
             st.tokens for st in with_timeline.stages if st.index == lanes.index(lane))
-    # every stage ran the same batches in the same order, each after its upstream stage
+    # every stage ran the same batches in the same order, each starting after its upstream
+    # stage started it (its end may come after the downstream's: it is taken once the
+    # descriptor has gone, and a tiny batch downstream can be done by then)
     assert [s.batch_id for s in lanes[0]] == [s.batch_id for s in lanes[1]] == [s.batch_id for s in lanes[2]]
     for up, down in zip(lanes, lanes[1:]):
-        assert all(a.end_ns <= b.end_ns for a, b in zip(up, down))
+        assert all(a.start_ns <= b.start_ns for a, b in zip(up, down))
     assert sum(s.decode_tokens for s in lanes[0]) == 10 * 5  # tokens after each request's first
 
 
