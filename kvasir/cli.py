@@ -197,6 +197,7 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     from kvasir.launcher import Launcher, Timeouts, check_host, run_launcher
     from kvasir.model.convert import prepare
     from kvasir.logs import setup_logging
+    from kvasir.notify import ServiceNotifier
     from kvasir.resolve import resolve_plan
 
     path = plan_path or str(default_plan_path())
@@ -219,6 +220,7 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
         log=log,
         timeouts=Timeouts(ready_s=ready_timeout, drain_s=drain_timeout),
         log_level=log_level,
+        notifier=ServiceNotifier.from_environment(),
     )
     sys.exit(run_launcher(launcher))
 

@@ -22,6 +22,7 @@ import zmq
 from kvasir.errors import KvasirError, PlanError
 from kvasir.messages import Command, ControlMessage, Drained, EdgeSpec, Ready, WorkerSettings
 from kvasir.model.source import ModelSource
+from kvasir.notify import ServiceNotifier
 from kvasir.plan import Plan
 from kvasir.slots import ShmSlotRing, create_ring
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
@@ -80,6 +81,7 @@ class Launcher:
     log_level: str = "info"
     state: str = "starting"
     exit_code: int = 0
+    notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
 
     def __post_init__(self) -> None:
         self.ends = Endpoints(self.runtime_dir)
@@ -153,6 +155,7 @@ class Launcher:
                 raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
             if self.state == "draining":
                 raise StartInterrupted("stopped during start-up")
+            self.notifier.watchdog()
             for message in self._control_messages(100):
                 if isinstance(message, Ready):
                     name = f"stage-{message.index}" if message.role == "stage" else "bridge"
@@ -160,7 +163,19 @@ class Launcher:
                         if child.name == name:
                             child.ready = True
         self._bridge().command.send(Command("serve"))
+        self._wait_bound(deadline)
         self.state = "running"
+        self.notifier.ready(f"serving {len(self.plan.stages)} stages from {self.runtime_dir}")
+
+    def _wait_bound(self, deadline: float) -> None:
+        """Until the bridge has bound the client endpoint (binding an ipc socket makes its file)."""
+        while not self.ends.client_path.exists():
+            dead = self._dead()
+            if dead is not None:
+                raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
+            if time.monotonic() > deadline + 10:
+                raise LaunchError("the bridge did not bind the client endpoint")
+            time.sleep(0.01)
 
     # -- serving --------------------------------------------------------------------------
     def request_stop(self, signum: int, _frame=None) -> None:
@@ -175,13 +190,16 @@ class Launcher:
             dead = self._dead()
             if dead is not None:
                 self.log.error("child died", child=dead.name, code=dead.process.returncode)
+                self.notifier.stopping(f"{dead.name} exited with code {dead.process.returncode}")
                 self.exit_code = 1
                 self._stop_all("stage_failed")
                 return
+            self.notifier.watchdog()
             messages = self._control_messages(100)
             if self.state == "draining":
                 if drain_deadline is None:
                     self.log.info("draining", timeout_s=self.timeouts.drain_s)
+                    self.notifier.stopping(f"draining: up to {self.timeouts.drain_s:g} s for running requests")
                     self._bridge().command.send(Command("drain"))
                     drain_deadline = time.monotonic() + self.timeouts.drain_s
                 if any(isinstance(m, Drained) for m in messages):
@@ -252,6 +270,7 @@ def run_launcher(launcher: Launcher) -> int:
     try:
         launcher.prepare()
         launcher.spawn()
+        launcher.notifier.status(f"loading {len(launcher.plan.stages)} stages")
         launcher.wait_ready()
         launcher.serve()
         launcher.log.info("stopped", code=launcher.exit_code)
@@ -263,6 +282,8 @@ def run_launcher(launcher: Launcher) -> int:
         launcher.log.error("start failed", error=str(exc))
         return 1
     finally:
+        launcher.notifier.stopping("stopping")
         launcher.cleanup()
+        launcher.notifier.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
