@@ -63,3 +63,32 @@ def test_sigterm_under_load_ends_every_request_once_and_leaves_nothing(tiny_mode
 async def one_request(runtime_dir):
     async with await AsyncClient.connect(runtime_dir) as client:
         return await (await client.submit(token_ids=[4, 8, 15], max_tokens=5, temperature=0)).result()
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):
+    import time
+
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="orphans").wait_ready()
+    launcher = daemon.process.pid
+    children = children_of(launcher)
+    assert len(children) == 3  # two stages and the bridge
+    daemon.process.send_signal(signal.SIGKILL)
+    daemon.process.wait(10)
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children), "children outlived their launcher"
+    for leftover in Path("/dev/shm").glob(f"kvasir-{launcher}-*"):  # a killed launcher cannot clean up
+        leftover.unlink()
