@@ -199,8 +199,9 @@ def _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed, 
             sweep.append({"rate": point, "attainment": report["summary"]["slo_attainment"], **report})
         report = {"mode": {"rate_sweep": True}, "workload": workload, "slo": _slo(slo, slo_attain),
                   "goodput": best, "sweep": sweep}
-        point, result, spans = max(runs, key=lambda run: run[0] if run[0] <= best else -1)
-        return report, [RunPicture(f"{point:.3g} req/s", result.records, ring_report(result, slo)["stages"], spans)]
+        shown = max(range(len(runs)), key=lambda i: runs[i][0] if runs[i][0] <= best else -1)
+        point, result, spans = runs[shown]
+        return report, [RunPicture(f"{point:.3g} req/s", result.records, sweep[shown]["stages"], spans)]
     result, spans = asyncio.run(load(concurrency, rate, plot_dir is not None))
     report = {"mode": mode, "workload": workload, **ring_report(result, slo)}
     if slo is not None:

@@ -32,7 +32,7 @@ HIDDEN = 576  # SmolLM2-135M's hidden size
 PING = b"p" * 64
 
 
-def _edge(folder: Path) -> EdgeSpec:
+def _edge() -> EdgeSpec:
     return EdgeSpec(kind="shm", name=f"kvasir-hop-{os.getpid()}-{time.monotonic_ns()}", slots=1,
                     max_tokens=max(SIZES), hidden=HIDDEN, dtype="float32")
 
@@ -81,7 +81,7 @@ def hop_report(iterations: int = 400) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvasir-hop-") as tmp:
         folder = Path(tmp)
-        edge = _edge(folder)
+        edge = _edge()
         ring = create_ring(edge)
         ctx = zmq.Context()
         descriptors_at, credits_at, ping_at = _endpoints(folder)
