@@ -14,11 +14,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import uvloop
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvasir.detokenizer import IncrementalDetokenizer
 from kvasir.errors import RequestError
@@ -37,6 +39,7 @@ from kvasir.messages import (
     Enqueue,
     ErrorEvent,
     Finished,
+    Heartbeat,
     Ready,
     RequestEnded,
     SampledToken,
@@ -51,7 +54,9 @@ from kvasir.messages import (
     Usage,
     WorkerSettings,
 )
+from kvasir.keys import load_pair
 from kvasir.model.source import resolve_source
+from kvasir.plan import BridgeSpec
 from kvasir.transport import BatchedSocket, Endpoints, make_socket
 from kvasir.validation import check_prompt, check_sampling
 
@@ -61,11 +66,18 @@ TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir
 PUB_QUEUE = 1_000_000  # token events queued per `kvasir tail` subscriber before it misses some
 
 
+class Peer(NamedTuple):
+    """A client: the socket it came in on (local ipc, or remote TCP) and its ZMQ identity."""
+
+    io: BatchedSocket
+    identity: bytes
+
+
 @dataclass
 class Pending:
     """A request the bridge has accepted and not yet ended."""
 
-    identity: bytes
+    peer: Peer
     key: int
     prompt_tokens: int
     submitted_ns: int
@@ -94,6 +106,7 @@ class Bridge:
         self.vocab_size = source.vocab_size
         self.max_seq_len = plan.model.max_seq_len
         self.max_waiting = plan.bridge.max_waiting
+        self.max_per_client = plan.bridge.max_per_client
         self.tokenizer = load_tokenizer(source.weights_dir)
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
@@ -107,14 +120,20 @@ class Bridge:
         self.ends = ends
         self.inbox = make_socket(ctx, zmq.PULL, bind=ends.bridge_in)
         self.commands = make_socket(ctx, zmq.PULL, bind=ends.command("bridge"))
-        self.head = make_socket(ctx, zmq.PUSH, connect=ends.stage_in(0))
         self.control = make_socket(ctx, zmq.PUSH, connect=ends.control)
         self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
-        self.inbox_io, self.head_io = BatchedSocket(self.inbox), BatchedSocket(self.head)
+        self.tcp = plan.bridge.tcp
+        self.authenticator = None
+        self.remote_io = self._remote(ctx, plan.bridge) if self.tcp is not None else None
+        self.inbox_io = BatchedSocket(self.inbox)
+        self.ctx = ctx
+        self.head, self.head_io = self._connect_head()
+        self.stats_interval_s = settings.stats_interval_s
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
         self.pending: dict[int, Pending] = {}
+        self.per_client: dict[Peer, int] = {}  # requests in the daemon per client
         self.stage_stats: dict[int, StageStats] = {}
         self.timelines: dict[int, deque[BatchSpan]] = {}
         self.started = time.monotonic()
@@ -123,13 +142,19 @@ class Bridge:
         self.next_id = 1
         self.draining = False
         self.drained_sent = False
+        self.bound = False
+        self.restarting: str | None = None  # what failed, while the ring restarts
+        self.ring_pids: frozenset[int] = frozenset()  # the serving stages (stats from others are stale)
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self.last_failure_at = 0.0
         self.stopped = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     # -- serving -----------------------------------------------------------------------
     async def serve(self) -> None:
         await self.control.send(self.encoder.encode(Ready("bridge", 0, os.getpid())))
-        self._tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands())]
+        self._tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands(), self._heartbeat())]
         stopped = asyncio.create_task(self.stopped.wait())
         try:
             while not self.stopped.is_set():
@@ -142,36 +167,47 @@ class Bridge:
                 task.cancel()
             await asyncio.gather(*self._tasks, stopped, return_exceptions=True)
 
-    async def _clients(self) -> None:
+    async def _clients(self, io: BatchedSocket) -> None:
         while True:
-            for frames in await self.client_io.recv_batch(multipart=True):
-                await self._client_message(frames)
+            for frames in await io.recv_batch(multipart=True):
+                await self._client_message(io, frames)
 
-    async def _client_message(self, frames: list[bytes]) -> None:
+    async def _client_message(self, io: BatchedSocket, frames: list[bytes]) -> None:
         if len(frames) != 2:
             if frames:
-                await self._send(frames[0], ErrorEvent(code="invalid_request", message=f"expected one frame, got {len(frames) - 1}"))
+                error = ErrorEvent(code="invalid_request", message=f"expected one frame, got {len(frames) - 1}")
+                await self._send(Peer(io, frames[0]), error)
             return
         identity, body = frames
+        peer = Peer(io, identity)
         try:
             message = self.client_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._send(identity, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}"))
+            await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}"))
             return
         match message:
             case Submit():
-                await self._submit(identity, message)
+                await self._submit(peer, message)
             case Cancel(request_id=rid):
-                await self._cancel(identity, rid)
+                await self._cancel(peer, rid)
             case StatsQuery(key=key, timeline=timeline):
-                await self._send(identity, StatsReply(key=key, stats=self.daemon_stats(timeline)))
+                await self._send(peer, StatsReply(key=key, stats=self.daemon_stats(timeline)))
 
-    async def _submit(self, identity: bytes, msg: Submit) -> None:
+    async def _submit(self, peer: Peer, msg: Submit) -> None:
         try:
             if self.draining:
                 raise RequestError("shutting_down", "the daemon is shutting down and takes no new requests")
+            if self.restarting is not None:
+                raise RequestError(
+                    "restarting", f"the ring is restarting after a failure ({self.restarting}): retry in a few seconds"
+                )
             if len(self.pending) >= self.max_waiting:
                 raise RequestError("overloaded", f"{len(self.pending)} requests are already waiting or running")
+            mine = self.per_client.get(peer, 0)
+            if mine >= self.max_per_client:
+                raise RequestError(
+                    "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
+                )
             ids = self._prompt_ids(msg)
             sampling = SamplingParams(
                 temperature=msg.temperature,
@@ -184,14 +220,15 @@ class Bridge:
             )
             check_sampling(sampling, self.vocab_size)
         except RequestError as exc:
-            await self._send(identity, ErrorEvent(code=exc.code, message=exc.message, key=msg.key))
+            await self._send(peer, ErrorEvent(code=exc.code, message=exc.message, key=msg.key))
             return
         rid = self.next_id
         self.next_id += 1
         self.accepted += 1
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self.pending[rid] = Pending(identity, msg.key, len(ids), time.monotonic_ns(), detok)
-        await self._send(identity, Accepted(key=msg.key, request_id=rid))
+        self.pending[rid] = Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok)
+        self.per_client[peer] = self.per_client.get(peer, 0) + 1
+        await self._send(peer, Accepted(key=msg.key, request_id=rid))
         await self.head_io.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling)))
 
     def _prompt_ids(self, msg: Submit) -> list[int]:
@@ -212,11 +249,11 @@ class Bridge:
             ids = self.tokenizer.encode(msg.prompt, add_special_tokens=True)
         return check_prompt(ids, self.vocab_size, self.max_seq_len)
 
-    async def _cancel(self, identity: bytes, rid: int) -> None:
+    async def _cancel(self, peer: Peer, rid: int) -> None:
         record = self.pending.get(rid)
-        if record is None or record.identity != identity:
+        if record is None or record.peer != peer:
             await self._send(
-                identity, ErrorEvent(code="unknown_request", message=f"no running request {rid} of yours", request_id=rid)
+                peer, ErrorEvent(code="unknown_request", message=f"no running request {rid} of yours", request_id=rid)
             )
             return
         await self.head_io.send(self.encoder.encode(CancelRequest(rid)))
@@ -233,11 +270,11 @@ class Bridge:
                 for token in tokens:
                     await self._token(token)
             case RequestEnded(request_id=rid, code=code, message=text):
-                record = self.pending.pop(rid, None)
+                record = self._end(rid)
                 if record is not None:
                     event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
-                    await self._send(record.identity, event)
-            case StageStats() as stats:
+                    await self._send(record.peer, event)
+            case StageStats() as stats if stats.pid in self.ring_pids:
                 self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
                 self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
 
@@ -260,10 +297,10 @@ class Bridge:
         event = TokenOut(request_id=token.request_id, index=token.index, token_id=token.token_id, text=text)
         encoded = self.encoder.encode(event)
         await self.publisher_io.send(encoded)
-        await self.client_io.send_multipart([record.identity, encoded])
+        await record.peer.io.send_multipart([record.peer.identity, encoded])
         if token.finish is not None:
-            del self.pending[token.request_id]
-            await self._send(record.identity, self._finished(token.request_id, token.finish, record))
+            self._end(token.request_id)
+            await self._send(record.peer, self._finished(token.request_id, token.finish, record))
 
     def _finished(self, rid: int, reason: str, r: Pending) -> Finished:
         n = len(r.token_ids)
@@ -285,10 +322,9 @@ class Bridge:
         while True:
             command = decoder.decode(await self.commands.recv())
             if command.kind == "serve":
-                self.publisher.bind(self.ends.events)
-                self.clients.bind(self.ends.client)
-                self._tasks.append(asyncio.create_task(self._clients()))
-                self.log.info("accepting clients")
+                self._serve(command)
+            elif command.kind == "ring_down":
+                await self._ring_down(command.message)
             elif command.kind == "drain":
                 self.draining = True
                 self.log.info("draining", requests=len(self.pending))
@@ -299,18 +335,91 @@ class Bridge:
                 self.clients.setsockopt(zmq.LINGER, 2000)  # let those last events reach their clients
                 self.stopped.set()
 
+    def _serve(self, command: Command) -> None:
+        """Every stage is ready: bind the client endpoints (first time), take requests."""
+        if not self.bound:
+            self.publisher.bind(self.ends.events)
+            self.clients.bind(self.ends.client)
+            self._tasks.append(asyncio.create_task(self._clients(self.client_io)))
+            if self.remote_io is not None:
+                try:
+                    self.remote_io.socket.bind(self.tcp)
+                except zmq.ZMQError as exc:
+                    raise RuntimeError(f"cannot bind bridge.tcp = {self.tcp}: {exc}") from None
+                self._tasks.append(asyncio.create_task(self._clients(self.remote_io)))
+                self.log.info("accepting remote clients", endpoint=self.tcp, curve=self.authenticator is not None)
+            self.bound = True
+        if command.message and command.message != self.last_failure:  # a bridge started after a failure
+            self.last_failure, self.last_failure_at = command.message, time.monotonic()
+        self.restarts = command.restarts
+        self.ring_pids = frozenset(command.pids)
+        self.restarting = None
+        self.log.info("accepting clients", restarts=self.restarts)
+
+    async def _ring_down(self, reason: str) -> None:
+        """The stages failed and are being restarted: end every request now, refuse new
+        ones until "serve", and drop whatever was queued for the dead head."""
+        self.restarting = reason
+        self.last_failure, self.last_failure_at = reason, time.monotonic()
+        self.log.warning("ring down", reason=reason, requests=len(self.pending))
+        await self._end_all("stage_failed", f"{reason}; the request was lost and the ring is restarting")
+        self.head.close(linger=0)
+        self.head, self.head_io = self._connect_head()
+        self.stage_stats.clear()
+        self.timelines.clear()
+
+    def _remote(self, ctx: zmq.asyncio.Context, spec: BridgeSpec) -> BatchedSocket:
+        """The ROUTER for remote clients over TCP. With keys it is a CURVE server and ZAP
+        lets in only the clients whose public keys are in ``client_keys``."""
+        sock = make_socket(ctx, zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        if spec.server_key is not None:
+            self.authenticator = AsyncioAuthenticator(ctx)
+            self.authenticator.start()
+            self.authenticator.configure_curve(domain="*", location=spec.client_keys)
+            sock.curve_publickey, sock.curve_secretkey = load_pair(spec.server_key)
+            sock.curve_server = True
+        return BatchedSocket(sock)
+
+    def _connect_head(self):
+        # unbounded: accepted requests are bounded by bridge.max_waiting, and a send that
+        # waited for a dead head would stall every client
+        head = make_socket(self.ctx, zmq.PUSH)
+        head.setsockopt(zmq.SNDHWM, 0)
+        head.connect(self.ends.stage_in(0))
+        return head, BatchedSocket(head)
+
+    async def _heartbeat(self) -> None:
+        beat = self.encoder.encode(Heartbeat("bridge", 0, os.getpid()))
+        while True:
+            await self.control.send(beat)
+            await asyncio.sleep(self.stats_interval_s)
+
     async def _maybe_drained(self) -> None:
         if self.draining and not self.pending and not self.drained_sent:
             self.drained_sent = True
             await self.control.send(self.encoder.encode(Drained()))
 
+    def _end(self, rid: int) -> Pending | None:
+        """Forget an ended request; its record, or None when it had already ended."""
+        record = self.pending.pop(rid, None)
+        if record is not None:
+            left = self.per_client[record.peer] - 1
+            if left:
+                self.per_client[record.peer] = left
+            else:
+                del self.per_client[record.peer]
+        return record
+
     async def _end_all(self, code: str, message: str) -> None:
         for rid, record in list(self.pending.items()):
-            await self._send(record.identity, ErrorEvent(code=code, message=message, request_id=rid))
+            await self._send(record.peer, ErrorEvent(code=code, message=message, request_id=rid))
         self.pending.clear()
+        self.per_client.clear()
 
-    async def _send(self, identity: bytes, event) -> None:
-        await self.client_io.send_multipart([identity, self.encoder.encode(event)])
+    async def _send(self, peer: Peer, event) -> None:
+        await peer.io.send_multipart([peer.identity, self.encoder.encode(event)])
 
     def daemon_stats(self, timeline: bool = False) -> DaemonStats:
         order = sorted(self.stage_stats)
@@ -324,6 +433,10 @@ class Bridge:
             max_seq_len=self.max_seq_len,
             stages=[self.stage_stats[k] for k in order],
             timeline=[list(self.timelines.get(k, ())) for k in order] if timeline else [],
+            state="draining" if self.draining else "restarting" if self.restarting is not None else "serving",
+            restarts=self.restarts,
+            last_failure=self.last_failure,
+            last_failure_age_s=time.monotonic() - self.last_failure_at if self.last_failure is not None else None,
         )
 
 
@@ -336,6 +449,7 @@ def run_bridge(encoded: bytes) -> None:
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
+        bridge = None
         try:
             bridge = Bridge(settings, ctx, log)
             watch = asyncio.create_task(_watch_launcher(settings.launcher_pid, bridge, log))
@@ -343,6 +457,8 @@ def run_bridge(encoded: bytes) -> None:
             await bridge.serve()
             watch.cancel()
         finally:
+            if bridge is not None and bridge.authenticator is not None:
+                bridge.authenticator.stop()
             ctx.destroy()
 
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -22,6 +23,35 @@ RUNTIME_DIR = click.option(
     default=None,
     help="The daemon's runtime dir (default: $KVASIR_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kvasir, else /tmp/kvasir-$UID).",
 )
+
+
+def remote_options(command):
+    """--connect / --key / --server-key (or $KVASIR_CONNECT, $KVASIR_KEY, $KVASIR_SERVER_KEY):
+    talk to a daemon's TCP endpoint instead of its runtime dir; passed on as ``remote``."""
+
+    @functools.wraps(command)
+    def wrapper(*args, endpoint, client_key, server_key, **kwargs):
+        from kvasir.client import Remote
+
+        if endpoint is None and (client_key or server_key):
+            raise click.UsageError("--key and --server-key go with --connect tcp://HOST:PORT")
+        if (client_key is None) != (server_key is None):
+            raise click.UsageError("a CURVE connection needs both --key (yours) and --server-key (the daemon's)")
+        remote = None
+        if endpoint is not None:
+            remote = Remote(endpoint, Path(client_key) if client_key else None, Path(server_key) if server_key else None)
+        return command(*args, remote=remote, **kwargs)
+
+    for option in (
+        click.option("--server-key", type=click.Path(dir_okay=False), envvar="KVASIR_SERVER_KEY",
+                     help="With --connect: the daemon's public key file (server.key)."),
+        click.option("--key", "client_key", type=click.Path(dir_okay=False), envvar="KVASIR_KEY",
+                     help="With --connect: this client's key pair (NAME.key_secret from `kvasir keys generate`)."),
+        click.option("--connect", "endpoint", metavar="tcp://HOST:PORT", envvar="KVASIR_CONNECT",
+                     help="Talk to the daemon's TCP endpoint (the plan's bridge.tcp) instead of its runtime dir."),
+    ):
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def _fail(exc: KvasirError) -> None:
@@ -104,7 +134,12 @@ def _print_plan(path, resolved, source, stages) -> None:
         f"kv       {kv.num_blocks} blocks x {kv.block_size} tokens = "
         f"{kv.num_blocks * kv.block_size} tokens per stage"
     )
-    click.echo(f"bridge   max_waiting {resolved.bridge.max_waiting}")
+    click.echo(f"bridge   max_waiting {resolved.bridge.max_waiting}, max_per_client {resolved.bridge.max_per_client}")
+    sup = resolved.supervise
+    click.echo(
+        f"restarts at most {sup.max_restarts} in {sup.restart_window_s:g} s, "
+        f"hung after {sup.heartbeat_timeout_s:g} s without a heartbeat"
+    )
     header = ("stage", "role", "layers", "device", "threads", "params", "param bytes", "kv bytes", "boundary in")
     rows = [header]
     for s in stages:
@@ -230,16 +265,20 @@ def default_plan_path() -> Path:
 
 
 # -- client commands -------------------------------------------------------------------------
-def _connect(runtime_dir: str | None, wait_s: float = 0.0):
-    """A client to the daemon; exit 3 when none answers (after waiting up to ``wait_s``)."""
+def _connect(runtime_dir: str | None, wait_s: float = 0.0, remote=None):
+    """A client to the daemon; exit 3 when none answers (after waiting up to ``wait_s``)
+    or it refuses this client's key."""
     import time
 
-    from kvasir.client import Client, NoDaemon
+    from kvasir.client import Client, NoDaemon, NotAuthorised
 
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return Client(runtime_dir)
+            return Client(runtime_dir, remote=remote)
+        except NotAuthorised as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(3)
         except NoDaemon as exc:
             if time.monotonic() >= deadline:
                 click.echo(f"error: {exc}", err=True)
@@ -262,7 +301,8 @@ def _event_json(event) -> str:
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event line (token ids included).")
 @RUNTIME_DIR
-def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_json, runtime_dir) -> None:
+@remote_options
+def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_json, runtime_dir, remote) -> None:
     """Generate from PROMPT (or --ids) and stream the text as it arrives.
 
     Exit code: 0 finished, 1 error or cancelled, 2 bad arguments, 3 no daemon.
@@ -277,7 +317,7 @@ def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_
             token_ids = [int(part) for part in ids.split(",") if part.strip()]
         except ValueError:
             raise click.UsageError(f"--ids must be comma-separated integers, got {ids!r}") from None
-    client = _connect(runtime_dir)
+    client = _connect(runtime_dir, remote=remote)
     code = 1
     printed = False
     stream = None
@@ -363,9 +403,11 @@ def tail(request_id, as_json, count, runtime_dir) -> None:
 @click.option("--wait", "wait_s", type=float, default=0.0, metavar="SECONDS",
               help="Wait up to SECONDS for the daemon to answer (e.g. right after starting it).")
 @RUNTIME_DIR
-def stats(as_json, wait_s, runtime_dir) -> None:
-    """Per-stage busy / starved / blocked time, batches, rows, tokens."""
-    client = _connect(runtime_dir, wait_s)
+@remote_options
+def stats(as_json, wait_s, runtime_dir, remote) -> None:
+    """Per-stage busy / starved / blocked time, batches, rows, tokens; the daemon's state,
+    restarts and last failure."""
+    client = _connect(runtime_dir, wait_s, remote)
     try:
         daemon = client.stats()
     finally:
@@ -380,7 +422,12 @@ def stats(as_json, wait_s, runtime_dir) -> None:
     if as_json:
         click.echo(json.dumps(body))
         return
-    click.echo(f"uptime {body['uptime_s']:.1f} s, requests {body['requests']}, in flight {body['in_flight']}")
+    click.echo(
+        f"{body['state']}, uptime {body['uptime_s']:.1f} s, requests {body['requests']}, "
+        f"in flight {body['in_flight']}, restarts {body['restarts']}"
+    )
+    if body["last_failure"] is not None:
+        click.echo(f"last failure {body['last_failure_age_s']:.0f} s ago: {body['last_failure']}")
     header = ("stage", "layers", "pid", "busy", "starved", "blocked", "batches", "rows", "tokens", "inflight", "kv reqs")
     rows = [header]
     for s in body["stages"]:
@@ -417,3 +464,27 @@ def top(interval, count, runtime_dir) -> None:
         sys.exit(3)
     finally:
         client.close()
+
+
+@kvasir.group()
+def keys() -> None:
+    """CURVE keys for the daemon's TCP endpoint."""
+
+
+@keys.command("generate")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--client", "clients", multiple=True, default=None, metavar="NAME",
+              help="Make a client key pair called NAME (repeatable; default: one called 'client').")
+def keys_generate(folder: str, clients: tuple[str, ...]) -> None:
+    """Make key pairs in FOLDER: the daemon's (server.key, server.key_secret; kept if it
+    exists) and each client's (NAME.key, NAME.key_secret, with NAME.key also copied into
+    FOLDER/clients/, the allow-list a plan names as bridge.client_keys). Secret files are
+    mode 0600. Never overwrites a key."""
+    from kvasir.keys import generate as generate_keys
+
+    try:
+        made = generate_keys(Path(folder), list(clients) or ["client"])
+    except KvasirError as exc:
+        _fail(exc)
+    for path in made:
+        click.echo(str(path))

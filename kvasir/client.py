@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,10 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvasir.errors import KvasirError
+from kvasir.keys import load_pair, load_public
 from kvasir.messages import (
     Accepted,
     Cancel,
@@ -40,10 +43,32 @@ from kvasir.messages import (
 from kvasir.transport import BatchedSocket, Endpoints, default_runtime_dir
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
+REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class NoDaemon(KvasirError):
     """Nothing answers at the runtime directory."""
+
+
+class NotAuthorised(KvasirError):
+    """The daemon's TCP endpoint refused this client (no key, or a key it does not allow)."""
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A daemon's TCP endpoint; with CURVE, this client's key pair and the daemon's public key."""
+
+    endpoint: str  # "tcp://HOST:PORT"
+    client_key: Path | None = None  # this client's .key_secret file
+    server_key: Path | None = None  # the daemon's public key file (server.key)
+
+    def configure(self, sock) -> None:
+        if (self.client_key is None) != (self.server_key is None):
+            raise KvasirError("a CURVE connection needs both the client's key pair and the server's public key")
+        if self.client_key is not None:
+            public, secret = load_pair(self.client_key)
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+            sock.curve_serverkey = load_public(self.server_key)
 
 
 class RequestStream:
@@ -93,25 +118,42 @@ class AsyncClient:
         self._stats: dict[int, asyncio.Future] = {}
         self._reader = asyncio.create_task(self._read())
         self._failure: BaseException | None = None
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | REFUSED)
+        self._watcher = asyncio.create_task(self._watch())
 
     @classmethod
-    async def connect(cls, runtime_dir: str | Path | None = None, timeout_s: float = 5.0) -> "AsyncClient":
-        """Connect and check that a daemon answers within ``timeout_s``; NoDaemon if not."""
+    async def connect(
+        cls, runtime_dir: str | Path | None = None, timeout_s: float = 5.0, remote: Remote | None = None
+    ) -> "AsyncClient":
+        """Connect (to the runtime dir's socket, or to ``remote``'s TCP endpoint) and check
+        that a daemon answers within ``timeout_s``: NoDaemon if not, NotAuthorised when
+        it refuses this client's key."""
         rt = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
+        where = remote.endpoint if remote is not None else f"runtime dir {rt}"
         ends = Endpoints(rt)
-        if not ends.client_path.exists():
+        if remote is None and not ends.client_path.exists():
             raise NoDaemon(f"no kvasird is running at runtime dir {rt} (no {ends.client_path.name})")
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # events wait here until read, never dropped
-        sock.connect(ends.client)
+        try:
+            if remote is not None:
+                remote.configure(sock)
+            sock.connect(remote.endpoint if remote is not None else ends.client)
+        except (KvasirError, zmq.ZMQError) as exc:
+            sock.close(linger=0)
+            ctx.term()
+            raise NoDaemon(f"cannot connect to {where}: {exc}") from None
         client = cls(rt, ctx, sock)
         try:
             await asyncio.wait_for(client.stats(), timeout_s)
+        except NotAuthorised:
+            await client.close()
+            raise
         except (asyncio.TimeoutError, KvasirError):
             await client.close()
-            raise NoDaemon(f"no kvasird answers at runtime dir {rt}") from None
+            raise NoDaemon(f"no kvasird answers at {where}") from None
         return client
 
     async def __aenter__(self) -> "AsyncClient":
@@ -175,8 +217,11 @@ class AsyncClient:
             self._stats.pop(key, None)
 
     async def close(self) -> None:
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._reader, self._watcher):
+            task.cancel()
+        await asyncio.gather(self._reader, self._watcher, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -195,6 +240,38 @@ class AsyncClient:
             for future in self._stats.values():
                 if not future.done():
                     future.set_exception(exc)
+
+    async def _watch(self) -> None:
+        """When the connection to the bridge drops (it failed or stopped), route what had
+        already arrived, then end every request still open with one ``stage_failed``
+        error: nobody is left to finish it. ZMQ reconnects by itself, so later requests
+        reach the bridge the launcher restarts."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] & REFUSED:
+                self._refused()
+                continue
+            try:
+                while True:
+                    self._route(self._decoder.decode(self._io.shadow.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                pass
+            lost = ErrorEvent(code="stage_failed", message="lost the connection to kvasird before the request ended")
+            for stream in [*self._by_key.values(), *self._by_id.values()]:
+                stream._put(msgspec.structs.replace(lost, request_id=stream.request_id, key=stream.key))
+            self._by_key.clear()
+            self._by_id.clear()
+
+    def _refused(self) -> None:
+        """The daemon's endpoint refused the handshake: fail every caller, clearly."""
+        self._failure = NotAuthorised(
+            "kvasird refused this client: no CURVE key, a key it does not allow, or the wrong server key"
+        )
+        for stream in [*self._by_key.values(), *self._by_id.values()]:
+            stream._put(self._failure)
+        for future in self._stats.values():
+            if not future.done():
+                future.set_exception(self._failure)
 
     def _route(self, event) -> None:
         match event:
@@ -227,12 +304,12 @@ class AsyncClient:
 class Client:
     """A thin synchronous wrapper: an AsyncClient on a private event-loop thread."""
 
-    def __init__(self, runtime_dir: str | Path | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, runtime_dir: str | Path | None = None, timeout_s: float = 5.0, remote: Remote | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvasir-client", daemon=True)
         self._thread.start()
         try:
-            self._client = self._call(AsyncClient.connect(runtime_dir, timeout_s))
+            self._client = self._call(AsyncClient.connect(runtime_dir, timeout_s, remote))
         except BaseException:
             self._stop_loop()
             raise

@@ -20,11 +20,12 @@ import msgspec
 import zmq
 
 from kvasir.errors import KvasirError, PlanError
-from kvasir.messages import Command, ControlMessage, Drained, EdgeSpec, Ready, WorkerSettings
+from kvasir.messages import Command, ControlMessage, Drained, EdgeSpec, Heartbeat, Ready, WorkerSettings
 from kvasir.model.source import ModelSource
 from kvasir.notify import ServiceNotifier
 from kvasir.plan import Plan
 from kvasir.slots import ShmSlotRing, create_ring
+from kvasir.supervision import Heartbeats, RestartPolicy
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
 
 
@@ -72,6 +73,14 @@ class Timeouts:
 
 @dataclass
 class Launcher:
+    """Spawns the stages and the bridge, supervises them, and owns shutdown and restart.
+
+    ``state`` is the daemon's: starting -> running -> draining -> stopping -> stopped.
+    ``ring`` is the children's while running: "up"; "down" after a failure (every
+    request told, the stages killed, a restart waiting out its back-off); "starting"
+    (new children loading). A failed bridge is restarted with the stages.
+    """
+
     plan: Plan
     source: ModelSource
     runtime_dir: Path
@@ -86,10 +95,24 @@ class Launcher:
     def __post_init__(self) -> None:
         self.ends = Endpoints(self.runtime_dir)
         self.ctx = zmq.Context()
-        self.children: list[Child] = []
+        self.stages: list[Child] = []
+        self.bridge: Child | None = None
         self.rings: list[ShmSlotRing] = []
         self._lock_fd: int | None = None
         self._control: PullChannel | None = None
+        sup = self.plan.supervise
+        self.policy = RestartPolicy(sup.max_restarts, sup.restart_window_s)
+        self.heartbeats = Heartbeats(sup.heartbeat_timeout_s)
+        self.ring = "up"
+        self.restarts = 0
+        self.last_failure = ""
+        self._respawn_at = 0.0
+        self._ring_deadline = 0.0
+        self._new_bridge = False
+
+    @property
+    def children(self) -> list[Child]:
+        return self.stages + ([self.bridge] if self.bridge is not None else [])
 
     # -- start-up ------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -121,28 +144,32 @@ class Launcher:
             self.rings.append(create_ring(spec))
 
     def spawn(self) -> None:
-        edges = [ring.spec for ring in self.rings]
-        roles = [("stage", k) for k in range(len(self.plan.stages))] + [("bridge", 0)]
-        for role, index in roles:
-            settings = WorkerSettings(
-                role=role,
-                index=index,
-                plan=self.plan,
-                runtime_dir=str(self.runtime_dir),
-                launcher_pid=os.getpid(),
-                edges=edges,
-                stats_interval_s=self.stats_interval_s,
-                log_level=self.log_level,
-            )
-            name = f"stage-{index}" if role == "stage" else "bridge"
-            process = subprocess.Popen(
-                [sys.executable, "-m", "kvasir.worker"], stdin=subprocess.PIPE, start_new_session=False
-            )
-            process.stdin.write(msgspec.msgpack.encode(settings))
-            process.stdin.close()
-            command = PushChannel[Command](make_socket(self.ctx, zmq.PUSH, connect=self.ends.command(name)))
-            self.children.append(Child(name, process, command))
-            self.log.info("spawned", child=name, pid=process.pid)
+        """Start every child that is not running: all of them at first, after a failure
+        the stages (and the bridge when it was the one that died)."""
+        if not self.stages:
+            self.stages = [self._spawn("stage", k) for k in range(len(self.plan.stages))]
+        if self.bridge is None:
+            self.bridge = self._spawn("bridge", 0)
+            self._new_bridge = True
+
+    def _spawn(self, role: str, index: int) -> Child:
+        settings = WorkerSettings(
+            role=role,
+            index=index,
+            plan=self.plan,
+            runtime_dir=str(self.runtime_dir),
+            launcher_pid=os.getpid(),
+            edges=[ring.spec for ring in self.rings],
+            stats_interval_s=self.stats_interval_s,
+            log_level=self.log_level,
+        )
+        name = f"stage-{index}" if role == "stage" else "bridge"
+        process = subprocess.Popen([sys.executable, "-m", "kvasir.worker"], stdin=subprocess.PIPE)
+        process.stdin.write(msgspec.msgpack.encode(settings))
+        process.stdin.close()
+        command = PushChannel[Command](make_socket(self.ctx, zmq.PUSH, connect=self.ends.command(name)))
+        self.log.info("spawned", child=name, pid=process.pid)
+        return Child(name, process, command)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.timeouts.ready_s
@@ -156,26 +183,41 @@ class Launcher:
             if self.state == "draining":
                 raise StartInterrupted("stopped during start-up")
             self.notifier.watchdog()
-            for message in self._control_messages(100):
-                if isinstance(message, Ready):
-                    name = f"stage-{message.index}" if message.role == "stage" else "bridge"
-                    for child in self.children:
-                        if child.name == name:
-                            child.ready = True
-        self._bridge().command.send(Command("serve"))
-        self._wait_bound(deadline)
+            self._note(self._control_messages(100))
+        self._open(deadline)
         self.state = "running"
         self.notifier.ready(f"serving {len(self.plan.stages)} stages from {self.runtime_dir}")
 
-    def _wait_bound(self, deadline: float) -> None:
-        """Until the bridge has bound the client endpoint (binding an ipc socket makes its file)."""
-        while not self.ends.client_path.exists():
+    def _open(self, deadline: float, restarts: int = 0) -> None:
+        """Every child is ready: the bridge takes requests (a new bridge binds the client
+        endpoint first, and binding an ipc socket makes its file)."""
+        pids = tuple(c.process.pid for c in self.stages)
+        self.bridge.command.send(Command("serve", message=self.last_failure, restarts=restarts, pids=pids))
+        while self._new_bridge and not self.ends.client_path.exists():
             dead = self._dead()
             if dead is not None:
                 raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
             if time.monotonic() > deadline + 10:
                 raise LaunchError("the bridge did not bind the client endpoint")
             time.sleep(0.01)
+        self._new_bridge = False
+        self.ring = "up"
+
+    def _note(self, messages: list) -> None:
+        """Readiness and heartbeats, matched to the current children by name and pid."""
+        now = time.monotonic()
+        for message in messages:
+            if not isinstance(message, (Ready, Heartbeat)):
+                continue
+            name = f"stage-{message.index}" if message.role == "stage" else "bridge"
+            child = next((c for c in self.children if c.name == name and c.process.pid == message.pid), None)
+            if child is None:
+                continue  # from a child of a ring that has already been replaced
+            if isinstance(message, Ready):
+                child.ready = True
+                self.heartbeats.watch(name, now)
+            else:
+                self.heartbeats.beat(name, now)
 
     # -- serving --------------------------------------------------------------------------
     def request_stop(self, signum: int, _frame=None) -> None:
@@ -187,20 +229,20 @@ class Launcher:
         self.log.info("serving", runtime_dir=str(self.runtime_dir), stages=len(self.plan.stages))
         drain_deadline = None
         while self.state in ("running", "draining"):
-            dead = self._dead()
-            if dead is not None:
-                self.log.error("child died", child=dead.name, code=dead.process.returncode)
-                self.notifier.stopping(f"{dead.name} exited with code {dead.process.returncode}")
-                self.exit_code = 1
-                self._stop_all("stage_failed")
-                return
+            failure = self._failure()
+            if failure is not None:
+                self._failed(failure)
+                continue
             self.notifier.watchdog()
             messages = self._control_messages(100)
+            self._note(messages)
+            if self.ring != "up" and self.state == "running":
+                self._restart_step()
             if self.state == "draining":
                 if drain_deadline is None:
                     self.log.info("draining", timeout_s=self.timeouts.drain_s)
                     self.notifier.stopping(f"draining: up to {self.timeouts.drain_s:g} s for running requests")
-                    self._bridge().command.send(Command("drain"))
+                    self.bridge.command.send(Command("drain"))
                     drain_deadline = time.monotonic() + self.timeouts.drain_s
                 if any(isinstance(m, Drained) for m in messages):
                     self.log.info("drained")
@@ -209,8 +251,71 @@ class Launcher:
                     self.log.warning("drain timeout: ending the requests still running")
                     self._stop_all("shutting_down")
 
-    def _bridge(self) -> Child:
-        return self.children[-1]
+    def _failure(self) -> str | None:
+        """What has gone wrong with a child, if anything: it exited, or it went silent."""
+        dead = self._dead()
+        if dead is not None:
+            code = dead.process.returncode
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return f"{dead.name} (pid {dead.process.pid}) {how}"
+        silent = self.heartbeats.silent(time.monotonic())
+        if silent is not None:
+            name, quiet_s = silent
+            child = next(c for c in self.children if c.name == name)
+            child.process.kill()
+            child.process.wait()
+            return f"{name} (pid {child.process.pid}) hung: no heartbeat for {quiet_s:.1f} s; killed it"
+        return None
+
+    def _failed(self, reason: str) -> None:
+        """A child failed: tell every request, kill the stages, restart after the back-off
+        (or give up: draining, or too many failures within the window)."""
+        self.log.error("child failed", reason=reason)
+        self.last_failure = reason
+        bridge_alive = self.bridge is not None and self.bridge.process.poll() is None
+        self._kill(self.stages)
+        self.stages = []
+        if not bridge_alive:
+            self._kill([self.bridge])
+            self.bridge = None
+            for name in ("client.sock", "events.sock", "bridge-in.sock", "command-bridge.sock"):
+                (self.runtime_dir / name).unlink(missing_ok=True)
+        elif self.state == "running":
+            self.bridge.command.send(Command("ring_down", "stage_failed", reason))
+        delay = self.policy.failed(time.monotonic()) if self.state == "running" else None
+        if delay is None:
+            if self.state == "running":
+                self.log.error("giving up", restarts=self.restarts, max_restarts=self.plan.supervise.max_restarts,
+                               window_s=self.plan.supervise.restart_window_s)
+            self.notifier.stopping(f"stopping: {reason}")
+            self.exit_code = 1
+            self._stop_all("stage_failed")
+            return
+        self.ring = "down"
+        self._respawn_at = time.monotonic() + delay
+        self.notifier.status(f"restarting in {delay:g} s after: {reason}")
+        self.log.info("restarting", delay_s=delay)
+
+    def _restart_step(self) -> None:
+        now = time.monotonic()
+        if self.ring == "down" and now >= self._respawn_at:
+            self.spawn()
+            self.ring = "starting"
+            self._ring_deadline = now + self.timeouts.ready_s
+        elif self.ring == "starting":
+            if all(c.ready for c in self.children):
+                try:
+                    self._open(self._ring_deadline, self.restarts + 1)
+                except LaunchError as exc:
+                    self._failed(str(exc))
+                    return
+                self.restarts += 1
+                self.log.info("serving again", restarts=self.restarts)
+                self.notifier.status(f"serving {len(self.plan.stages)} stages; restarted {self.restarts} times")
+            elif now > self._ring_deadline:
+                late = ", ".join(c.name for c in self.children if not c.ready)
+                self._kill([c for c in self.children if not c.ready])
+                self._failed(f"not ready after {self.timeouts.ready_s:.0f} s: {late}")
 
     def _control_messages(self, timeout_ms: int) -> list:
         if self._control.socket.poll(timeout_ms):
@@ -223,16 +328,25 @@ class Launcher:
                 return child
         return None
 
+    def _kill(self, children: list[Child]) -> None:
+        for child in children:
+            if child.process.poll() is None:
+                child.process.kill()
+        for child in children:
+            child.process.wait()
+            child.command.socket.close(linger=0)
+            self.heartbeats.forget(child.name)
+
     def _stop_all(self, code: str) -> None:
         self.state = "stopping"
-        bridge = self._bridge() if self.children and self.children[-1].name == "bridge" else None
+        bridge = self.bridge
         if bridge is not None and bridge.process.poll() is None:
             bridge.command.send(Command("stop", code))
             self._join([bridge], self.timeouts.stop_s)
-        for child in self.children:
+        for child in self.stages:
             if child.process.poll() is None:
                 child.command.send(Command("stop", code))
-        self._join(self.children, self.timeouts.stop_s)
+        self._join(self.stages, self.timeouts.stop_s)
 
     def _join(self, children: list[Child], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -14,7 +14,7 @@ Edges:
     stage k -> stage k+1 BatchDescriptor
     stage k+1 -> stage k Credit
     stages  -> bridge   BridgeMessage   (TokenEvents | RequestEnded | StageStats)
-    children -> launcher ControlMessage (Ready | Drained)
+    children -> launcher ControlMessage (Ready | Drained | Heartbeat)
     launcher -> children Command
 """
 
@@ -243,6 +243,10 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     max_seq_len: int
     stages: list[StageStats]
     timeline: list[list[BatchSpan]] = []  # per stage, oldest first (only when asked for)
+    state: str = "serving"  # "serving" | "restarting" (a child failed; new requests get "restarting") | "draining"
+    restarts: int = 0  # ring restarts since the daemon started
+    last_failure: str | None = None  # what the last failure was (a child's exit, a missed heartbeat)
+    last_failure_age_s: float | None = None  # seconds since it
 
 
 class StatsReply(_Client, tag="stats"):
@@ -288,9 +292,23 @@ class Drained(_Tagged):
     pass
 
 
-ControlMessage = Ready | Drained
+class Heartbeat(_Tagged):
+    """A child's loop is still turning (sent about twice a second); silence means hung."""
+
+    role: str
+    index: int
+    pid: int
+
+
+ControlMessage = Ready | Drained | Heartbeat
 
 
 class Command(_Wire):
-    kind: str  # "serve" (bridge: every stage is ready) | "drain" | "stop"
+    # "serve" (bridge: every stage is ready; bind the client endpoints, or after a restart
+    # take requests again) | "ring_down" (bridge: the stages failed and are restarting) |
+    # "drain" | "stop"
+    kind: str
     code: str = "shutting_down"  # with "stop": the error code for requests still running
+    message: str = ""  # with "ring_down": what failed; with "serve": the last failure ("" for none)
+    restarts: int = 0  # with "serve": ring restarts so far
+    pids: tuple[int, ...] = ()  # with "serve": the stages' pids (stats from any other process are stale)

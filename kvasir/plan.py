@@ -17,6 +17,7 @@ from kvasir.errors import PlanError
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:(0|[1-9][0-9]*))?)$")
+_TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.*-]+):(?P<port>[0-9]{1,5})$")
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -41,7 +42,17 @@ class KvSpec(_Section):
 
 
 class BridgeSpec(_Section):
-    max_waiting: int = 1024
+    max_waiting: int = 1024  # requests in the daemon before new ones are refused "overloaded"
+    max_per_client: int = 256  # requests one client connection may have in the daemon at once
+    tcp: str | None = None  # also serve remote clients at "tcp://HOST:PORT" (keys required unless HOST is loopback)
+    server_key: str | None = None  # the daemon's CURVE secret key file (`kvasir keys generate`)
+    client_keys: str | None = None  # folder of the CURVE public keys (*.key) of the clients let in
+
+
+class SuperviseSpec(_Section):
+    max_restarts: int = 5  # ring restarts allowed within restart_window_s before the daemon gives up
+    restart_window_s: float = 600.0
+    heartbeat_timeout_s: float = 30.0  # a child silent this long is hung: killed and restarted
 
 
 class StageSpec(_Section):
@@ -56,6 +67,7 @@ class Plan(_Section):
     batch: BatchSpec = BatchSpec()
     kv: KvSpec = KvSpec()
     bridge: BridgeSpec = BridgeSpec()
+    supervise: SuperviseSpec = SuperviseSpec()
     stages: tuple[StageSpec, ...] = ()
 
     @property
@@ -141,7 +153,50 @@ def _check_values(plan: Plan) -> None:
             f"one request of model.max_seq_len = {model.max_seq_len} tokens"
         )
     _positive("bridge.max_waiting", plan.bridge.max_waiting)
+    _positive("bridge.max_per_client", plan.bridge.max_per_client)
+    _check_tcp(plan.bridge)
+    sup = plan.supervise
+    if sup.max_restarts < 0:
+        raise PlanError(f"supervise.max_restarts must be >= 0 (0: never restart), got {sup.max_restarts}")
+    for key in ("restart_window_s", "heartbeat_timeout_s"):
+        value = getattr(sup, key)
+        if not value > 0 or value == float("inf"):
+            raise PlanError(f"supervise.{key} must be a positive number of seconds, got {value}")
+    if sup.heartbeat_timeout_s < 1.0:
+        raise PlanError(
+            f"supervise.heartbeat_timeout_s = {sup.heartbeat_timeout_s} is too short: children beat every "
+            "0.5 s and a batch may take longer (use at least 1 s)"
+        )
     _check_stages(plan.stages)
+
+
+def tcp_host(endpoint: str) -> str | None:
+    """HOST of "tcp://HOST:PORT" (brackets kept off an IPv6 address), or None if malformed."""
+    match = _TCP_RE.match(endpoint)
+    if match is None or not 0 < int(match.group("port")) < 65536:
+        return None
+    return match.group("host").strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or host == "::1" or re.fullmatch(r"127(\.[0-9]{1,3}){3}", host) is not None
+
+
+def _check_tcp(bridge: BridgeSpec) -> None:
+    if (bridge.server_key is None) != (bridge.client_keys is None):
+        raise PlanError("bridge.server_key and bridge.client_keys go together: give both or neither")
+    if bridge.tcp is None:
+        if bridge.server_key is not None:
+            raise PlanError("bridge.server_key is set but bridge.tcp is not: keys only guard a TCP endpoint")
+        return
+    host = tcp_host(bridge.tcp)
+    if host is None:
+        raise PlanError(f"bridge.tcp = {bridge.tcp!r} is not an endpoint of the form tcp://HOST:PORT (port 1-65535)")
+    if bridge.server_key is None and not is_loopback(host):
+        raise PlanError(
+            f"bridge.tcp = {bridge.tcp!r} is reachable from other hosts: it needs bridge.server_key and "
+            "bridge.client_keys (make them with `kvasir keys generate DIR`), or a loopback address"
+        )
 
 
 def _check_stages(stages: tuple[StageSpec, ...]) -> None:
@@ -219,7 +274,7 @@ def plan_toml(plan: Plan) -> str:
         return [f"{k} = {value(v)}" for k, v in msgspec.structs.asdict(section).items() if v is not None]
 
     lines: list[str] = []
-    for name in ("model", "batch", "kv", "bridge"):
+    for name in ("model", "batch", "kv", "bridge", "supervise"):
         lines += [f"[{name}]", *table(getattr(plan, name)), ""]
     for stage in plan.stages:
         lines += ["[[stages]]", *table(stage), ""]

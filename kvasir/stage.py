@@ -32,6 +32,7 @@ from kvasir.messages import (
     Credit,
     Enqueue,
     HeadMessage,
+    Heartbeat,
     Ready,
     RequestEnded,
     StageStats,
@@ -263,6 +264,7 @@ class StageAgent:
         outlet: Outlet,
         commands: PullChannel,
         bridge: PushChannel,
+        control: PushChannel,
         log,
     ) -> None:
         self.settings = settings
@@ -271,6 +273,8 @@ class StageAgent:
         self.outlet = outlet
         self.commands = commands
         self.bridge = bridge
+        self.control = control
+        self.heartbeat = Heartbeat("stage", engine.index, os.getpid())
         self.log = log
         self.clock = Clock(started=time.monotonic())
         self.poller = zmq.Poller()
@@ -333,6 +337,7 @@ class StageAgent:
             return
         self._next_stats = now + self.settings.stats_interval_s
         self.bridge.send(self.stats(now))
+        self.control.send(self.heartbeat)
 
     def stats(self, now: float) -> StageStats:
         c = self.clock
@@ -398,7 +403,8 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
             PullChannel[Credit](make_socket(ctx, zmq.PULL, bind=ends.credits(index)), Credit),
             edge.slots,
         )
-    return StageAgent(settings, engine, intake, outlet, commands, bridge, log), rings
+    control = PushChannel[ControlMessage](make_socket(ctx, zmq.PUSH, connect=ends.control))
+    return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log), rings
 
 
 def pin_worker(settings: WorkerSettings) -> None:
@@ -422,8 +428,7 @@ def run_stage(encoded: bytes) -> None:
     try:
         pin_worker(settings)
         agent, rings = build_agent(settings, ctx, log)
-        control = PushChannel[ControlMessage](make_socket(ctx, zmq.PUSH, connect=Endpoints(settings.runtime_dir).control))
-        control.send(Ready("stage", settings.index, os.getpid()))
+        agent.control.send(Ready("stage", settings.index, os.getpid()))
         log.info("stage ready", layers=list(settings.plan.stages[settings.index].layers))
         agent.serve()
         log.info("stage stopped")

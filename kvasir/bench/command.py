@@ -41,18 +41,22 @@ from kvasir.transport import default_runtime_dir
                    "(static batches) and generate_batch, alternating; print ratios. Uses --plan (default plan if absent).")
 @click.option("--contenders", default="ring,drained,hf-static,hf-continuous", show_default=True,
               help="With --compare: which contenders, comma-separated.")
-@click.option("--rounds", type=int, default=1, show_default=True, help="With --compare: alternating rounds.")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="With --compare: alternating rounds. With --failover: stages killed, one per round.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Write timeline.png, stages.png and latency.png into this folder.")
 @click.option("--hop", is_flag=True, help="Measure one stage-to-stage hand-off next to memcpy and ZMQ round trips.")
 @click.option("--submit-only", is_flag=True,
               help="Measure submission line rate: --requests one-token requests as fast as one client can.")
+@click.option("--failover", is_flag=True,
+              help="Kill a stage (SIGKILL) under --concurrency requests, --rounds times, and time how long until "
+                   "every client is told and until the daemon serves again (the daemon must run on this host).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--runtime-dir", type=click.Path(file_okay=False), default=None,
               help="The daemon's runtime dir (default as for every command; ignored with --plan).")
 def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, ignore_eos, slo_ttft, slo_tpot,
           slo_attain, rate_sweep, sweep_steps, plan_path, compare, contenders, rounds, plot_dir, hop, submit_only,
-          as_json, runtime_dir):
+          failover, as_json, runtime_dir):
     """Load a daemon and report requests/s, tokens/s, TTFT / ITL / end-to-end latency
     percentiles, goodput under SLOs and each stage's busy/starved/blocked share.
 
@@ -74,8 +78,10 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
         raise click.UsageError("--rate-sweep runs open loop: give --rate (its first rate), not --concurrency")
     if (slo_ttft is None) != (slo_tpot is None):
         raise click.UsageError("give both --slo-ttft and --slo-tpot, or neither")
-    if plot_dir is not None and (submit_only or hop):
-        raise click.UsageError("--plot draws load runs: it does not go with --submit-only or --hop")
+    if plot_dir is not None and (submit_only or hop or failover):
+        raise click.UsageError("--plot draws load runs: it does not go with --submit-only, --hop or --failover")
+    if failover and (compare or rate is not None or rate_sweep or submit_only or hop):
+        raise click.UsageError("--failover runs a closed loop on its own: give --concurrency and --rounds only")
     if rate_sweep and slo_ttft is None:
         raise click.UsageError("--rate-sweep needs --slo-ttft and --slo-tpot")
     if count < 1 or warmup < 0 or (concurrency is not None and concurrency < 1) or (rate is not None and rate <= 0):
@@ -96,6 +102,15 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
 
             report = hop_report()
             click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
+            return
+        if failover:
+            report = _failover(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say)
+            if as_json:
+                click.echo(json.dumps(report))
+            else:
+                from kvasir.bench.failover import print_failover
+
+                print_failover(report["failover"], click.echo)
             return
         if compare:
             report, pictures = _compare(plan_path, concurrency or 32, count, warmup, lengths, prompts_file, seed,
@@ -207,6 +222,20 @@ def _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed, 
     if slo is not None:
         report["slo"] = _slo(slo, slo_attain)
     return report, [RunPicture("ring", result.records, report["stages"], spans)]
+
+
+def _failover(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say) -> dict:
+    from kvasir.bench.failover import run_failover
+    from kvasir.client import AsyncClient
+
+    async def run(rt):
+        async with await AsyncClient.connect(rt) as client:
+            info = await client.stats()
+            jobs = _jobs(concurrency * rounds, lengths, prompts_file, seed, info.vocab_size)
+            return await run_failover(client, jobs, concurrency, rounds, say)
+
+    with _daemon(plan_path, runtime_dir) as rt:
+        return {"failover": asyncio.run(run(rt))}
 
 
 def _slo(slo, attain) -> dict:

@@ -16,13 +16,17 @@ BIN = Path(sys.executable).parent
 
 def write_plan(path: Path, source: Path, splits, **kw) -> Path:
     values = dict(max_seq_len=256, max_rows=8, max_tokens=32, inflight=3, block_size=4, num_blocks=600, max_waiting=1024)
+    values["max_per_client"] = kw.get("max_waiting", 1024)
     values.update(kw)
+    supervise = "".join(f"{key} = {kw[key]}\n" for key in ("max_restarts", "restart_window_s", "heartbeat_timeout_s") if key in kw)
     stages = "".join(f"[[stages]]\nlayers = [{a}, {b}]\n" for a, b in splits)
     path.write_text(
         f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\n'
         f'[batch]\nmax_rows = {values["max_rows"]}\nmax_tokens = {values["max_tokens"]}\ninflight = {values["inflight"]}\n'
         f'[kv]\nblock_size = {values["block_size"]}\nnum_blocks = {values["num_blocks"]}\n'
-        f'[bridge]\nmax_waiting = {values["max_waiting"]}\n{stages}'
+        f'[bridge]\nmax_waiting = {values["max_waiting"]}\nmax_per_client = {values["max_per_client"]}\n'
+        + "".join(f'{key} = "{kw[key]}"\n' for key in ("tcp", "server_key", "client_keys") if key in kw)
+        + f'[supervise]\n{supervise}{stages}'
     )
     return path
 

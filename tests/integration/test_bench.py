@@ -149,3 +149,25 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     assert [s["tokens"] for s in sizes] == [1, 16, 128, 512]
     assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 and s["memcpy_gibps"] > 0 for s in sizes)
     assert not list(Path("/dev/shm").glob("kvasir-hop-*"))
+
+
+def test_failover_kills_each_stage_in_turn_and_times_the_recovery(tiny_models, start_daemon):
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="failover").wait_ready()
+    before = set(daemon.child_pids())
+    run = bench(daemon.runtime_dir, "--failover", "--rounds", "2", "--concurrency", "8", "--prompt-len", "8",
+                "--output-len", "100", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)["failover"]
+    assert [r["stage"] for r in report["rounds"]] == [0, 1]
+    for r in report["rounds"]:
+        assert sum(r["outcomes"].values()) == 8 and set(r["outcomes"]) <= {"finished", "stage_failed"}
+        assert r["outcomes"].get("stage_failed", 0) > 0
+        assert 0 < r["told_s"] < r["serving_again_s"]
+    assert report["serving_again_s"]["max"] == max(r["serving_again_s"] for r in report["rounds"])
+    from kvasir.client import Client
+
+    with Client(daemon.runtime_dir) as client:
+        stats = client.stats()
+    assert stats.restarts == 2 and not {s.pid for s in stats.stages} & before
+    text = bench(daemon.runtime_dir, "--failover", "--rounds", "1", "--concurrency", "2", "--output-len", "100")
+    assert text.returncode == 0 and "failure -> every client told" in text.stdout, text.stderr

@@ -111,6 +111,7 @@ def test_ranges_past_the_model_and_uncovered_layers():
         ("kv", "num_blocks"),
         ("model", "max_seq_len"),
         ("bridge", "max_waiting"),
+        ("bridge", "max_per_client"),
     ],
 )
 @pytest.mark.parametrize("value", [0, -3])
@@ -250,3 +251,52 @@ def test_plan_toml_reads_back_equal(name):
         model=msgspec.structs.replace(plan.model, source='/models/a "quoted" dir'),
     )
     assert parse_plan(plan_toml(pinned)) == pinned
+
+
+def test_supervision_settings():
+    assert "supervise.max_restarts must be >= 0" in refused("[supervise]\nmax_restarts = -1\n" + TWO)
+    for key in ("restart_window_s", "heartbeat_timeout_s"):
+        for bad in ("0", "-1.5", "inf", "nan"):
+            assert f"supervise.{key} must be a positive number of seconds" in refused(f"[supervise]\n{key} = {bad}\n" + TWO)
+    assert "heartbeat_timeout_s = 0.5 is too short" in refused("[supervise]\nheartbeat_timeout_s = 0.5\n" + TWO)
+    plan = parse_plan("[supervise]\nmax_restarts = 0\nheartbeat_timeout_s = 5\n" + TWO)
+    assert plan.supervise.max_restarts == 0 and plan.supervise.heartbeat_timeout_s == 5.0
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:7070", "tcp://*:7070", "tcp://10.1.2.3:7070", "tcp://example.org:1"])
+def test_a_reachable_tcp_endpoint_needs_keys(endpoint):
+    message = refused(f'[bridge]\ntcp = "{endpoint}"\n' + TWO)
+    assert "is reachable from other hosts: it needs bridge.server_key and bridge.client_keys" in message
+    keyed = f'[bridge]\ntcp = "{endpoint}"\nserver_key = "k/server.key_secret"\nclient_keys = "k/clients"\n' + TWO
+    assert parse_plan(keyed).bridge.tcp == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:7070", "tcp://localhost:7070", "tcp://[::1]:7070"])
+def test_loopback_tcp_may_go_without_keys(endpoint):
+    assert parse_plan(f'[bridge]\ntcp = "{endpoint}"\n' + TWO).bridge.server_key is None
+
+
+def test_malformed_tcp_and_half_given_keys():
+    for bad in ("127.0.0.1:7070", "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000", "ipc:///x"):
+        assert "is not an endpoint of the form tcp://HOST:PORT" in refused(f'[bridge]\ntcp = "{bad}"\n' + TWO)
+    assert "go together" in refused('[bridge]\ntcp = "tcp://127.0.0.1:1"\nserver_key = "s"\n' + TWO)
+    assert "keys only guard a TCP endpoint" in refused('[bridge]\nserver_key = "s"\nclient_keys = "c"\n' + TWO)
+
+
+def test_key_files_are_resolved_from_the_plan_folder_and_must_load(tmp_path, tiny_models):
+    from kvasir.keys import generate
+    from kvasir.resolve import resolve_plan
+
+    generate(tmp_path / "k", ["alice"])
+    text = f'[model]\nsource = "{tiny_models["llama"]}"\nmax_seq_len = 256\n[bridge]\ntcp = "tcp://*:7070"\nserver_key = "k/server.key_secret"\nclient_keys = "k/clients"\n'
+    path = tmp_path / "plan.toml"
+    path.write_text(text + TWO)
+    plan, _ = resolve_plan(path)
+    assert plan.bridge.server_key == str(tmp_path / "k/server.key_secret")
+    path.write_text(text.replace("server.key_secret", "server.key") + TWO)
+    with pytest.raises(PlanError, match="bridge.server_key: .*holds only a public key"):
+        resolve_plan(path)
+    (tmp_path / "k/clients/alice.key").unlink()
+    path.write_text(text + TWO)
+    with pytest.raises(PlanError, match="bridge.client_keys: .*holds no client public keys"):
+        resolve_plan(path)

@@ -1,0 +1,89 @@
+"""CURVE key pairs for Kvasir's TCP endpoints.
+
+``kvasir keys generate DIR`` writes ZeroMQ certificate files (the format czmq and pyzmq
+share): ``NAME.key`` holds a public key, ``NAME.key_secret`` the pair (mode 0600). The
+daemon's pair is ``server``; each client's public key is also copied into
+``DIR/clients/``, the folder a plan names as ``bridge.client_keys`` (the allow-list).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+from kvasir.errors import KvasirError
+
+SERVER = "server"
+ALLOWED = "clients"
+
+
+class KeyFileError(KvasirError):
+    """A key file or folder is missing or is not a CURVE key."""
+
+
+def generate(folder: Path, clients: list[str]) -> list[Path]:
+    """Make the server pair (unless it exists) and one pair per client name; the files made.
+
+    Never overwrites: an existing client pair of the same name is an error."""
+    for name in clients:
+        if not name or "/" in name or name.startswith(".") or name in (SERVER, ALLOWED):
+            raise KeyFileError(f"{name!r} cannot name a client key (use letters, digits, '-' or '_')")
+        if (folder / f"{name}.key").exists() or (folder / f"{name}.key_secret").exists():
+            raise KeyFileError(f"{folder / name}.key already exists: remove it first or choose another name")
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    allowed = folder / ALLOWED
+    allowed.mkdir(mode=0o700, exist_ok=True)
+    names = ([] if (folder / f"{SERVER}.key_secret").exists() else [SERVER]) + clients
+    made: list[Path] = []
+    umask = os.umask(0o077)  # no moment where a secret key is readable by others
+    try:
+        for name in names:
+            public, secret = (Path(p) for p in zmq.auth.create_certificates(folder, name))
+            os.chmod(public, 0o644)
+            made += [public, secret]
+            if name != SERVER:
+                shutil.copyfile(public, allowed / public.name)
+                made.append(allowed / public.name)
+    finally:
+        os.umask(umask)
+    return made
+
+
+def _load(path: str | Path) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except OSError:
+        raise KeyFileError(f"key file not found: {path}") from None
+    except ValueError:
+        raise KeyFileError(f"{path} is not a CURVE key file (make one with `kvasir keys generate`)") from None
+    for key in (public, secret):
+        if key is not None and len(key) != 40:
+            raise KeyFileError(f"{path} holds a malformed CURVE key (expected 40 Z85 characters)")
+    return public, secret
+
+
+def load_pair(path: str | Path) -> tuple[bytes, bytes]:
+    """(public, secret) from a ``.key_secret`` file."""
+    public, secret = _load(path)
+    if secret is None:
+        raise KeyFileError(f"{path} holds only a public key: give the .key_secret file")
+    return public, secret
+
+
+def load_public(path: str | Path) -> bytes:
+    return _load(path)[0]
+
+
+def allowed_keys(folder: str | Path) -> list[bytes]:
+    """The public keys in an allow-list folder (every ``*.key`` file); at least one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise KeyFileError(f"client key folder not found: {folder}")
+    keys = [load_public(path) for path in sorted(folder.glob("*.key"))]
+    if not keys:
+        raise KeyFileError(f"{folder} holds no client public keys (*.key): nobody could connect")
+    return keys

@@ -1,0 +1,72 @@
+"""Overload: per-client limits, and memory that stays bounded under a submission flood."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from kvasir.client import AsyncClient
+from kvasir.messages import Accepted, ErrorEvent, Finished
+from test_lifecycle import children_of
+
+
+async def per_client(runtime_dir: Path):
+    async with await AsyncClient.connect(runtime_dir) as greedy, await AsyncClient.connect(runtime_dir) as other:
+        mine = [await greedy.submit(token_ids=[5, 6, 7], max_tokens=60, temperature=0, ignore_eos=True) for _ in range(5)]
+        theirs = await other.submit(token_ids=[5, 6, 7], max_tokens=3, temperature=0)
+        results = await asyncio.gather(*(s.result() for s in mine))
+        return results, await theirs.result()
+
+
+def test_one_client_cannot_take_more_than_its_share(tiny_models, start_daemon):
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_waiting=100, max_per_client=3).wait_ready()
+    results, theirs = asyncio.run(per_client(daemon.runtime_dir))
+    refused = [r for r in results if isinstance(r, ErrorEvent)]
+    assert sum(isinstance(r, Finished) for r in results) == 3 and len(refused) == 2
+    assert all(r.code == "overloaded" and "bridge.max_per_client" in r.message for r in refused)
+    assert isinstance(theirs, Finished)  # another client still gets in
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+async def flood(runtime_dir: Path, clients: int, each: int, prompt: list[int]) -> dict[str, int]:
+    """``clients`` connections each submit ``each`` requests as fast as they can and read
+    every answer; the count of each kind of answer."""
+    counts: dict[str, int] = {}
+
+    async def one():
+        async with await AsyncClient.connect(runtime_dir) as client:
+            streams = [await client.submit(token_ids=prompt, max_tokens=4, temperature=0) for _ in range(each)]
+            for stream in streams:
+                result = await stream.result()
+                kind = result.code if isinstance(result, ErrorEvent) else type(result).__name__
+                counts[kind] = counts.get(kind, 0) + 1
+
+    await asyncio.gather(*(one() for _ in range(clients)))
+    return counts
+
+
+def test_memory_stays_bounded_under_a_submission_flood(tiny_models, start_daemon):
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_waiting=64, max_per_client=32).wait_ready()
+    stages = set(daemon.child_pids())
+    children = children_of(daemon.process.pid)
+    bridge = next(pid for pid in children if pid not in stages)
+    watched = {"bridge": bridge, "head": min(stages, key=lambda pid: children.index(pid))}
+    prompt = [257 + i % 60 for i in range(200)]  # ids above CPython's small-int cache: each costs memory
+    asyncio.run(flood(daemon.runtime_dir, 2, 2_000, prompt))  # warm up: allocators, caches
+    before = {name: rss_bytes(pid) for name, pid in watched.items()}
+    counts = asyncio.run(flood(daemon.runtime_dir, 4, 20_000, prompt))
+    after = {name: rss_bytes(pid) for name, pid in watched.items()}
+    growth = {name: after[name] - before[name] for name in watched}
+    print(f"answers {counts}; RSS before {before}, growth {growth}")
+    assert sum(counts.values()) == 80_000 and counts.get("overloaded", 0) > 0
+    assert set(counts) <= {"Finished", "overloaded"}
+    # unbounded, the head would keep 80,000 waiting prompts: 16 million token ids, hundreds
+    # of MiB; bounded queues keep the bridge and the head near where they started
+    for name, grew in growth.items():
+        assert grew < 100 * 2**20, f"{name} grew by {grew / 2**20:.0f} MiB"

@@ -1,0 +1,67 @@
+"""CURVE on the bridge's TCP endpoint: the allow-listed client is served, others are not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+
+import pytest
+
+from daemon import BIN
+from kvasir.client import AsyncClient, NoDaemon, NotAuthorised, Remote
+from kvasir.keys import generate
+from kvasir.messages import Finished
+from models import hf_greedy, reference_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def greedy(runtime_dir, remote, ids, n):
+    async with await AsyncClient.connect(runtime_dir, timeout_s=10.0, remote=remote) as client:
+        return await (await client.submit(token_ids=ids, max_tokens=n, temperature=0)).result()
+
+
+async def refused(runtime_dir, remote):
+    with pytest.raises((NotAuthorised, NoDaemon)) as caught:
+        await AsyncClient.connect(runtime_dir, timeout_s=5.0, remote=remote)
+    return caught.value
+
+
+def test_only_allow_listed_keys_are_served_over_tcp(tiny_models, start_daemon, tmp_path):
+    keys, strangers = tmp_path / "keys", tmp_path / "strangers"
+    generate(keys, ["alice"])
+    generate(strangers, ["mallory"])  # a valid key pair, not in keys/clients
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    daemon = start_daemon(
+        tiny_models["llama"], [(0, 3), (3, 6)], tcp=endpoint,
+        server_key=keys / "server.key_secret", client_keys=keys / "clients",
+    ).wait_ready()
+    reference = hf_greedy(reference_model(tiny_models["llama"]), [7, 1, 7], 6)
+    elsewhere = daemon.runtime_dir.parent / "nowhere"  # the remote path never needs the runtime dir
+
+    alice = Remote(endpoint, keys / "alice.key_secret", keys / "server.key")
+    final = asyncio.run(greedy(elsewhere, alice, [7, 1, 7], 6))
+    assert isinstance(final, Finished) and final.token_ids == reference
+
+    mallory = Remote(endpoint, strangers / "mallory.key_secret", keys / "server.key")
+    assert isinstance(asyncio.run(refused(elsewhere, mallory)), NotAuthorised)
+    wrong_server = Remote(endpoint, keys / "alice.key_secret", strangers / "server.key")
+    asyncio.run(refused(elsewhere, wrong_server))
+    asyncio.run(refused(elsewhere, Remote(endpoint)))  # plaintext against a CURVE endpoint
+
+    run = [str(BIN / "kvasir"), "generate", "--ids", "7,1,7", "--max-tokens", "6", "--temperature", "0", "--json",
+           "--connect", endpoint, "--server-key", str(keys / "server.key")]
+    ok = subprocess.run(run + ["--key", str(keys / "alice.key_secret")], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout.splitlines()[-1])["token_ids"] == reference
+    no = subprocess.run(run + ["--key", str(strangers / "mallory.key_secret")], capture_output=True, text=True, timeout=60)
+    assert no.returncode == 3 and "refused this client" in no.stderr, no.stderr
+
+    # the local socket in the runtime dir is unaffected
+    assert asyncio.run(greedy(daemon.runtime_dir, None, [7, 1, 7], 6)).token_ids == reference

@@ -1,0 +1,40 @@
+import stat
+
+import pytest
+import zmq
+from click.testing import CliRunner
+
+from kvasir.cli import kvasir
+from kvasir.keys import KeyFileError, allowed_keys, load_pair, load_public
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_keys_generate_makes_pairs_an_allow_list_and_private_secrets(tmp_path):
+    folder = tmp_path / "keys"
+    result = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), "--client", "alice", "--client", "bob"])
+    assert result.exit_code == 0, result.output
+    for name in ("server", "alice", "bob"):
+        public, secret = load_pair(folder / f"{name}.key_secret")
+        assert load_public(folder / f"{name}.key") == public
+        assert zmq.curve_public(secret) == public  # a real pair
+        assert mode(folder / f"{name}.key_secret") == 0o600
+    assert sorted(allowed_keys(folder / "clients")) == sorted(load_public(folder / f"{n}.key") for n in ("alice", "bob"))
+    server = (folder / "server.key_secret").read_bytes()
+    again = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), "--client", "carol"])
+    assert again.exit_code == 0 and (folder / "server.key_secret").read_bytes() == server  # kept
+    refused = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), "--client", "alice"])
+    assert refused.exit_code == 2 and "already exists" in refused.output
+
+
+def test_bad_key_files_are_named(tmp_path):
+    (tmp_path / "junk.key").write_text("hello\n")
+    with pytest.raises(KeyFileError, match="not a CURVE key file"):
+        load_public(tmp_path / "junk.key")
+    with pytest.raises(KeyFileError, match="not found"):
+        load_pair(tmp_path / "missing.key_secret")
+    (tmp_path / "short.key").write_text('curve\n    public-key = "abc"\n')
+    with pytest.raises(KeyFileError, match="malformed"):
+        load_public(tmp_path / "short.key")
