@@ -12,9 +12,6 @@ import os
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import NamedTuple
 
 import msgspec
 import uvloop
@@ -22,7 +19,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from kvasir.detokenizer import IncrementalDetokenizer
+from kvasir.detokenizer import IncrementalDetokenizer, load_tokenizer
 from kvasir.errors import RequestError
 from kvasir.logs import setup_logging
 from kvasir.messages import (
@@ -38,7 +35,6 @@ from kvasir.messages import (
     Drained,
     Enqueue,
     ErrorEvent,
-    Finished,
     Heartbeat,
     Ready,
     RequestEnded,
@@ -48,13 +44,12 @@ from kvasir.messages import (
     StatsQuery,
     StatsReply,
     Submit,
-    Timings,
     TokenEvents,
     TokenOut,
-    Usage,
     WorkerSettings,
 )
 from kvasir.keys import load_pair
+from kvasir.ledger import Ledger, Peer, Pending
 from kvasir.model.source import resolve_source
 from kvasir.plan import BridgeSpec
 from kvasir.transport import BatchedSocket, Endpoints, make_socket
@@ -64,37 +59,6 @@ from kvasir.validation import check_prompt, check_sampling
 MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 1_000_000  # token events queued per `kvasir tail` subscriber before it misses some
-
-
-class Peer(NamedTuple):
-    """A client: the socket it came in on (local ipc, or remote TCP) and its ZMQ identity."""
-
-    io: BatchedSocket
-    identity: bytes
-
-
-@dataclass
-class Pending:
-    """A request the bridge has accepted and not yet ended."""
-
-    peer: Peer
-    key: int
-    prompt_tokens: int
-    submitted_ns: int
-    detokenizer: IncrementalDetokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    scheduled_ns: int = 0
-    first_ns: int = 0
-    last_ns: int = 0
-
-
-def load_tokenizer(folder: Path | None):
-    """The model folder's tokenizer, or None when it has none (token ids only)."""
-    if folder is None or not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 class Bridge:
@@ -132,8 +96,7 @@ class Bridge:
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
-        self.pending: dict[int, Pending] = {}
-        self.per_client: dict[Peer, int] = {}  # requests in the daemon per client
+        self.requests = Ledger()
         self.stage_stats: dict[int, StageStats] = {}
         self.timelines: dict[int, deque[BatchSpan]] = {}
         self.started = time.monotonic()
@@ -201,9 +164,9 @@ class Bridge:
                 raise RequestError(
                     "restarting", f"the ring is restarting after a failure ({self.restarting}): retry in a few seconds"
                 )
-            if len(self.pending) >= self.max_waiting:
-                raise RequestError("overloaded", f"{len(self.pending)} requests are already waiting or running")
-            mine = self.per_client.get(peer, 0)
+            if len(self.requests) >= self.max_waiting:
+                raise RequestError("overloaded", f"{len(self.requests)} requests are already waiting or running")
+            mine = self.requests.held_by(peer)
             if mine >= self.max_per_client:
                 raise RequestError(
                     "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
@@ -226,8 +189,7 @@ class Bridge:
         self.next_id += 1
         self.accepted += 1
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self.pending[rid] = Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok)
-        self.per_client[peer] = self.per_client.get(peer, 0) + 1
+        self.requests.add(rid, Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok))
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
         await self.head_io.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling)))
 
@@ -250,7 +212,7 @@ class Bridge:
         return check_prompt(ids, self.vocab_size, self.max_seq_len)
 
     async def _cancel(self, peer: Peer, rid: int) -> None:
-        record = self.pending.get(rid)
+        record = self.requests.get(rid)
         if record is None or record.peer != peer:
             await self._send(
                 peer, ErrorEvent(code="unknown_request", message=f"no running request {rid} of yours", request_id=rid)
@@ -270,7 +232,7 @@ class Bridge:
                 for token in tokens:
                     await self._token(token)
             case RequestEnded(request_id=rid, code=code, message=text):
-                record = self._end(rid)
+                record = self.requests.end(rid)
                 if record is not None:
                     event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
                     await self._send(record.peer, event)
@@ -279,7 +241,7 @@ class Bridge:
                 self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
 
     async def _token(self, token: SampledToken) -> None:
-        record = self.pending.get(token.request_id)
+        record = self.requests.get(token.request_id)
         if record is None:
             return
         now = time.monotonic_ns()
@@ -299,23 +261,8 @@ class Bridge:
         await self.publisher_io.send(encoded)
         await record.peer.io.send_multipart([record.peer.identity, encoded])
         if token.finish is not None:
-            self._end(token.request_id)
-            await self._send(record.peer, self._finished(token.request_id, token.finish, record))
-
-    def _finished(self, rid: int, reason: str, r: Pending) -> Finished:
-        n = len(r.token_ids)
-        return Finished(
-            request_id=rid,
-            reason=reason,
-            token_ids=r.token_ids,
-            usage=Usage(prompt_tokens=r.prompt_tokens, completion_tokens=n),
-            timings=Timings(
-                queued_s=max(0, r.scheduled_ns - r.submitted_ns) / 1e9,
-                first_token_s=(r.first_ns - r.submitted_ns) / 1e9,
-                per_token_s=(r.last_ns - r.first_ns) / 1e9 / (n - 1) if n > 1 else 0.0,
-                total_s=(r.last_ns - r.submitted_ns) / 1e9,
-            ),
-        )
+            self.requests.end(token.request_id)
+            await self._send(record.peer, record.finished(token.request_id, token.finish))
 
     async def _commands(self) -> None:
         decoder = msgspec.msgpack.Decoder(Command)
@@ -327,7 +274,7 @@ class Bridge:
                 await self._ring_down(command.message)
             elif command.kind == "drain":
                 self.draining = True
-                self.log.info("draining", requests=len(self.pending))
+                self.log.info("draining", requests=len(self.requests))
                 await self._maybe_drained()
             elif command.kind == "stop":
                 reason = "a stage failed" if command.code == "stage_failed" else "the daemon stopped"
@@ -361,7 +308,7 @@ class Bridge:
         ones until "serve", and drop whatever was queued for the dead head."""
         self.restarting = reason
         self.last_failure, self.last_failure_at = reason, time.monotonic()
-        self.log.warning("ring down", reason=reason, requests=len(self.pending))
+        self.log.warning("ring down", reason=reason, requests=len(self.requests))
         await self._end_all("stage_failed", f"{reason}; the request was lost and the ring is restarting")
         self.head.close(linger=0)
         self.head, self.head_io = self._connect_head()
@@ -397,26 +344,13 @@ class Bridge:
             await asyncio.sleep(self.stats_interval_s)
 
     async def _maybe_drained(self) -> None:
-        if self.draining and not self.pending and not self.drained_sent:
+        if self.draining and not self.requests and not self.drained_sent:
             self.drained_sent = True
             await self.control.send(self.encoder.encode(Drained()))
 
-    def _end(self, rid: int) -> Pending | None:
-        """Forget an ended request; its record, or None when it had already ended."""
-        record = self.pending.pop(rid, None)
-        if record is not None:
-            left = self.per_client[record.peer] - 1
-            if left:
-                self.per_client[record.peer] = left
-            else:
-                del self.per_client[record.peer]
-        return record
-
     async def _end_all(self, code: str, message: str) -> None:
-        for rid, record in list(self.pending.items()):
+        for rid, record in self.requests.end_all():
             await self._send(record.peer, ErrorEvent(code=code, message=message, request_id=rid))
-        self.pending.clear()
-        self.per_client.clear()
 
     async def _send(self, peer: Peer, event) -> None:
         await peer.io.send_multipart([peer.identity, self.encoder.encode(event)])
@@ -426,7 +360,7 @@ class Bridge:
         return DaemonStats(
             uptime_s=time.monotonic() - self.started,
             requests=self.accepted,
-            in_flight=len(self.pending),
+            in_flight=len(self.requests),
             tokens_out=self.tokens_out,
             waiting_limit=self.max_waiting,
             vocab_size=self.vocab_size,

@@ -1,6 +1,9 @@
-"""Incremental detokenization: text deltas as tokens arrive, never broken UTF-8."""
+"""Tokenizers: loading a model folder's, and incremental detokenization (text deltas as
+tokens arrive, never broken UTF-8)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class IncrementalDetokenizer:
@@ -34,3 +37,12 @@ class IncrementalDetokenizer:
         after = self.tokenizer.decode(self.ids[self._prefix :], skip_special_tokens=True)
         self._prefix = self._read = len(self.ids)
         return after[len(before) :]
+
+
+def load_tokenizer(folder: Path | None):
+    """The model folder's tokenizer, or None when it has none (token ids only)."""
+    if folder is None or not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -38,7 +38,9 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
     lines = [
         f"kvasir  up {after.uptime_s:7.0f} s   requests {after.requests}   in flight {after.in_flight}"
         f"   queued {head.waiting if head else 0}   batches in flight {head.inflight if head else 0}"
-        f"   {(after.tokens_out - before.tokens_out) / seconds:7.1f} tokens/s out",
+        f"   {(after.tokens_out - before.tokens_out) / seconds:7.1f} tokens/s out"
+        + (f"   restarts {after.restarts}" if after.restarts else "")
+        + (f"   {after.state.upper()}" if after.state != "serving" else ""),
         f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks",
     ]
     old = {s.index: s for s in before.stages}
@@ -48,7 +50,7 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
 
 
 def _stage_line(b: StageStats | None, s: StageStats) -> str:
-    if b is None or s.wall_s <= b.wall_s:
+    if b is None or b.pid != s.pid or s.wall_s <= b.wall_s:
         return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  (waiting for the stage's next report)"
     wall = s.wall_s - b.wall_s
     busy, starved, blocked = ((s.busy_s - b.busy_s) / wall, (s.starved_s - b.starved_s) / wall, (s.blocked_s - b.blocked_s) / wall)

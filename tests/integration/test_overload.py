@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from kvasir.client import AsyncClient
-from kvasir.messages import Accepted, ErrorEvent, Finished
+from kvasir.messages import ErrorEvent, Finished
 from test_lifecycle import children_of
 
 

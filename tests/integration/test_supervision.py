@@ -4,13 +4,15 @@ restarts and serves again, and nothing leaks after the final shutdown."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
+import subprocess
 import time
 from pathlib import Path
 
-from daemon import alive
+from daemon import BIN, alive
 from kvasir.client import AsyncClient, Client, NoDaemon
 from kvasir.messages import Cancelled, ErrorEvent, Finished
 from models import hf_greedy, reference_model
@@ -116,6 +118,13 @@ def test_a_hung_stage_is_found_by_heartbeat_and_replaced(tiny_models, start_daem
     assert "stage-1" in failure.message and "hung" in failure.message, failure.message
     stats = wait_serving_again(daemon.runtime_dir, daemon.stages)
     assert stats.restarts == 1 and "no heartbeat" in stats.last_failure
+    shown = subprocess.run([str(BIN / "kvasir"), "stats", "--runtime-dir", str(daemon.runtime_dir)],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "serving," in shown.stdout and "restarts 1" in shown.stdout
+    assert "last failure" in shown.stdout and "stage-1" in shown.stdout and "hung" in shown.stdout
+    body = json.loads(subprocess.run([str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)],
+                                     capture_output=True, text=True, timeout=60).stdout)
+    assert body["restarts"] == 1 and body["state"] == "serving" and body["last_failure_age_s"] >= 0
     assert not alive(before[1])  # the hung process was killed, not left stopped
     reference = reference_model(tiny_models["llama"])
     assert one_greedy(daemon.runtime_dir, [9, 9, 2], 6) == hf_greedy(reference, [9, 9, 2], 6)
