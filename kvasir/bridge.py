@@ -74,11 +74,8 @@ class Bridge:
         self.tokenizer = load_tokenizer(source.weights_dir)
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
-        self.clients = make_socket(ctx, zmq.ROUTER)
-        self.clients.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
-        # a ROUTER drops messages to a peer whose queue is full: never lose a client's
-        # events (requests in the daemon are bounded by bridge.max_waiting)
-        self.clients.setsockopt(zmq.SNDHWM, 0)
+        self.client_queue = plan.bridge.max_client_queue
+        self.clients = self._client_router(ctx)
         self.publisher = make_socket(ctx, zmq.PUB)
         self.publisher.setsockopt(zmq.SNDHWM, PUB_QUEUE)
         self.ends = ends
@@ -259,7 +256,7 @@ class Bridge:
         event = TokenOut(request_id=token.request_id, index=token.index, token_id=token.token_id, text=text)
         encoded = self.encoder.encode(event)
         await self.publisher_io.send(encoded)
-        await record.peer.io.send_multipart([record.peer.identity, encoded])
+        self._deliver(record.peer, encoded)
         if token.finish is not None:
             self.requests.end(token.request_id)
             await self._send(record.peer, record.finished(token.request_id, token.finish))
@@ -318,9 +315,7 @@ class Bridge:
     def _remote(self, ctx: zmq.asyncio.Context, spec: BridgeSpec) -> BatchedSocket:
         """The ROUTER for remote clients over TCP. With keys it is a CURVE server and ZAP
         lets in only the clients whose public keys are in ``client_keys``."""
-        sock = make_socket(ctx, zmq.ROUTER)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock = self._client_router(ctx)
         if spec.server_key is not None:
             self.authenticator = AsyncioAuthenticator(ctx)
             self.authenticator.start()
@@ -328,6 +323,17 @@ class Bridge:
             sock.curve_publickey, sock.curve_secretkey = load_pair(spec.server_key)
             sock.curve_server = True
         return BatchedSocket(sock)
+
+    def _client_router(self, ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+        """A ROUTER for clients. A plain ROUTER silently drops events for a client whose
+        queue is full or that is gone; with ROUTER_MANDATORY the send fails instead, and
+        the bridge cancels that client's requests (see _deliver), so no event is lost
+        unnoticed and no queue grows without bound."""
+        sock = make_socket(ctx, zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
+        sock.setsockopt(zmq.SNDHWM, self.client_queue)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        return sock
 
     def _connect_head(self):
         # unbounded: accepted requests are bounded by bridge.max_waiting, and a send that
@@ -353,7 +359,28 @@ class Bridge:
             await self._send(record.peer, ErrorEvent(code=code, message=message, request_id=rid))
 
     async def _send(self, peer: Peer, event) -> None:
-        await peer.io.send_multipart([peer.identity, self.encoder.encode(event)])
+        self._deliver(peer, self.encoder.encode(event))
+
+    def _deliver(self, peer: Peer, payload: bytes) -> None:
+        """Queue one event for a client; a client that is gone, or has not read its last
+        ``bridge.max_client_queue`` events, loses its requests instead."""
+        try:
+            peer.io.send_now([peer.identity, payload])
+        except zmq.Again:
+            self._lost(peer, "stopped reading its events")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._lost(peer, "disconnected")
+
+    def _lost(self, peer: Peer, why: str) -> None:
+        """Cancel every request of a client that cannot be told anything any more."""
+        rids = self.requests.of(peer)
+        for rid in rids:
+            self.requests.end(rid)
+            self.head_io.send_now([self.encoder.encode(CancelRequest(rid))])
+        if rids:
+            self.log.warning("client lost: its requests are cancelled", why=why, requests=len(rids))
 
     def daemon_stats(self, timeline: bool = False) -> DaemonStats:
         order = sorted(self.stage_stats)

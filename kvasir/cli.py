@@ -134,7 +134,11 @@ def _print_plan(path, resolved, source, stages) -> None:
         f"kv       {kv.num_blocks} blocks x {kv.block_size} tokens = "
         f"{kv.num_blocks * kv.block_size} tokens per stage"
     )
-    click.echo(f"bridge   max_waiting {resolved.bridge.max_waiting}, max_per_client {resolved.bridge.max_per_client}")
+    br = resolved.bridge
+    click.echo(
+        f"bridge   max_waiting {br.max_waiting}, max_per_client {br.max_per_client}, max_client_queue {br.max_client_queue}"
+        + (f", tcp {br.tcp} ({'CURVE' if br.server_key else 'no keys: loopback only'})" if br.tcp else "")
+    )
     sup = resolved.supervise
     click.echo(
         f"restarts at most {sup.max_restarts} in {sup.restart_window_s:g} s, "
@@ -227,7 +231,9 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
 
     Validates the plan first (exit 2 on a bad plan, before anything is spawned), makes
     the runtime dir (mode 0700), spawns one worker per stage and the bridge, waits for
-    each to report ready, and serves.
+    each to report ready, and serves. A worker that dies or hangs ends every request in
+    the daemon with stage_failed and the workers are restarted (the plan's [supervise]
+    section bounds how often); past that bound the daemon exits 1.
     """
     from kvasir.launcher import Launcher, Timeouts, check_host, run_launcher
     from kvasir.model.convert import prepare

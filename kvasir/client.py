@@ -297,6 +297,8 @@ class AsyncClient:
                         del self._by_id[rid]
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._failure, NotAuthorised):
+            raise self._failure  # the refusal may come before the first call: say so, not "no daemon"
         if self._failure is not None:
             raise KvasirError(f"the connection to kvasird failed: {self._failure}")
 

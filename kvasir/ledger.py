@@ -63,6 +63,10 @@ class Ledger:
     def held_by(self, peer: Peer) -> int:
         return self._per_client.get(peer, 0)
 
+    def of(self, peer: Peer) -> list[int]:
+        """The ids of one client's requests (a scan: only for a client that is gone)."""
+        return [rid for rid, record in self._by_id.items() if record.peer == peer] if peer in self._per_client else []
+
     def add(self, rid: int, record: Pending) -> None:
         self._by_id[rid] = record
         self._per_client[record.peer] = self._per_client.get(record.peer, 0) + 1

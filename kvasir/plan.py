@@ -44,6 +44,7 @@ class KvSpec(_Section):
 class BridgeSpec(_Section):
     max_waiting: int = 1024  # requests in the daemon before new ones are refused "overloaded"
     max_per_client: int = 256  # requests one client connection may have in the daemon at once
+    max_client_queue: int = 100_000  # events waiting for one client; beyond, it is not reading: its requests are cancelled
     tcp: str | None = None  # also serve remote clients at "tcp://HOST:PORT" (keys required unless HOST is loopback)
     server_key: str | None = None  # the daemon's CURVE secret key file (`kvasir keys generate`)
     client_keys: str | None = None  # folder of the CURVE public keys (*.key) of the clients let in
@@ -154,6 +155,7 @@ def _check_values(plan: Plan) -> None:
         )
     _positive("bridge.max_waiting", plan.bridge.max_waiting)
     _positive("bridge.max_per_client", plan.bridge.max_per_client)
+    _positive("bridge.max_client_queue", plan.bridge.max_client_queue)
     _check_tcp(plan.bridge)
     sup = plan.supervise
     if sup.max_restarts < 0:

@@ -177,15 +177,21 @@ class BatchedSocket:
         await self.send_multipart([data])
 
     async def send_multipart(self, frames: list) -> None:
-        """ZMQ takes a multipart message whole or not at all: once the first frame is
-        queued, the rest are too."""
-        last = len(frames) - 1
+        """Queue a multipart message, waiting while the socket has no room."""
         while True:
             try:
-                self.shadow.send(frames[0], NOBLOCK_MORE if last else NOBLOCK)
-                break
+                self.send_now(frames)
+                return
             except zmq.Again:
                 await self._wait(zmq.POLLOUT)
+
+    def send_now(self, frames: list) -> None:
+        """Queue a multipart message without waiting, or raise zmq.Again (no room; for a
+        ROUTER with ROUTER_MANDATORY: no room for that peer) or ZMQError EHOSTUNREACH
+        (ROUTER_MANDATORY: no such peer); then nothing was queued. ZMQ takes a multipart
+        message whole or not at all: once the first frame is queued, the rest are too."""
+        last = len(frames) - 1
+        self.shadow.send(frames[0], NOBLOCK_MORE if last else NOBLOCK)
         for index in range(1, last + 1):
             self.shadow.send(frames[index], NOBLOCK_MORE if index < last else NOBLOCK)
         self._wake()

@@ -25,6 +25,7 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         f'[batch]\nmax_rows = {values["max_rows"]}\nmax_tokens = {values["max_tokens"]}\ninflight = {values["inflight"]}\n'
         f'[kv]\nblock_size = {values["block_size"]}\nnum_blocks = {values["num_blocks"]}\n'
         f'[bridge]\nmax_waiting = {values["max_waiting"]}\nmax_per_client = {values["max_per_client"]}\n'
+        + "".join(f"{key} = {kw[key]}\n" for key in ("max_client_queue",) if key in kw)
         + "".join(f'{key} = "{kw[key]}"\n' for key in ("tcp", "server_key", "client_keys") if key in kw)
         + f'[supervise]\n{supervise}{stages}'
     )

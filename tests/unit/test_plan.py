@@ -112,6 +112,7 @@ def test_ranges_past_the_model_and_uncovered_layers():
         ("model", "max_seq_len"),
         ("bridge", "max_waiting"),
         ("bridge", "max_per_client"),
+        ("bridge", "max_client_queue"),
     ],
 )
 @pytest.mark.parametrize("value", [0, -3])
