@@ -137,15 +137,14 @@ class AsyncClient:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # events wait here until read, never dropped
+        client = cls(rt, ctx, sock)  # its connection monitor is attached before connecting: no event is missed
         try:
             if remote is not None:
                 remote.configure(sock)
             sock.connect(remote.endpoint if remote is not None else ends.client)
         except (KvasirError, zmq.ZMQError) as exc:
-            sock.close(linger=0)
-            ctx.term()
+            await client.close()
             raise NoDaemon(f"cannot connect to {where}: {exc}") from None
-        client = cls(rt, ctx, sock)
         try:
             await asyncio.wait_for(client.stats(), timeout_s)
         except NotAuthorised:

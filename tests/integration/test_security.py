@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from daemon import BIN
-from kvasir.client import AsyncClient, NoDaemon, NotAuthorised, Remote
+from kvasir.client import AsyncClient, NotAuthorised, Remote
 from kvasir.keys import generate
 from kvasir.messages import Finished
 from models import hf_greedy, reference_model
@@ -28,9 +28,8 @@ async def greedy(runtime_dir, remote, ids, n):
 
 
 async def refused(runtime_dir, remote):
-    with pytest.raises((NotAuthorised, NoDaemon)) as caught:
+    with pytest.raises(NotAuthorised):
         await AsyncClient.connect(runtime_dir, timeout_s=5.0, remote=remote)
-    return caught.value
 
 
 def test_only_allow_listed_keys_are_served_over_tcp(tiny_models, start_daemon, tmp_path):
@@ -50,11 +49,12 @@ def test_only_allow_listed_keys_are_served_over_tcp(tiny_models, start_daemon, t
     assert isinstance(final, Finished) and final.token_ids == reference
 
     mallory = Remote(endpoint, strangers / "mallory.key_secret", keys / "server.key")
-    assert isinstance(asyncio.run(refused(elsewhere, mallory)), NotAuthorised)
+    asyncio.run(refused(elsewhere, mallory))
     wrong_server = Remote(endpoint, keys / "alice.key_secret", strangers / "server.key")
     asyncio.run(refused(elsewhere, wrong_server))
     asyncio.run(refused(elsewhere, Remote(endpoint)))  # plaintext against a CURVE endpoint
 
+    # the command line, in a fresh process each time (its first connection is refused)
     run = [str(BIN / "kvasir"), "generate", "--ids", "7,1,7", "--max-tokens", "6", "--temperature", "0", "--json",
            "--connect", endpoint, "--server-key", str(keys / "server.key")]
     ok = subprocess.run(run + ["--key", str(keys / "alice.key_secret")], capture_output=True, text=True, timeout=60)
