@@ -239,6 +239,10 @@ class Launcher:
             if self.ring != "up" and self.state == "running":
                 self._restart_step()
             if self.state == "draining":
+                if self.bridge is None or not self.bridge.ready:
+                    self.log.info("stopping while the bridge restarts: nothing to drain")
+                    self._stop_all("shutting_down")
+                    continue
                 if drain_deadline is None:
                     self.log.info("draining", timeout_s=self.timeouts.drain_s)
                     self.notifier.stopping(f"draining: up to {self.timeouts.drain_s:g} s for running requests")

@@ -161,3 +161,20 @@ def test_restarts_are_bounded(tiny_models, start_daemon):
     assert "giving up" in log
     assert list(daemon.runtime_dir.glob("*")) == []
     assert not list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))
+
+
+def test_sigterm_while_the_bridge_restarts_stops_cleanly(tiny_models, start_daemon):
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="bridge-term").wait_ready()
+    from test_lifecycle import children_of
+
+    launcher = daemon.process.pid
+    stage_pids = set(daemon.child_pids())
+    bridge = next(pid for pid in children_of(launcher) if pid not in stage_pids)
+    os.kill(bridge, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while "child failed" not in daemon.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    daemon.process.send_signal(signal.SIGTERM)  # the new bridge is still loading
+    assert daemon.process.wait(60) == 0, daemon.log()[-2000:]
+    assert list(daemon.runtime_dir.glob("*")) == []
+    assert not list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))
