@@ -266,8 +266,7 @@ class Launcher:
         if silent is not None:
             name, quiet_s = silent
             child = next(c for c in self.children if c.name == name)
-            child.process.kill()
-            child.process.wait()
+            self._kill([child])
             return f"{name} (pid {child.process.pid}) hung: no heartbeat for {quiet_s:.1f} s; killed it"
         return None
 
@@ -282,8 +281,8 @@ class Launcher:
         if not bridge_alive:
             self._kill([self.bridge])
             self.bridge = None
-            for name in ("client.sock", "events.sock", "bridge-in.sock", "command-bridge.sock"):
-                (self.runtime_dir / name).unlink(missing_ok=True)
+            for path in self.ends.bridge_files():
+                path.unlink(missing_ok=True)
         elif self.state == "running":
             self.bridge.command.send(Command("ring_down", "stage_failed", reason))
         delay = self.policy.failed(time.monotonic()) if self.state == "running" else None

@@ -70,6 +70,10 @@ class Endpoints:
     def socket_files(self) -> list[Path]:
         return sorted(self.dir.glob("*.sock"))
 
+    def bridge_files(self) -> list[Path]:
+        """The socket files the bridge binds (a killed bridge leaves them behind)."""
+        return [Path(url.removeprefix("ipc://")) for url in (self.client, self.events, self.bridge_in, self.command("bridge"))]
+
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None) -> zmq.Socket:
     sock = ctx.socket(kind)
