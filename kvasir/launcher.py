@@ -239,8 +239,8 @@ class Launcher:
             if self.ring != "up" and self.state == "running":
                 self._restart_step()
             if self.state == "draining":
-                if self.bridge is None or not self.bridge.ready:
-                    self.log.info("stopping while the bridge restarts: nothing to drain")
+                if self.bridge is None or not self.bridge.ready or self.ring != "up":
+                    self.log.info("stopping while the ring restarts: nothing to drain")
                     self._stop_all("shutting_down")
                     continue
                 if drain_deadline is None:
@@ -273,6 +273,9 @@ class Launcher:
     def _failed(self, reason: str) -> None:
         """A child failed: tell every request, kill the stages, restart after the back-off
         (or give up: draining, or too many failures within the window)."""
+        # Read once: SIGTERM may arrive while this runs (killing children takes time),
+        # and a failure noticed before the stop request is handled as one, consistently.
+        running = self.state == "running"
         self.log.error("child failed", reason=reason)
         self.last_failure = reason
         bridge_alive = self.bridge is not None and self.bridge.process.poll() is None
@@ -283,11 +286,11 @@ class Launcher:
             self.bridge = None
             for path in self.ends.bridge_files():
                 path.unlink(missing_ok=True)
-        elif self.state == "running":
+        elif running:
             self.bridge.command.send(Command("ring_down", "stage_failed", reason))
-        delay = self.policy.failed(time.monotonic()) if self.state == "running" else None
+        delay = self.policy.failed(time.monotonic()) if running else None
         if delay is None:
-            if self.state == "running":
+            if running:
                 self.log.error("giving up", restarts=self.restarts, max_restarts=self.plan.supervise.max_restarts,
                                window_s=self.plan.supervise.restart_window_s)
             self.notifier.stopping(f"stopping: {reason}")

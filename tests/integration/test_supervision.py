@@ -12,6 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from daemon import BIN, alive
 from kvasir.client import AsyncClient, Client, NoDaemon
 from kvasir.messages import Cancelled, ErrorEvent, Finished
@@ -163,18 +165,22 @@ def test_restarts_are_bounded(tiny_models, start_daemon):
     assert not list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))
 
 
-def test_sigterm_while_the_bridge_restarts_stops_cleanly(tiny_models, start_daemon):
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="bridge-term").wait_ready()
+@pytest.mark.parametrize("victim", ["bridge", "stage"])
+def test_sigterm_while_the_ring_restarts_stops_cleanly(tiny_models, start_daemon, victim):
+    """SIGTERM right after a failure is noticed (the signal lands while the launcher is
+    still handling it): the daemon stops at once with exit 0, nothing to drain."""
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name=f"{victim}-term").wait_ready()
     from test_lifecycle import children_of
 
     launcher = daemon.process.pid
-    stage_pids = set(daemon.child_pids())
+    stage_pids = daemon.child_pids()
     bridge = next(pid for pid in children_of(launcher) if pid not in stage_pids)
-    os.kill(bridge, signal.SIGKILL)
+    os.kill(bridge if victim == "bridge" else stage_pids[-1], signal.SIGKILL)
     deadline = time.monotonic() + 30
     while "child failed" not in daemon.log() and time.monotonic() < deadline:
         time.sleep(0.05)
-    daemon.process.send_signal(signal.SIGTERM)  # the new bridge is still loading
+    daemon.process.send_signal(signal.SIGTERM)  # the new ring is still loading
     assert daemon.process.wait(60) == 0, daemon.log()[-2000:]
+    assert "nothing to drain" in daemon.log()
     assert list(daemon.runtime_dir.glob("*")) == []
     assert not list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))
