@@ -35,6 +35,7 @@ from kvasir.messages import (
     Drained,
     Enqueue,
     ErrorEvent,
+    HandoffReport,
     Heartbeat,
     Ready,
     RequestEnded,
@@ -49,7 +50,7 @@ from kvasir.messages import (
     WorkerSettings,
 )
 from kvasir.keys import load_pair
-from kvasir.ledger import Ledger, Peer, Pending
+from kvasir.ledger import HandoffLog, Ledger, Peer, Pending
 from kvasir.model.source import resolve_source
 from kvasir.plan import BridgeSpec
 from kvasir.transport import BatchedSocket, Endpoints, make_socket
@@ -94,6 +95,7 @@ class Bridge:
         self.client_decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
         self.requests = Ledger()
+        self.handoffs = HandoffLog()
         self.stage_stats: dict[int, StageStats] = {}
         self.timelines: dict[int, deque[BatchSpan]] = {}
         self.started = time.monotonic()
@@ -233,18 +235,29 @@ class Bridge:
                 if record is not None:
                     event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
                     await self._send(record.peer, event)
+            case HandoffReport(request_id=rid, nbytes=nbytes, seconds=seconds):
+                timings = self.handoffs.add(nbytes, seconds)
+                record = self.requests.get(rid)
+                if record is not None:
+                    record.handoff = timings
             case StageStats() as stats if stats.pid in self.ring_pids:
                 self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
                 self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
 
-    async def _token(self, token: SampledToken) -> None:
-        record = self.requests.get(token.request_id)
+    async def _token(self, arrived: SampledToken) -> None:
+        record = self.requests.get(arrived.request_id)
         if record is None:
             return
+        for token in record.in_order(arrived):
+            await self._stream(record, token)
+
+    async def _stream(self, record: Pending, token: SampledToken) -> None:
         now = time.monotonic_ns()
         if not record.token_ids:
             record.first_ns = now
             record.scheduled_ns = token.scheduled_ns
+        elif len(record.token_ids) == 1:
+            record.second_ns = now
         record.last_ns = now
         record.token_ids.append(token.token_id)
         self.tokens_out += 1
@@ -398,6 +411,7 @@ class Bridge:
             restarts=self.restarts,
             last_failure=self.last_failure,
             last_failure_age_s=time.monotonic() - self.last_failure_at if self.last_failure is not None else None,
+            handoff=self.handoffs.summary(),
         )
 
 

@@ -27,7 +27,9 @@ def slice_spec(plan: Plan, index: int) -> SliceSpec:
 class StageEngine:
     """Runs batch descriptors through one stage: frees released KV, then the layers."""
 
-    def __init__(self, plan: Plan, index: int, source: ModelSource) -> None:
+    def __init__(self, plan: Plan, index: int, source: ModelSource, storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``index`` within the plan's ring; ``storage``: shared memory for the KV cache
+        (a prefill stage's, which decode stages copy from)."""
         stage = plan.stages[index]
         self.index = index
         self.spec = slice_spec(plan, index)
@@ -44,6 +46,7 @@ class StageEngine:
             head_dim=head_dim(config),
             dtype=dtype,
             device=self.device,
+            storage=storage,
         )
 
     def release(self, descriptor: BatchDescriptor) -> None:

@@ -20,11 +20,22 @@ import msgspec
 import zmq
 
 from kvasir.errors import KvasirError, PlanError
-from kvasir.messages import Command, ControlMessage, Drained, EdgeSpec, Heartbeat, Ready, WorkerSettings
+from kvasir.engine import head_dim
+from kvasir.messages import (
+    Command,
+    ControlMessage,
+    Drained,
+    EdgeSpec,
+    HandoffWiring,
+    Heartbeat,
+    KvSegment,
+    Ready,
+    WorkerSettings,
+)
 from kvasir.model.source import ModelSource
 from kvasir.notify import ServiceNotifier
 from kvasir.plan import Plan
-from kvasir.slots import ShmSlotRing, create_ring
+from kvasir.slots import KvSegmentMap, ShmSlotRing, create_ring
 from kvasir.supervision import Heartbeats, RestartPolicy
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
 
@@ -42,7 +53,7 @@ def check_host(plan: Plan) -> None:
     import torch
 
     usable = os.sched_getaffinity(0)
-    for index, stage in enumerate(plan.stages):
+    for index, stage in enumerate(plan.all_stages):
         if stage.cpus is not None and not set(stage.cpus) <= usable:
             missing = sorted(set(stage.cpus) - usable)
             raise PlanError(f"stages[{index}].cpus: CPUs {missing} are not available here (usable: {sorted(usable)})")
@@ -62,6 +73,16 @@ class Child:
     process: subprocess.Popen
     command: PushChannel
     ready: bool = False
+
+
+@dataclass
+class StagePlace:
+    """Where a stage process sits: its pool (its ring's plan), global index and ring edges."""
+
+    pool: str
+    plan: Plan
+    first: int  # global index of the pool's first stage
+    edges: list[EdgeSpec]
 
 
 @dataclass
@@ -97,7 +118,9 @@ class Launcher:
         self.ctx = zmq.Context()
         self.stages: list[Child] = []
         self.bridge: Child | None = None
-        self.rings: list[ShmSlotRing] = []
+        self.rings: list[ShmSlotRing | KvSegmentMap] = []  # shared memory the launcher owns
+        self.places: list[StagePlace] = []  # per global stage index
+        self.wiring: HandoffWiring | None = None
         self._lock_fd: int | None = None
         self._control: PullChannel | None = None
         sup = self.plan.supervise
@@ -131,37 +154,69 @@ class Launcher:
         for stale in self.ends.socket_files():
             stale.unlink(missing_ok=True)
         self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage)
-        token = secrets.token_hex(4)
-        for k in range(len(self.plan.stages) - 1):
-            spec = EdgeSpec(
-                kind="shm",
-                name=f"kvasir-{os.getpid()}-{token}-edge{k}",
-                slots=self.plan.batch.inflight,
-                max_tokens=self.plan.batch.max_tokens,
-                hidden=int(self.source.config.hidden_size),
-                dtype=self.plan.model.dtype,
+        prefix = f"kvasir-{os.getpid()}-{secrets.token_hex(4)}"
+        for pool, view in self.plan.pools():
+            first = len(self.places)
+            edges = []
+            for k in range(len(view.stages) - 1):
+                spec = EdgeSpec(
+                    kind="shm",
+                    name=f"{prefix}-edge{first + k}",
+                    slots=view.batch.inflight,
+                    max_tokens=view.batch.max_tokens,
+                    hidden=int(self.source.config.hidden_size),
+                    dtype=view.model.dtype,
+                )
+                self.rings.append(create_ring(spec))
+                edges.append(spec)
+            self.places += [StagePlace(pool, view, first, edges) for _ in view.stages]
+        if self.plan.disaggregated:
+            self.wiring = self._kv_segments(prefix)
+
+    def _kv_segments(self, prefix: str) -> HandoffWiring:
+        """The prefill stages' caches, in shared memory the decode stages copy from."""
+        prefill, decode = (view for _, view in self.plan.pools())
+        config = self.source.config
+        segments = []
+        for k, stage in enumerate(prefill.stages):
+            segment = KvSegment(
+                name=f"{prefix}-kv{k}",
+                layers=stage.layers,
+                num_blocks=prefill.kv.num_blocks,
+                block_size=prefill.kv.block_size,
+                kv_heads=int(config.num_key_value_heads),
+                head_dim=head_dim(config),
+                dtype=prefill.model.dtype,
             )
-            self.rings.append(create_ring(spec))
+            self.rings.append(KvSegmentMap(segment, create=True))
+            segments.append(segment)
+        return HandoffWiring(
+            prefill=segments, decode=[stage.layers for stage in decode.stages], lease_s=self.plan.handoff.lease_s
+        )
 
     def spawn(self) -> None:
         """Start every child that is not running: all of them at first, after a failure
         the stages (and the bridge when it was the one that died)."""
         if not self.stages:
-            self.stages = [self._spawn("stage", k) for k in range(len(self.plan.stages))]
+            self.stages = [self._spawn("stage", k) for k in range(len(self.places))]
         if self.bridge is None:
             self.bridge = self._spawn("bridge", 0)
             self._new_bridge = True
 
     def _spawn(self, role: str, index: int) -> Child:
+        place = self.places[index] if role == "stage" else StagePlace("", self.plan, 0, [])
         settings = WorkerSettings(
             role=role,
             index=index,
-            plan=self.plan,
+            plan=place.plan,
             runtime_dir=str(self.runtime_dir),
             launcher_pid=os.getpid(),
-            edges=[ring.spec for ring in self.rings],
+            edges=place.edges,
             stats_interval_s=self.stats_interval_s,
             log_level=self.log_level,
+            pool=place.pool,
+            first=place.first,
+            handoff=self.wiring,
         )
         name = f"stage-{index}" if role == "stage" else "bridge"
         process = subprocess.Popen([sys.executable, "-m", "kvasir.worker"], stdin=subprocess.PIPE)
@@ -186,7 +241,7 @@ class Launcher:
             self._note(self._control_messages(100))
         self._open(deadline)
         self.state = "running"
-        self.notifier.ready(f"serving {len(self.plan.stages)} stages from {self.runtime_dir}")
+        self.notifier.ready(f"serving {len(self.places)} stages from {self.runtime_dir}")
 
     def _open(self, deadline: float, restarts: int = 0) -> None:
         """Every child is ready: the bridge takes requests (a new bridge binds the client
@@ -226,7 +281,7 @@ class Launcher:
             self.state = "draining"
 
     def serve(self) -> None:
-        self.log.info("serving", runtime_dir=str(self.runtime_dir), stages=len(self.plan.stages))
+        self.log.info("serving", runtime_dir=str(self.runtime_dir), stages=len(self.places))
         drain_deadline = None
         while self.state in ("running", "draining"):
             failure = self._failure()
@@ -317,7 +372,7 @@ class Launcher:
                     return
                 self.restarts += 1
                 self.log.info("serving again", restarts=self.restarts)
-                self.notifier.status(f"serving {len(self.plan.stages)} stages; restarted {self.restarts} times")
+                self.notifier.status(f"serving {len(self.places)} stages; restarted {self.restarts} times")
             elif now > self._ring_deadline:
                 late = ", ".join(c.name for c in self.children if not c.ready)
                 self._kill([c for c in self.children if not c.ready])
@@ -390,7 +445,7 @@ def run_launcher(launcher: Launcher) -> int:
     try:
         launcher.prepare()
         launcher.spawn()
-        launcher.notifier.status(f"loading {len(launcher.plan.stages)} stages")
+        launcher.notifier.status(f"loading {len(launcher.plan.all_stages)} stages")
         launcher.wait_ready()
         launcher.serve()
         launcher.log.info("stopped", code=launcher.exit_code)

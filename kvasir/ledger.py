@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvasir.detokenizer import IncrementalDetokenizer
-from kvasir.messages import Finished, Timings, Usage
+from kvasir.messages import Finished, HandoffSummary, HandoffTimings, SampledToken, Timings, Usage
+
+GIB = 1 << 30
+RECENT_HANDOFFS = 4096  # hand-offs the percentiles are taken over
 from kvasir.transport import BatchedSocket
 
 
@@ -29,7 +33,22 @@ class Pending:
     token_ids: list[int] = field(default_factory=list)
     scheduled_ns: int = 0
     first_ns: int = 0
+    second_ns: int = 0
     last_ns: int = 0
+    handoff: HandoffTimings | None = None
+    early: dict[int, SampledToken] = field(default_factory=dict)  # tokens that overtook an earlier one
+
+    def in_order(self, token: SampledToken) -> list[SampledToken]:
+        """The tokens to stream now, in output order. In a disaggregated plan the first
+        token comes from the prefill pool's tail and the rest from the decode pool's, on
+        different sockets: a later one may arrive first and waits here."""
+        if token.index != len(self.token_ids):
+            self.early[token.index] = token
+            return []
+        ready = [token]
+        while len(self.token_ids) + len(ready) in self.early:
+            ready.append(self.early.pop(len(self.token_ids) + len(ready)))
+        return ready
 
     def finished(self, rid: int, reason: str) -> Finished:
         n = len(self.token_ids)
@@ -43,7 +62,9 @@ class Pending:
                 first_token_s=(self.first_ns - self.submitted_ns) / 1e9,
                 per_token_s=(self.last_ns - self.first_ns) / 1e9 / (n - 1) if n > 1 else 0.0,
                 total_s=(self.last_ns - self.submitted_ns) / 1e9,
+                second_token_s=(self.second_ns - self.first_ns) / 1e9 if n > 1 else None,
             ),
+            handoff=self.handoff,
         )
 
 
@@ -88,3 +109,32 @@ class Ledger:
         self._by_id.clear()
         self._per_client.clear()
         return ended
+
+
+class HandoffLog:
+    """KV hand-offs between pools since start: totals, and the recent ones for percentiles."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.kv_bytes = 0
+        self.recent: deque[tuple[int, float]] = deque(maxlen=RECENT_HANDOFFS)  # (bytes, seconds)
+
+    def add(self, nbytes: int, seconds: float) -> HandoffTimings:
+        self.count += 1
+        self.kv_bytes += nbytes
+        self.recent.append((nbytes, seconds))
+        return HandoffTimings(kv_bytes=nbytes, seconds=seconds, gibps=nbytes / GIB / seconds if seconds > 0 else 0.0)
+
+    def summary(self) -> HandoffSummary | None:
+        if not self.count:
+            return None
+        times = sorted(seconds for _, seconds in self.recent)
+        total_s = sum(times)
+        moved = sum(nbytes for nbytes, _ in self.recent)
+        return HandoffSummary(
+            count=self.count,
+            kv_bytes=self.kv_bytes,
+            p50_s=times[len(times) // 2],
+            p99_s=times[min(len(times) - 1, int(len(times) * 0.99))],
+            gibps=moved / GIB / total_s if total_s > 0 else 0.0,
+        )

@@ -13,7 +13,14 @@ Edges:
     bridge, tail -> head HeadMessage    (Enqueue | CancelRequest | BatchResult)
     stage k -> stage k+1 BatchDescriptor
     stage k+1 -> stage k Credit
-    stages  -> bridge   BridgeMessage   (TokenEvents | RequestEnded | StageStats)
+    stages  -> bridge   BridgeMessage   (TokenEvents | RequestEnded | StageStats | HandoffReport)
+
+A disaggregated plan runs two rings (DESIGN.md section 2): the prefill pool's and the
+decode pool's. Their heads and stages add:
+    prefill head -> decode head  HeadMessage (Handoff | KvDrop | CancelRequest)
+    decode head -> prefill head  HeadMessage (Adopted)
+    decode stage -> decode head  HeadMessage (KvHeld)
+    prefill stage, decode head -> decode stage  KvMessage (KvReady | Placement)
     children -> launcher ControlMessage (Ready | Drained | Heartbeat)
     launcher -> children Command
 """
@@ -52,6 +59,7 @@ class NewRequest(_Wire):
     request_id: int
     sampling: SamplingParams
     seed: int  # the resolved seed (a request without one gets a random seed at the head)
+    generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
 
 
 class Row(_Wire):
@@ -111,7 +119,68 @@ class BatchResult(_Tagged):
     tokens: tuple[SampledToken, ...]
 
 
-HeadMessage = Enqueue | CancelRequest | BatchResult
+class Handoff(_Tagged):
+    """Prefill head -> decode head: a request's prompt is done and its first token sampled;
+    its KV is on its way from the prefill stages to the decode stages."""
+
+    request_id: int
+    prompt: tuple[int, ...]
+    first_token: int
+    sampling: SamplingParams
+    seed: int
+    ready_ns: int  # when the prefill head handed it over
+
+
+class KvDrop(_Tagged):
+    """Prefill head -> decode head: a request whose prompt KV was announced to the decode
+    stages ended in the prefill pool (finished at its first token, cancelled, failed);
+    the decode stages forget its parts."""
+
+    request_id: int
+
+
+class KvHeld(_Tagged):
+    """Decode stage -> decode head: the stage holds its layers of a request's KV."""
+
+    request_id: int
+    stage: int  # global stage index
+    nbytes: int  # KV bytes the stage copied
+    ready_ns: int  # earliest time a prefill stage announced a part (CLOCK_MONOTONIC)
+    held_ns: int  # when the copy was done
+
+
+class Adopted(_Tagged):
+    """Decode head -> prefill head: every decode stage holds the request's KV (or it was
+    dropped); the prefill pool frees the request's blocks."""
+
+    request_id: int
+
+
+HeadMessage = Enqueue | CancelRequest | BatchResult | Handoff | KvDrop | KvHeld | Adopted
+
+
+# -- KV hand-off to a decode stage ----------------------------------------------------------------
+class KvReady(_Tagged):
+    """Prefill stage -> decode stage: a request's prompt KV for ``layers`` sits in the
+    prefill stage's cache segment at ``blocks`` (held there until the decode head adopts it)."""
+
+    request_id: int
+    source: int  # global index of the prefill stage (which cache segment to read)
+    layers: tuple[int, int]  # the prefill stage's layers
+    blocks: tuple[int, ...]  # the request's block table in the prefill pool
+    num_tokens: int  # positions [0, num_tokens) hold K/V
+    sent_ns: int
+
+
+class Placement(_Tagged):
+    """Decode head -> decode stage: the request's decode blocks (copy its parts there once
+    they are all announced); no blocks = forget the request's parts and table."""
+
+    request_id: int
+    blocks: tuple[int, ...]
+
+
+KvMessage = KvReady | Placement
 
 
 # -- stages to the bridge -----------------------------------------------------------------
@@ -154,9 +223,20 @@ class StageStats(_Tagged):
     waiting: int = 0  # requests queued for admission (head only; 0 elsewhere)
     hop_s: float = 0.0  # of busy and waiting time: spent handing boundaries over (slots, descriptors, credits)
     spans: tuple[BatchSpan, ...] = ()  # batches run since the previous report (the bridge keeps a bounded timeline)
+    pool: str = ""  # "prefill" | "decode" in a disaggregated plan; "" in a colocated one
+    handoff_bytes: int = 0  # decode stages: KV bytes received from the prefill pool
+    handoff_s: float = 0.0  # decode stages: of busy time, spent copying them
 
 
-BridgeMessage = TokenEvents | RequestEnded | StageStats
+class HandoffReport(_Tagged):
+    """Decode head -> bridge: one request's KV hand-off, measured."""
+
+    request_id: int
+    nbytes: int  # KV bytes moved, all decode stages together
+    seconds: float  # from the first prefill stage's announcement to the last decode stage's copy
+
+
+BridgeMessage = TokenEvents | RequestEnded | StageStats | HandoffReport
 
 
 # -- clients ----------------------------------------------------------------------------------
@@ -212,6 +292,15 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     first_token_s: float  # submission to the first token (TTFT)
     per_token_s: float  # mean time between output tokens after the first
     total_s: float
+    second_token_s: float | None = None  # first to second token (in a disaggregated plan it includes the KV hand-off)
+
+
+class HandoffTimings(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's KV hand-off between pools (disaggregated plans only)."""
+
+    kv_bytes: int
+    seconds: float
+    gibps: float  # effective bandwidth: kv_bytes / seconds, in GiB/s
 
 
 class Finished(_Client, tag="finished"):
@@ -220,6 +309,7 @@ class Finished(_Client, tag="finished"):
     token_ids: list[int]
     usage: Usage
     timings: Timings
+    handoff: HandoffTimings | None = None
 
 
 class Cancelled(_Client, tag="cancelled"):
@@ -247,6 +337,15 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int = 0  # ring restarts since the daemon started
     last_failure: str | None = None  # what the last failure was (a child's exit, a missed heartbeat)
     last_failure_age_s: float | None = None  # seconds since it
+    handoff: HandoffSummary | None = None  # disaggregated plans: KV hand-offs since start
+
+
+class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):
+    count: int  # requests handed from the prefill pool to the decode pool
+    kv_bytes: int  # in all
+    p50_s: float  # hand-off time, over the most recent hand-offs
+    p99_s: float
+    gibps: float  # kv_bytes / total hand-off time, over the most recent hand-offs
 
 
 class StatsReply(_Client, tag="stats"):
@@ -258,6 +357,31 @@ ClientEvent = Accepted | TokenOut | Finished | Cancelled | ErrorEvent | StatsRep
 
 
 # -- the launcher and its children -------------------------------------------------------
+class KvSegment(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill stage's KV cache in shared memory, which decode stages read to copy from."""
+
+    name: str
+    layers: tuple[int, int]
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class HandoffWiring(msgspec.Struct, frozen=True, kw_only=True):
+    """Who hands KV to whom in a disaggregated plan (the same for every stage): prefill
+    stage i has global index i, decode stage j has global index len(prefill) + j."""
+
+    prefill: list[KvSegment]
+    decode: list[tuple[int, int]]  # each decode stage's layers
+    lease_s: float
+
+    @property
+    def decode_head(self) -> int:
+        return len(self.prefill)
+
+
 class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One stage-to-stage edge: its slot ring's kind, name and geometry."""
 
@@ -277,7 +401,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     plan: Plan  # model.source already resolved to an absolute path or alias
     runtime_dir: str
     launcher_pid: int
-    edges: list[EdgeSpec]  # edge k runs from stage k to stage k+1
+    edges: list[EdgeSpec]  # edge k runs from the pool's stage k to its stage k+1
+    pool: str = ""  # "prefill" | "decode" (plan is then that pool's view), "" colocated
+    first: int = 0  # global index of the pool's first stage (index is global)
+    handoff: HandoffWiring | None = None
     stats_interval_s: float = 0.5
     log_level: str = "info"
 

@@ -63,17 +63,64 @@ class StageSpec(_Section):
     cpus: tuple[int, ...] | None = None
 
 
+class PoolSpec(_Section):
+    """One pool of a disaggregated plan: its own pipeline, optionally its own widths and cache."""
+
+    stages: tuple[StageSpec, ...] = ()
+    batch: BatchSpec | None = None  # default: the plan's [batch]
+    kv: KvSpec | None = None  # default: the plan's [kv]
+
+
+class HandoffSpec(_Section):
+    lease_s: float = 60.0  # prefill KV not confirmed by the decode pool within this is freed (request failed)
+
+
+POOLS = ("prefill", "decode")
+
+
 class Plan(_Section):
     model: ModelSpec = ModelSpec()
     batch: BatchSpec = BatchSpec()
     kv: KvSpec = KvSpec()
     bridge: BridgeSpec = BridgeSpec()
     supervise: SuperviseSpec = SuperviseSpec()
+    handoff: HandoffSpec = HandoffSpec()
     stages: tuple[StageSpec, ...] = ()
+    prefill: PoolSpec | None = None  # a disaggregated plan has both pools and no [[stages]]
+    decode: PoolSpec | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
 
     @property
     def num_layers(self) -> int:
-        return self.stages[-1].layers[1]
+        return self.all_stages[-1].layers[1]
+
+    @property
+    def all_stages(self) -> tuple[StageSpec, ...]:
+        """Every stage process, in global order: the prefill pool's, then the decode pool's."""
+        return tuple(stage for _, view in self.pools() for stage in view.stages)
+
+    def pools(self) -> list[tuple[str, Plan]]:
+        """Each pool as a plan of its own (one ring: its stages, widths and cache); a
+        colocated plan is one pool named ""."""
+        if not self.disaggregated:
+            return [("", self)]
+        return [(name, pool_view(self, name)) for name in POOLS]
+
+
+def pool_view(plan: Plan, name: str) -> Plan:
+    """The ring plan of one pool of a disaggregated plan."""
+    pool = getattr(plan, name)
+    return msgspec.structs.replace(
+        plan,
+        stages=pool.stages,
+        batch=pool.batch or plan.batch,
+        kv=pool.kv or plan.kv,
+        prefill=None,
+        decode=None,
+    )
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -137,22 +184,8 @@ def _check_values(plan: Plan) -> None:
     if model.dtype not in DTYPES:
         raise PlanError(f"model.dtype must be one of {', '.join(DTYPES)}, got {model.dtype!r}")
     _positive("model.max_seq_len", model.max_seq_len)
-    _positive("batch.max_rows", batch.max_rows)
-    _positive("batch.max_tokens", batch.max_tokens)
-    _positive("batch.inflight", batch.inflight)
-    if batch.max_tokens < batch.max_rows:
-        raise PlanError(
-            f"batch.max_tokens ({batch.max_tokens}) must be >= batch.max_rows ({batch.max_rows}): "
-            "every row carries at least one token"
-        )
-    _positive("kv.block_size", kv.block_size)
-    _positive("kv.num_blocks", kv.num_blocks)
-    capacity = kv.block_size * kv.num_blocks
-    if capacity < model.max_seq_len:
-        raise PlanError(
-            f"kv: {kv.num_blocks} blocks x {kv.block_size} tokens = {capacity} tokens cannot hold "
-            f"one request of model.max_seq_len = {model.max_seq_len} tokens"
-        )
+    _check_widths("batch", batch)
+    _check_kv("kv", kv, model.max_seq_len)
     _positive("bridge.max_waiting", plan.bridge.max_waiting)
     _positive("bridge.max_per_client", plan.bridge.max_per_client)
     _positive("bridge.max_client_queue", plan.bridge.max_client_queue)
@@ -169,7 +202,51 @@ def _check_values(plan: Plan) -> None:
             f"supervise.heartbeat_timeout_s = {sup.heartbeat_timeout_s} is too short: children beat every "
             "0.5 s and a batch may take longer (use at least 1 s)"
         )
-    _check_stages(plan.stages)
+    if not plan.handoff.lease_s > 0 or plan.handoff.lease_s == float("inf"):
+        raise PlanError(f"handoff.lease_s must be a positive number of seconds, got {plan.handoff.lease_s}")
+    _check_pools(plan)
+
+
+def _check_widths(key: str, batch: BatchSpec) -> None:
+    _positive(f"{key}.max_rows", batch.max_rows)
+    _positive(f"{key}.max_tokens", batch.max_tokens)
+    _positive(f"{key}.inflight", batch.inflight)
+    if batch.max_tokens < batch.max_rows:
+        raise PlanError(
+            f"{key}.max_tokens ({batch.max_tokens}) must be >= {key}.max_rows ({batch.max_rows}): "
+            "every row carries at least one token"
+        )
+
+
+def _check_kv(key: str, kv: KvSpec, max_seq_len: int) -> None:
+    _positive(f"{key}.block_size", kv.block_size)
+    _positive(f"{key}.num_blocks", kv.num_blocks)
+    capacity = kv.block_size * kv.num_blocks
+    if capacity < max_seq_len:
+        raise PlanError(
+            f"{key}: {kv.num_blocks} blocks x {kv.block_size} tokens = {capacity} tokens cannot hold "
+            f"one request of model.max_seq_len = {max_seq_len} tokens"
+        )
+
+
+def _check_pools(plan: Plan) -> None:
+    if plan.prefill is None and plan.decode is None:
+        _check_stages(plan.stages, "stages")
+        return
+    if plan.stages:
+        raise PlanError(
+            "stages: a disaggregated plan has [[prefill.stages]] and [[decode.stages]] instead of [[stages]]"
+        )
+    for name in POOLS:
+        pool = getattr(plan, name)
+        if pool is None:
+            other = next(n for n in POOLS if n != name)
+            raise PlanError(f"{name}: a plan with [{other}] needs a [{name}] pool too (with its [[{name}.stages]])")
+        if pool.batch is not None:
+            _check_widths(f"{name}.batch", pool.batch)
+        if pool.kv is not None:
+            _check_kv(f"{name}.kv", pool.kv, plan.model.max_seq_len)
+        _check_stages(pool.stages, f"{name}.stages")
 
 
 def tcp_host(endpoint: str) -> str | None:
@@ -201,14 +278,14 @@ def _check_tcp(bridge: BridgeSpec) -> None:
         )
 
 
-def _check_stages(stages: tuple[StageSpec, ...]) -> None:
+def _check_stages(stages: tuple[StageSpec, ...], name: str) -> None:
     if len(stages) < 2:
         raise PlanError(
-            f"stages: a pipeline needs at least two stages: head and tail are different roles "
+            f"{name}: a pipeline needs at least two stages: head and tail are different roles "
             f"(the plan has {len(stages)})"
         )
     for i, stage in enumerate(stages):
-        key = f"stages[{i}]"
+        key = f"{name}[{i}]"
         start, end = stage.layers
         if start < 0 or end <= start:
             raise PlanError(
@@ -224,37 +301,39 @@ def _check_stages(stages: tuple[StageSpec, ...]) -> None:
                 raise PlanError(f"{key}.cpus = {list(stage.cpus)} must be distinct non-negative CPU numbers")
     if stages[0].layers[0] != 0:
         raise PlanError(
-            f"stages[0].layers starts at {stages[0].layers[0]}: layers [0, {stages[0].layers[0]}) are in no stage"
+            f"{name}[0].layers starts at {stages[0].layers[0]}: layers [0, {stages[0].layers[0]}) are in no stage"
         )
     for i in range(len(stages) - 1):
         _, end = stages[i].layers
         nxt, _ = stages[i + 1].layers
         if nxt > end:
             raise PlanError(
-                f"stages[{i + 1}].layers: gap between stages {i} and {i + 1}: "
+                f"{name}[{i + 1}].layers: gap between stages {i} and {i + 1}: "
                 f"layers [{end}, {nxt}) are in no stage"
             )
         if nxt < end:
             raise PlanError(
-                f"stages[{i + 1}].layers: stages {i} and {i + 1} overlap on layers "
+                f"{name}[{i + 1}].layers: stages {i} and {i + 1} overlap on layers "
                 f"[{nxt}, {min(end, stages[i + 1].layers[1])})"
             )
 
 
 def check_model_fit(plan: Plan, num_layers: int, max_positions: int | None) -> None:
-    """Check the plan against the model: exact layer coverage, context within range."""
-    last = len(plan.stages) - 1
-    end = plan.stages[-1].layers[1]
-    if end > num_layers:
-        raise PlanError(
-            f"stages[{last}].layers = {list(plan.stages[-1].layers)} goes past the model's "
-            f"{num_layers} layers"
-        )
-    if end < num_layers:
-        raise PlanError(
-            f"stages[{last}].layers ends at {end}: layers [{end}, {num_layers}) of the model's "
-            f"{num_layers} are in no stage"
-        )
+    """Check the plan against the model: exact layer coverage (by every pool), context within range."""
+    for name, view in plan.pools():
+        key = f"{name}.stages" if name else "stages"
+        last = len(view.stages) - 1
+        end = view.stages[-1].layers[1]
+        if end > num_layers:
+            raise PlanError(
+                f"{key}[{last}].layers = {list(view.stages[-1].layers)} goes past the model's "
+                f"{num_layers} layers"
+            )
+        if end < num_layers:
+            raise PlanError(
+                f"{key}[{last}].layers ends at {end}: layers [{end}, {num_layers}) of the model's "
+                f"{num_layers} are in no stage"
+            )
     if max_positions is not None and plan.model.max_seq_len > max_positions:
         raise PlanError(
             f"model.max_seq_len = {plan.model.max_seq_len} exceeds the model's "
@@ -276,8 +355,17 @@ def plan_toml(plan: Plan) -> str:
         return [f"{k} = {value(v)}" for k, v in msgspec.structs.asdict(section).items() if v is not None]
 
     lines: list[str] = []
-    for name in ("model", "batch", "kv", "bridge", "supervise"):
+    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff"):
         lines += [f"[{name}]", *table(getattr(plan, name)), ""]
     for stage in plan.stages:
         lines += ["[[stages]]", *table(stage), ""]
+    for name in POOLS:
+        pool = getattr(plan, name)
+        if pool is None:
+            continue
+        for part in ("batch", "kv"):
+            if getattr(pool, part) is not None:
+                lines += [f"[{name}.{part}]", *table(getattr(pool, part)), ""]
+        for stage in pool.stages:
+            lines += [f"[[{name}.stages]]", *table(stage), ""]
     return "\n".join(lines)

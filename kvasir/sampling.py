@@ -8,23 +8,33 @@ from kvasir.errors import BatchError
 from kvasir.messages import BatchDescriptor, BatchResult, NewRequest, SampledToken
 
 
+GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive token indices over the seed space
+
+
 class RequestSampler:
-    """One request's sampling state: its parameters, seeded generator and output count."""
+    """One request's sampling state: its parameters, seeded generator and output count.
+
+    The generator is re-seeded for every token from (seed, token index), so the n-th
+    token's draw does not depend on which process drew the earlier ones (in a
+    disaggregated plan the prefill pool's tail draws the first, the decode pool's the rest).
+    """
 
     def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int, scheduled_ns: int = 0) -> None:
         self.params = new.sampling
         self.scheduled_ns = scheduled_ns
         self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(new.seed)
+        self.seed = new.seed
         eos = () if new.sampling.ignore_eos else eos_ids
         self.stop_ids = frozenset(eos) | frozenset(new.sampling.stop_token_ids)
         self.max_seq_len = max_seq_len
-        self.generated = 0
+        self.generated = new.generated
+        self.draws = new.generated  # the index of the token the next pick chooses
 
     def pick(self, logits: torch.Tensor) -> int:
         """Choose the next token from one row's logits [vocab] (float32, CPU)."""
         params = self.params
         if params.temperature == 0:
+            self.draws += 1
             return int(torch.argmax(logits))
         scores = logits / params.temperature
         if 0 < params.top_k < scores.shape[-1]:
@@ -38,6 +48,8 @@ class RequestSampler:
             drop[0] = False
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        self.generator.manual_seed((self.seed + self.draws * GOLDEN) & (2**63 - 1))
+        self.draws += 1
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def finish(self, token: int, length: int) -> str | None:

@@ -37,6 +37,7 @@ class RequestState:
     in_flight: bool = False
     announced: bool = False  # its NewRequest has travelled in a descriptor
     cancelled: bool = False
+    parked: bool = False  # holds its blocks but is not scheduled (KV being handed between pools)
 
     @property
     def length(self) -> int:
@@ -108,8 +109,8 @@ class Scheduler:
         if state is not None:
             return Emitted(request_id, None, len(state.output), "cancelled")
         state = self.running.get(request_id)
-        if state is None or state.cancelled:
-            return None
+        if state is None or state.cancelled or state.parked:
+            return None  # a parked request is ended by whoever holds its hand-off
         state.cancelled = True
         if state.in_flight:
             return None
@@ -128,7 +129,7 @@ class Scheduler:
         rows: list[Row] = []
         tokens: list[int] = []
         new: list[NewRequest] = []
-        ready = [s for s in self.running.values() if not s.in_flight]
+        ready = [s for s in self.running.values() if not s.in_flight and not s.parked]
         decode = [s for s in ready if s.computed >= len(s.prompt)]
         prefill = [s for s in ready if s.computed < len(s.prompt)]
         candidates = itertools.chain(decode, prefill, self._admit())
@@ -197,7 +198,7 @@ class Scheduler:
         state.in_flight = True
         tokens.extend(state.tokens(start, count))
         if not state.announced:
-            new.append(NewRequest(state.request_id, state.sampling, state.seed))
+            new.append(NewRequest(state.request_id, state.sampling, state.seed, generated=len(state.output)))
             state.announced = True
         return Row(state.request_id, start, count, growth, emit=stop == state.length)
 
@@ -224,6 +225,41 @@ class Scheduler:
         if sampled:
             raise BatchError(f"batch {result.batch_id}: tokens for requests not in it: {sorted(sampled)}")
         return events
+
+    # -- hand-off between pools (disaggregated plans) ---------------------------------
+    def park(self, request_id: int) -> RequestState:
+        """Stop scheduling a running request (its prompt is done; its KV moves to the
+        decode pool); it keeps its blocks until ``retire``."""
+        state = self.running[request_id]
+        state.parked = True
+        return state
+
+    def retire(self, request_id: int) -> RequestState | None:
+        """End a running request: free its blocks, release its KV on every stage."""
+        state = self.running.get(request_id)
+        if state is not None:
+            self._retire(state)
+        return state
+
+    def reserve(self, request_id: int, prompt: list[int], output: list[int], sampling: SamplingParams, seed: int) -> list[int] | None:
+        """Take in a request whose prompt KV is computed elsewhere: reserve its blocks and
+        park it (``unpark`` once every stage holds the KV). None when the cache is full."""
+        if request_id in self.running or request_id in self.waiting:
+            raise RequestError("invalid_request", f"request id {request_id} is already in use")
+        total = min(len(prompt) + sampling.max_tokens, self.max_seq_len)
+        need = -(-total // self.block_size)
+        blocks = self.blocks.allocate(need)
+        if blocks is None:
+            return None
+        state = RequestState(request_id, prompt, sampling, seed, need, output=list(output), blocks=blocks)
+        state.blocks_sent = need  # the placement gave every stage the whole table
+        state.computed = len(prompt)
+        state.parked = True
+        self.running[request_id] = state
+        return blocks
+
+    def unpark(self, request_id: int) -> None:
+        self.running[request_id].parked = False
 
     def _retire(self, state: RequestState) -> None:
         self.running.pop(state.request_id, None)

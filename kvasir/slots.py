@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from kvasir.errors import KvasirError
-from kvasir.messages import EdgeSpec
+from kvasir.messages import EdgeSpec, KvSegment
 from kvasir.model.loader import DTYPES
 
 SHM_DIR = Path("/dev/shm")
@@ -49,17 +49,7 @@ class ShmSlotRing:
     def __init__(self, spec: EdgeSpec, create: bool) -> None:
         self.spec = spec
         self.path = SHM_DIR / spec.name
-        size = edge_bytes(spec)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise SlotError(f"shared memory {self.path} has {os.fstat(fd).st_size} bytes, expected {size}")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = _map_file(self.path, edge_bytes(spec), create)
         flat = torch.frombuffer(self._map, dtype=torch.uint8)
         self._slots = flat.view(DTYPES[spec.dtype]).view(spec.slots, spec.max_tokens, spec.hidden)
 
@@ -80,10 +70,7 @@ class ShmSlotRing:
 
     def close(self) -> None:
         self._slots = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with the process
+        _close_map(self._map)
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -101,6 +88,55 @@ def attach_ring(spec: EdgeSpec) -> SlotRing:
     if spec.kind != "shm":
         raise SlotError(f"slot kind {spec.kind!r} is not available in this version")
     return ShmSlotRing(spec, create=False)
+
+
+def kv_segment_bytes(spec: KvSegment) -> int:
+    """Keys and values of every layer of a prefill stage's cache."""
+    per_layer = spec.num_blocks * spec.block_size * spec.kv_heads * spec.head_dim
+    return 2 * (spec.layers[1] - spec.layers[0]) * per_layer * DTYPES[spec.dtype].itemsize
+
+
+class KvSegmentMap:
+    """A prefill stage's KV cache in one POSIX shared-memory segment: keys, then values.
+
+    The launcher creates it; the prefill stage maps it as its cache; decode stages map it
+    to copy handed-off requests' K/V out of it.
+    """
+
+    def __init__(self, spec: KvSegment, create: bool) -> None:
+        self.spec = spec
+        self.path = SHM_DIR / spec.name
+        self._map = _map_file(self.path, kv_segment_bytes(spec), create)
+        shape = (spec.layers[1] - spec.layers[0], spec.num_blocks * spec.block_size, spec.kv_heads, spec.head_dim)
+        flat = torch.frombuffer(self._map, dtype=torch.uint8).view(DTYPES[spec.dtype])
+        self.keys, self.values = flat.view(2, *shape).unbind(0)
+
+    def close(self) -> None:
+        self.keys = self.values = None
+        _close_map(self._map)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _map_file(path: Path, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size != size:
+            raise SlotError(f"shared memory {path} has {os.fstat(fd).st_size} bytes, expected {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _close_map(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:
+        pass  # a view is still alive somewhere; the mapping goes with the process
 
 
 class SlotCredits:

@@ -19,36 +19,32 @@ import torch
 import zmq
 
 from kvasir.engine import StageEngine
-from kvasir.errors import RequestError
+from kvasir.handoff import HandoffSender, KvReceiver, NoHandoff, overlap
+from kvasir.heads import DecodeHeadIntake, PrefillHeadIntake, SchedulerIntake, Work
 from kvasir.logs import setup_logging
 from kvasir.messages import (
     BatchDescriptor,
-    BatchResult,
     BatchSpan,
     BridgeMessage,
-    CancelRequest,
     Command,
     ControlMessage,
     Credit,
-    Enqueue,
     HeadMessage,
     Heartbeat,
+    KvMessage,
     Ready,
-    RequestEnded,
     StageStats,
     TokenEvents,
     WorkerSettings,
 )
 from kvasir.model.source import resolve_source
 from kvasir.sampling import Sampler
-from kvasir.scheduler import Emitted, Scheduler
-from kvasir.slots import SlotCredits, SlotRing, attach_ring
+from kvasir.scheduler import Scheduler
+from kvasir.slots import KvSegmentMap, SlotCredits, SlotRing, attach_ring
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
 
 POLL_MS = 50
 SPANS_PER_REPORT = 2048  # batch spans a stage keeps between two stats reports
-
-Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
 
 
 class Intake(Protocol):
@@ -65,6 +61,20 @@ class Intake(Protocol):
     def counters(self) -> dict[str, int]: ...
 
     hop_ns: int  # time spent on boundary hand-offs (reading slots, descriptors, credits)
+
+
+class Handoff(Protocol):
+    """What a stage does for the KV hand-off between pools (nothing in a colocated plan)."""
+
+    sockets: list[zmq.Socket]
+    nbytes: int  # KV bytes received
+    copy_s: float  # seconds spent copying them
+
+    def receive(self) -> float: ...  # seconds of work done
+
+    def after(self, descriptor: BatchDescriptor) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Outlet(Protocol):
@@ -97,48 +107,6 @@ class Clock:
     rows: int = 0
     tokens: int = 0
     spans: deque[BatchSpan] = field(default_factory=lambda: deque(maxlen=SPANS_PER_REPORT))
-
-
-# -- the head: batches come from its scheduler -----------------------------------------------
-class SchedulerIntake:
-    def __init__(self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel) -> None:
-        self.scheduler = scheduler
-        self.inbox = inbox
-        self.bridge = bridge
-        self.sockets = [inbox.socket]
-        self.hop_ns = 0
-
-    def receive(self) -> None:
-        for message in self.inbox.drain():
-            match message:
-                case Enqueue(request_id=rid, token_ids=ids, sampling=sampling):
-                    try:
-                        self.scheduler.submit(list(ids), sampling, request_id=rid)
-                    except RequestError as exc:
-                        self.bridge.send(RequestEnded(rid, exc.code, exc.message))
-                case CancelRequest(request_id=rid):
-                    self._report(self.scheduler.cancel(rid))
-                case BatchResult():
-                    for event in self.scheduler.complete(message):
-                        self._report(event)
-
-    def _report(self, event: Emitted | None) -> None:
-        if event is not None and event.finish == "cancelled":
-            self.bridge.send(RequestEnded(event.request_id, "cancelled"))
-
-    def take(self, room: bool) -> Work | None:
-        if room:
-            batch = self.scheduler.next_batch()
-            if batch is not None:
-                return batch.descriptor, batch.token_ids
-        release = self.scheduler.release_only()
-        return (release, None) if release is not None else None
-
-    def consumed(self, descriptor: BatchDescriptor) -> None:
-        pass
-
-    def counters(self) -> dict[str, int]:
-        return {"inflight": len(self.scheduler.inflight), "waiting": len(self.scheduler.waiting)}
 
 
 # -- every other stage: batches come from upstream ----------------------------------------
@@ -266,19 +234,22 @@ class StageAgent:
         bridge: PushChannel,
         control: PushChannel,
         log,
+        handoff: Handoff = NoHandoff(),
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.intake = intake
         self.outlet = outlet
+        self.handoff = handoff
         self.commands = commands
         self.bridge = bridge
         self.control = control
-        self.heartbeat = Heartbeat("stage", engine.index, os.getpid())
+        self.index = settings.index  # global: a disaggregated plan numbers both pools' stages in one sequence
+        self.heartbeat = Heartbeat("stage", self.index, os.getpid())
         self.log = log
         self.clock = Clock(started=time.monotonic())
         self.poller = zmq.Poller()
-        for sock in [commands.socket, *intake.sockets, *outlet.sockets]:
+        for sock in [commands.socket, *intake.sockets, *outlet.sockets, *handoff.sockets]:
             self.poller.register(sock, zmq.POLLIN)
         self._stopping = False
         self._next_stats = 0.0
@@ -298,6 +269,7 @@ class StageAgent:
             if command.kind == "stop":
                 self._stopping = True
         self.outlet.receive()
+        self.clock.busy_s += self.handoff.receive()
         self.intake.receive()
 
     def _run(self, descriptor: BatchDescriptor, inputs: torch.Tensor | None) -> None:
@@ -307,6 +279,7 @@ class StageAgent:
             self.outlet.emit(descriptor, None)
             return
         output = self.engine.run(descriptor, inputs)
+        self.handoff.after(descriptor)
         self.intake.consumed(descriptor)
         self.outlet.emit(descriptor, output)
         ended = time.monotonic_ns()
@@ -344,7 +317,7 @@ class StageAgent:
         cache = self.engine.cache
         counters = self.intake.counters()
         return StageStats(
-            index=self.engine.index,
+            index=self.index,
             layers=self.engine.spec.layers,
             pid=os.getpid(),
             wall_s=now - c.started,
@@ -360,6 +333,9 @@ class StageAgent:
             kv_blocks=cache.blocks_held,
             hop_s=(self.intake.hop_ns + self.outlet.hop_ns) / 1e9,
             spans=self._take_spans(),
+            pool=self.settings.pool,
+            handoff_bytes=self.handoff.nbytes,
+            handoff_s=self.handoff.copy_s,
         )
 
     def _take_spans(self) -> tuple[BatchSpan, ...]:
@@ -369,47 +345,99 @@ class StageAgent:
 
 
 # -- the process -----------------------------------------------------------------------------
-def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageAgent, list[SlotRing]]:
-    """Wire one stage: its engine, its intake and outlet (chosen by position), its sockets."""
-    plan = settings.plan
-    index, last = settings.index, len(plan.stages) - 1
-    ends = Endpoints(settings.runtime_dir)
+@dataclass
+class Wiring:
+    """A stage's place: its index in its pool's ring, its global index, its sockets' context."""
+
+    settings: WorkerSettings
+    ctx: zmq.Context
+    ends: Endpoints
+
+    @property
+    def local(self) -> int:
+        return self.settings.index - self.settings.first
+
+    @property
+    def last(self) -> int:
+        return len(self.settings.plan.stages) - 1
+
+    @property
+    def head(self) -> int:
+        return self.settings.first
+
+    def push(self, kind, endpoint: str) -> PushChannel:
+        return PushChannel[kind](make_socket(self.ctx, zmq.PUSH, connect=endpoint))
+
+    def pull(self, kind, endpoint: str) -> PullChannel:
+        return PullChannel[kind](make_socket(self.ctx, zmq.PULL, bind=endpoint), kind)
+
+
+def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageAgent, list]:
+    """Wire one stage: its engine, its intake and outlet (chosen by position and pool),
+    its hand-off role, its sockets. Returns the agent and what to close at the end."""
+    plan = settings.plan  # a disaggregated plan's workers get their pool's view
+    w = Wiring(settings, ctx, Endpoints(settings.runtime_dir))
+    index, ends = settings.index, w.ends
     source = resolve_source(plan.model.source)
-    engine = StageEngine(plan, index, source)
-    bridge = PushChannel[BridgeMessage](make_socket(ctx, zmq.PUSH, connect=ends.bridge_in))
-    commands = PullChannel[Command](make_socket(ctx, zmq.PULL, bind=ends.command(f"stage-{index}")), Command)
-    rings: list[SlotRing] = []
-    if index == 0:
-        inbox = PullChannel[HeadMessage](make_socket(ctx, zmq.PULL, bind=ends.stage_in(0)), HeadMessage)
-        intake: Intake = SchedulerIntake(Scheduler(plan, source.vocab_size), inbox, bridge)
+    segment = None
+    if settings.pool == "prefill":
+        segment = KvSegmentMap(settings.handoff.prefill[w.local], create=False)
+    engine = StageEngine(plan, w.local, source, storage=(segment.keys, segment.values) if segment else None)
+    bridge = w.push(BridgeMessage, ends.bridge_in)
+    commands = w.pull(Command, ends.command(f"stage-{index}"))
+    closing: list = [segment] if segment else []
+    if w.local == 0:
+        intake: Intake = _head_intake(w, Scheduler(plan, source.vocab_size), bridge)
     else:
-        ring_in = attach_ring(settings.edges[index - 1])
-        rings.append(ring_in)
-        intake = UpstreamIntake(
-            PullChannel[BatchDescriptor](make_socket(ctx, zmq.PULL, bind=ends.stage_in(index)), BatchDescriptor),
-            ring_in,
-            PushChannel[Credit](make_socket(ctx, zmq.PUSH, connect=ends.credits(index - 1))),
-        )
-    if index == last:
-        head = PushChannel[HeadMessage](make_socket(ctx, zmq.PUSH, connect=ends.stage_in(0)))
-        outlet: Outlet = TailOutlet(Sampler(source.eos_token_ids, plan.model.max_seq_len), head, bridge)
+        ring_in = attach_ring(settings.edges[w.local - 1])
+        closing.append(ring_in)
+        intake = UpstreamIntake(w.pull(BatchDescriptor, ends.stage_in(index)), ring_in, w.push(Credit, ends.credits(index - 1)))
+    if w.local == w.last:
+        outlet: Outlet = TailOutlet(Sampler(source.eos_token_ids, plan.model.max_seq_len), w.push(HeadMessage, ends.stage_in(w.head)), bridge)
     else:
-        edge = settings.edges[index]
+        edge = settings.edges[w.local]
         ring_out = attach_ring(edge)
-        rings.append(ring_out)
+        closing.append(ring_out)
         outlet = DownstreamOutlet(
-            PushChannel[BatchDescriptor](make_socket(ctx, zmq.PUSH, connect=ends.stage_in(index + 1))),
-            ring_out,
-            PullChannel[Credit](make_socket(ctx, zmq.PULL, bind=ends.credits(index)), Credit),
-            edge.slots,
+            w.push(BatchDescriptor, ends.stage_in(index + 1)), ring_out, w.pull(Credit, ends.credits(index)), edge.slots
         )
-    control = PushChannel[ControlMessage](make_socket(ctx, zmq.PUSH, connect=ends.control))
-    return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log), rings
+    handoff = _handoff(w, engine)
+    closing.append(handoff)
+    control = w.push(ControlMessage, ends.control)
+    return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log, handoff), closing
+
+
+def _head_intake(w: Wiring, scheduler: Scheduler, bridge: PushChannel) -> Intake:
+    settings, ends = w.settings, w.ends
+    inbox = w.pull(HeadMessage, ends.stage_in(settings.index))
+    if settings.pool == "prefill":
+        decode_head = w.push(HeadMessage, ends.stage_in(settings.handoff.decode_head))
+        return PrefillHeadIntake(scheduler, inbox, bridge, decode_head, settings.handoff.lease_s)
+    if settings.pool == "decode":
+        first = settings.handoff.decode_head
+        stages = [w.push(KvMessage, ends.kv_in(first + j)) for j in range(len(settings.handoff.decode))]
+        return DecodeHeadIntake(scheduler, inbox, bridge, w.push(HeadMessage, ends.stage_in(0)), stages)
+    return SchedulerIntake(scheduler, inbox, bridge)
+
+
+def _handoff(w: Wiring, engine: StageEngine) -> Handoff:
+    settings, ends, wiring = w.settings, w.ends, w.settings.handoff
+    layers = engine.spec.layers
+    if settings.pool == "prefill":
+        first = wiring.decode_head
+        targets = [
+            w.push(KvMessage, ends.kv_in(first + j)) for j, theirs in enumerate(wiring.decode) if overlap(layers, theirs)
+        ]
+        return HandoffSender(settings.index, layers, engine.cache, targets)
+    if settings.pool == "decode":
+        inbox = w.pull(KvMessage, ends.kv_in(settings.index))
+        return KvReceiver(settings.index, layers, engine.cache, wiring, inbox, w.push(HeadMessage, ends.stage_in(wiring.decode_head)))
+    return NoHandoff()
 
 
 def pin_worker(settings: WorkerSettings) -> None:
     """Torch threads, CPU affinity and CUDA device from the plan's stage entry."""
-    stage = settings.plan.stages[settings.index]
+    stage = settings.plan.stages[settings.index - settings.first]
     torch.set_num_threads(stage.threads)
     if stage.cpus is not None:
         os.sched_setaffinity(0, stage.cpus)
@@ -424,18 +452,18 @@ def run_stage(encoded: bytes) -> None:
     settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
     log = setup_logging(settings.log_level, role="stage", index=settings.index, pid=os.getpid())
     ctx = zmq.Context()
-    rings: list[SlotRing] = []
+    closing: list = []
     try:
         pin_worker(settings)
-        agent, rings = build_agent(settings, ctx, log)
+        agent, closing = build_agent(settings, ctx, log)
         agent.control.send(Ready("stage", settings.index, os.getpid()))
-        log.info("stage ready", layers=list(settings.plan.stages[settings.index].layers))
+        log.info("stage ready", layers=list(agent.engine.spec.layers), pool=settings.pool or None)
         agent.serve()
         log.info("stage stopped")
     except Exception:
         log.exception("stage failed")
         raise SystemExit(1)
     finally:
-        for ring in rings:
-            ring.close()
+        for resource in closing:
+            resource.close()
         ctx.destroy(linger=0)

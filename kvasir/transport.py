@@ -60,6 +60,9 @@ class Endpoints:
     def credits(self, edge: int) -> str:  # producer of edge k binds PULL for its credits
         return self._ipc(f"credits-{edge}.sock")
 
+    def kv_in(self, index: int) -> str:  # decode stage PULL: KV hand-off announcements and placements
+        return self._ipc(f"kv-{index}.sock")
+
     @property
     def control(self) -> str:  # launcher PULL: Ready, Drained
         return self._ipc("control.sock")

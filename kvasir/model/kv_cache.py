@@ -22,10 +22,16 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        if storage is None:
+            self.keys = torch.zeros(shape, dtype=dtype, device=device)
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # memory shared with other processes (a prefill stage's cache, read by decode stages)
+            self.keys, self.values = storage
+            if self.keys.shape != shape or self.values.shape != shape or self.keys.dtype != dtype:
+                raise BatchError(f"KV storage of shape {tuple(self.keys.shape)} does not match {shape}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._tables: dict[int, list[int]] = {}
@@ -50,6 +56,10 @@ class PagedKVCache:
         for rid in request_ids:
             self._tables.pop(rid, None)
 
+    def table(self, request_id: int) -> list[int]:
+        """A request's block table ([] if the stage holds none)."""
+        return self._tables.get(request_id, [])
+
     def extend(self, request_id: int, new_blocks: tuple[int, ...]) -> list[int]:
         """Record a row's block growth and return the request's whole table."""
         for block in new_blocks:
@@ -59,12 +69,15 @@ class PagedKVCache:
         table.extend(new_blocks)
         return table
 
-    def slots(self, request_id: int, table: list[int], start: int, stop: int) -> torch.Tensor:
+    def slots(self, request_id: int, table: list[int] | tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         """Flat cache slots of positions [start, stop) of a request."""
-        if stop > len(table) * self.block_size:
-            raise BatchError(
-                f"request {request_id}: position {stop - 1} is past its {len(table)} KV blocks"
-            )
-        positions = torch.arange(start, stop)
-        blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
-        return (blocks * self.block_size + positions % self.block_size).to(self.keys.device)
+        return flat_slots(request_id, table, self.block_size, start, stop).to(self.keys.device)
+
+
+def flat_slots(request_id: int, table, block_size: int, start: int, stop: int) -> torch.Tensor:
+    """Flat slots of positions [start, stop) in a cache of ``block_size`` blocks, given a block table."""
+    if stop > len(table) * block_size:
+        raise BatchError(f"request {request_id}: position {stop - 1} is past its {len(table)} KV blocks")
+    positions = torch.arange(start, stop)
+    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
+    return blocks * block_size + positions % block_size

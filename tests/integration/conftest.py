@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from daemon import Daemon, write_plan  # noqa: E402
+from daemon import Daemon, stage_count, write_plan  # noqa: E402
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def start_daemon(tmp_path):
 
     def start(source, splits, name="rt", drain_timeout=30.0, **plan_values) -> Daemon:
         plan = write_plan(tmp_path / f"{name}.toml", source, splits, **plan_values)
-        daemon = Daemon(plan, tmp_path / name, len(splits), drain_timeout)
+        daemon = Daemon(plan, tmp_path / name, stage_count(splits), drain_timeout)
         started.append(daemon)
         return daemon
 

@@ -14,12 +14,19 @@ from kvasir.client import Client
 BIN = Path(sys.executable).parent
 
 
+def stage_count(splits) -> int:
+    return sum(len(split) for split in splits.values()) if isinstance(splits, dict) else len(splits)
+
+
 def write_plan(path: Path, source: Path, splits, **kw) -> Path:
     values = dict(max_seq_len=256, max_rows=8, max_tokens=32, inflight=3, block_size=4, num_blocks=600, max_waiting=1024)
     values["max_per_client"] = kw.get("max_waiting", 1024)
     values.update(kw)
     supervise = "".join(f"{key} = {kw[key]}\n" for key in ("max_restarts", "restart_window_s", "heartbeat_timeout_s") if key in kw)
-    stages = "".join(f"[[stages]]\nlayers = [{a}, {b}]\n" for a, b in splits)
+    pools = splits.items() if isinstance(splits, dict) else [("", splits)]  # {"prefill": [...], "decode": [...]}
+    stages = "".join(f"[[{pool + '.' if pool else ''}stages]]\nlayers = [{a}, {b}]\n" for pool, split in pools for a, b in split)
+    if "lease_s" in kw:
+        stages = f"[handoff]\nlease_s = {kw['lease_s']}\n" + stages
     path.write_text(
         f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\n'
         f'[batch]\nmax_rows = {values["max_rows"]}\nmax_tokens = {values["max_tokens"]}\ninflight = {values["inflight"]}\n'

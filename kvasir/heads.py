@@ -1,0 +1,231 @@
+"""A ring's head: where its batches come from (the scheduler), and what it does with
+what comes back. One class per kind of ring, chosen once when the stage is built:
+
+- ``SchedulerIntake``: a colocated ring; requests come from the bridge and run to the end.
+- ``PrefillHeadIntake``: the prefill pool; a request leaves the ring after its first
+  token: it is parked (its blocks held) and handed to the decode head, and its blocks
+  are freed when the decode head confirms every decode stage holds its KV, or when the
+  hand-off lease runs out (then the request fails).
+- ``DecodeHeadIntake``: the decode pool; requests come from the prefill head, get blocks
+  (or wait for them: back-pressure on the prefill pool), are placed on every decode
+  stage, and are scheduled once every decode stage holds its part of the KV.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kvasir.errors import RequestError
+from kvasir.messages import (
+    Adopted,
+    BatchDescriptor,
+    BatchResult,
+    CancelRequest,
+    Enqueue,
+    Handoff,
+    HandoffReport,
+    KvDrop,
+    KvHeld,
+    Placement,
+    RequestEnded,
+)
+from kvasir.scheduler import Emitted, Scheduler
+from kvasir.transport import PullChannel, PushChannel
+
+Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
+
+
+class SchedulerIntake:
+    """The head of a colocated ring: batches come from its scheduler."""
+
+    def __init__(self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel) -> None:
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self.bridge = bridge
+        self.sockets = [inbox.socket]
+        self.hop_ns = 0
+
+    def receive(self) -> None:
+        for message in self.inbox.drain():
+            self.handle(message)
+
+    def handle(self, message) -> None:
+        match message:
+            case Enqueue(request_id=rid, token_ids=ids, sampling=sampling):
+                try:
+                    self.scheduler.submit(list(ids), sampling, request_id=rid)
+                except RequestError as exc:
+                    self.bridge.send(RequestEnded(rid, exc.code, exc.message))
+            case CancelRequest(request_id=rid):
+                self.report(self.scheduler.cancel(rid))
+            case BatchResult():
+                for event in self.scheduler.complete(message):
+                    self.report(event)
+
+    def report(self, event: Emitted | None) -> None:
+        if event is not None and event.finish == "cancelled":
+            self.bridge.send(RequestEnded(event.request_id, "cancelled"))
+
+    def take(self, room: bool) -> Work | None:
+        if room:
+            batch = self.scheduler.next_batch()
+            if batch is not None:
+                return batch.descriptor, batch.token_ids
+        release = self.scheduler.release_only()
+        return (release, None) if release is not None else None
+
+    def consumed(self, descriptor: BatchDescriptor) -> None:
+        pass
+
+    def counters(self) -> dict[str, int]:
+        return {"inflight": len(self.scheduler.inflight), "waiting": len(self.scheduler.waiting)}
+
+
+class PrefillHeadIntake(SchedulerIntake):
+    def __init__(self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel, decode_head: PushChannel, lease_s: float) -> None:
+        super().__init__(scheduler, inbox, bridge)
+        self.decode_head = decode_head
+        self.lease_s = lease_s
+        self.leases: OrderedDict[int, float] = OrderedDict()  # handed off, not yet adopted: since when
+
+    def receive(self) -> None:
+        super().receive()
+        self._expire(time.monotonic())
+
+    def handle(self, message) -> None:
+        scheduler = self.scheduler
+        match message:
+            case CancelRequest(request_id=rid) if rid in self.leases or not (rid in scheduler.waiting or rid in scheduler.running):
+                self.decode_head.send(message)  # handed off (or already adopted): the decode head ends it
+            case BatchResult():
+                members = scheduler.inflight.get(message.batch_id, ())
+                prompt_done = {rid for rid in members if self._prompt_ran(rid)}
+                for event in scheduler.complete(message):
+                    self.report(event)
+                    if event.finish is None and event.token_id is not None:
+                        self._hand_off(event)
+                    elif event.request_id in prompt_done:
+                        self.decode_head.send(KvDrop(event.request_id))  # its KV was announced to the decode stages
+            case Adopted(request_id=rid):
+                if self.leases.pop(rid, None) is not None:
+                    scheduler.retire(rid)
+            case _:
+                super().handle(message)
+
+    def _prompt_ran(self, rid: int) -> bool:
+        """Its last prompt chunk has run: the prefill stages announced its KV."""
+        state = self.scheduler.running.get(rid)
+        return state is not None and state.computed >= len(state.prompt)
+
+    def _hand_off(self, event: Emitted) -> None:
+        state = self.scheduler.park(event.request_id)
+        now = time.monotonic()
+        self.leases[event.request_id] = now
+        self.decode_head.send(
+            Handoff(state.request_id, tuple(state.prompt), event.token_id, state.sampling, state.seed, time.monotonic_ns())
+        )
+
+    def _expire(self, now: float) -> None:
+        while self.leases:
+            rid, since = next(iter(self.leases.items()))
+            if now - since < self.lease_s:
+                return
+            del self.leases[rid]
+            self.scheduler.retire(rid)
+            self.decode_head.send(CancelRequest(rid))
+            self.bridge.send(
+                RequestEnded(rid, "stage_failed", f"the decode pool did not take the request's KV within {self.lease_s:g} s")
+            )
+
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "handing_off": len(self.leases)}
+
+
+@dataclass
+class Placed:
+    """A request placed on the decode stages, waiting for each to hold its KV."""
+
+    ready_ns: int
+    held: set[int]
+    nbytes: int = 0
+    first_ns: int = 0
+    last_ns: int = 0
+
+
+class DecodeHeadIntake(SchedulerIntake):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        inbox: PullChannel,
+        bridge: PushChannel,
+        prefill_head: PushChannel,
+        stages: list[PushChannel],
+    ) -> None:
+        super().__init__(scheduler, inbox, bridge)
+        self.prefill_head = prefill_head
+        self.stages = stages  # every decode stage's KV inbox, this one's included
+        self.pending: OrderedDict[int, Handoff] = OrderedDict()  # waiting for blocks
+        self.placed: dict[int, Placed] = {}
+
+    def receive(self) -> None:
+        super().receive()
+        self._place()
+
+    def handle(self, message) -> None:
+        match message:
+            case Handoff(request_id=rid):
+                self.pending[rid] = message
+            case KvDrop(request_id=rid):
+                self._broadcast(Placement(rid, ()))
+            case KvHeld(request_id=rid) if rid in self.placed:
+                self._held(message)
+            case KvHeld():
+                pass  # a request cancelled while its KV was being copied
+            case CancelRequest(request_id=rid) if rid in self.pending or rid in self.placed:
+                if self.pending.pop(rid, None) is None:
+                    del self.placed[rid]
+                    self.scheduler.retire(rid)
+                self._broadcast(Placement(rid, ()))
+                self.prefill_head.send(Adopted(rid))
+                self.bridge.send(RequestEnded(rid, "cancelled"))
+            case _:
+                super().handle(message)
+
+    def _place(self) -> None:
+        """Reserve blocks for waiting hand-offs, oldest first, while the cache has room."""
+        while self.pending:
+            handoff = next(iter(self.pending.values()))
+            blocks = self.scheduler.reserve(
+                handoff.request_id, list(handoff.prompt), [handoff.first_token], handoff.sampling, handoff.seed
+            )
+            if blocks is None:
+                return  # the decode pool is full: the prefill pool keeps holding the KV
+            del self.pending[handoff.request_id]
+            self.placed[handoff.request_id] = Placed(handoff.ready_ns, set())
+            self._broadcast(Placement(handoff.request_id, tuple(blocks)))
+
+    def _held(self, held: KvHeld) -> None:
+        placed = self.placed[held.request_id]
+        placed.held.add(held.stage)
+        placed.nbytes += held.nbytes
+        placed.first_ns = min(placed.first_ns or held.ready_ns, held.ready_ns)
+        placed.last_ns = max(placed.last_ns, held.held_ns)
+        if len(placed.held) < len(self.stages):
+            return
+        rid = held.request_id
+        del self.placed[rid]
+        self.scheduler.unpark(rid)
+        self.prefill_head.send(Adopted(rid))
+        self.bridge.send(HandoffReport(rid, placed.nbytes, (placed.last_ns - placed.first_ns) / 1e9))
+
+    def _broadcast(self, message: Placement) -> None:
+        for stage in self.stages:
+            stage.send(message)
+
+    def counters(self) -> dict[str, int]:
+        counters = super().counters()
+        return {**counters, "waiting": counters["waiting"] + len(self.pending) + len(self.placed)}
