@@ -235,8 +235,8 @@ class Bridge:
                 if record is not None:
                     event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
                     await self._send(record.peer, event)
-            case HandoffReport(request_id=rid, nbytes=nbytes, seconds=seconds):
-                timings = self.handoffs.add(nbytes, seconds)
+            case HandoffReport(request_id=rid, nbytes=nbytes, seconds=seconds, copy_s=copy_s):
+                timings = self.handoffs.add(nbytes, seconds, copy_s)
                 record = self.requests.get(rid)
                 if record is not None:
                     record.handoff = timings

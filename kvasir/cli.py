@@ -85,22 +85,41 @@ def plan() -> None:
 @plan.command("check")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the resolved plan as one JSON object.")
+@click.option("--link-gibps", type=float, default=1.0, show_default=True,
+              help="Effective bandwidth (GiB/s) to price the KV hand-off between pools at.")
+@click.option("--interference-ms", type=float, default=20.0, show_default=True,
+              help="Interference a disaggregated plan would avoid, per hand-off: the break-even bandwidth is priced against it.")
+@click.option("--prompt-tokens", default="128,512,1024,2048", show_default=True,
+              help="Prompt lengths to price the hand-off for (comma-separated).")
+@click.option("--handoff-mib", type=float, multiple=True,
+              help="Also price a hand-off of this many MiB (repeatable; e.g. 64 for MISSION.md's worked balance).")
 @RUNTIME_DIR
-def plan_check(path: str, as_json: bool, runtime_dir: str | None) -> None:
+def plan_check(path: str, as_json: bool, link_gibps: float, interference_ms: float, prompt_tokens: str,
+               handoff_mib: tuple[float, ...], runtime_dir: str | None) -> None:
     """Validate PATH and print the resolved plan, or exit 2 with the first problem.
 
-    Per stage it shows the layer range, parameter count and bytes, KV cache bytes and
-    the boundary slots on the edge into the stage. (--runtime-dir is accepted like
-    everywhere else; checking a plan needs no daemon.)
+    Per stage it shows the pool (in a disaggregated plan), layer range, parameter count
+    and bytes, KV cache bytes and the boundary slots on the edge into the stage. Then
+    the price of handing a prompt's KV from a prefill pool to a decode pool: KV bytes
+    per prompt token, the hand-off size for a few prompt lengths, its time at
+    --link-gibps and the break-even bandwidth against --interference-ms.
+    (--runtime-dir is accepted like everywhere else; checking a plan needs no daemon.)
     """
     from kvasir.footprint import plan_footprint
     from kvasir.resolve import resolve_plan
 
     try:
+        lengths = [int(n) for n in prompt_tokens.split(",") if n.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{prompt_tokens!r} is not a comma-separated list of integers", param_hint="--prompt-tokens")
+    if link_gibps <= 0 or interference_ms <= 0 or any(n <= 0 for n in lengths) or any(m <= 0 for m in handoff_mib):
+        raise click.UsageError("--link-gibps, --interference-ms, --prompt-tokens and --handoff-mib must be positive")
+    try:
         resolved, source = resolve_plan(path)
         stages = plan_footprint(resolved, source)
     except KvasirError as exc:
         _fail(exc)
+    costs = _handoff_costs(resolved, source, link_gibps, interference_ms, lengths, handoff_mib)
     if as_json:
         body = {
             "plan": msgspec.to_builtins(resolved),
@@ -113,14 +132,48 @@ def plan_check(path: str, as_json: bool, runtime_dir: str | None) -> None:
                 "weights": str(source.weights_dir) if source.weights_dir else None,
             },
             "stages": [msgspec.to_builtins(s.__dict__) for s in stages],
+            "handoff": costs,
         }
         click.echo(json.dumps(body))
         return
     _print_plan(path, resolved, source, stages)
+    _print_costs(costs)
+
+
+def _handoff_costs(plan, source, link_gibps, interference_ms, lengths, sizes_mib) -> dict:
+    from kvasir.footprint import MIB, break_even_gibps, handoff_ms, kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(plan, source)
+    rows = [{"prompt_tokens": n, "kv_bytes": n * per_token} for n in lengths]
+    rows += [{"prompt_tokens": None, "kv_bytes": int(m * MIB)} for m in sizes_mib]
+    for row in rows:
+        row["handoff_ms"] = handoff_ms(row["kv_bytes"], link_gibps)
+        row["break_even_gibps"] = break_even_gibps(row["kv_bytes"], interference_ms)
+    return {"kv_bytes_per_token": per_token, "link_gibps": link_gibps, "interference_ms": interference_ms, "sizes": rows}
+
+
+def _print_costs(costs: dict) -> None:
+    click.echo(
+        f"hand-off {_size(costs['kv_bytes_per_token'])} of KV per prompt token; at {costs['link_gibps']:g} GiB/s, "
+        f"against {costs['interference_ms']:g} ms of interference avoided:"
+    )
+    header = ("prompt", "kv", "hand-off", "break-even")
+    rows = [header]
+    for row in costs["sizes"]:
+        mib = row["kv_bytes"] / (1 << 20)
+        rows.append((
+            f"{row['prompt_tokens']} tokens" if row["prompt_tokens"] else "-",
+            f"{mib:g} MiB" if row["prompt_tokens"] is None else _size(row["kv_bytes"]),
+            f"{row['handoff_ms']:.4g} ms",
+            f"{row['break_even_gibps']:.4g} GiB/s",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
 
 
 def _print_plan(path, resolved, source, stages) -> None:
-    m, b, kv = resolved.model, resolved.batch, resolved.kv
+    m = resolved.model
     config = source.config
     click.echo(f"plan     {path}")
     click.echo(
@@ -129,11 +182,16 @@ def _print_plan(path, resolved, source, stages) -> None:
     )
     if source.weights_dir is None:
         click.echo("weights  not prepared yet (no converted weights in the cache)")
-    click.echo(f"batch    max_rows {b.max_rows}, max_tokens {b.max_tokens}, inflight {b.inflight}")
-    click.echo(
-        f"kv       {kv.num_blocks} blocks x {kv.block_size} tokens = "
-        f"{kv.num_blocks * kv.block_size} tokens per stage"
-    )
+    for pool, view in resolved.pools():
+        b, kv = view.batch, view.kv
+        name = f" ({pool} pool)" if pool else ""
+        click.echo(f"batch    max_rows {b.max_rows}, max_tokens {b.max_tokens}, inflight {b.inflight}{name}")
+        click.echo(
+            f"kv       {kv.num_blocks} blocks x {kv.block_size} tokens = "
+            f"{kv.num_blocks * kv.block_size} tokens per stage{name}"
+        )
+    if resolved.disaggregated:
+        click.echo(f"handoff  prefill KV not taken by the decode pool within {resolved.handoff.lease_s:g} s is freed")
     br = resolved.bridge
     click.echo(
         f"bridge   max_waiting {br.max_waiting}, max_per_client {br.max_per_client}, max_client_queue {br.max_client_queue}"
@@ -151,7 +209,7 @@ def _print_plan(path, resolved, source, stages) -> None:
         rows.append(
             (
                 str(s.index),
-                s.role,
+                f"{s.pool} {s.role}" if s.pool else s.role,
                 f"[{s.layers[0]}, {s.layers[1]})",
                 s.device,
                 str(s.threads),
@@ -425,6 +483,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         wall = stage["wall_s"] or 1.0
         for part in ("busy", "starved", "blocked"):
             stage[f"{part}_fraction"] = stage[f"{part}_s"] / wall
+    if any(stage["pool"] for stage in body["stages"]):
+        body["pools"] = _pool_totals(body["stages"])
     if as_json:
         click.echo(json.dumps(body))
         return
@@ -434,11 +494,17 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
     )
     if body["last_failure"] is not None:
         click.echo(f"last failure {body['last_failure_age_s']:.0f} s ago: {body['last_failure']}")
+    if body["handoff"] is not None:
+        h = body["handoff"]
+        click.echo(
+            f"hand-offs {h['count']}, {_size(h['kv_bytes'])} of KV; time p50 {h['p50_s'] * 1000:.2f} ms, "
+            f"p99 {h['p99_s'] * 1000:.2f} ms; copies at {h['gibps']:.2f} GiB/s"
+        )
     header = ("stage", "layers", "pid", "busy", "starved", "blocked", "batches", "rows", "tokens", "inflight", "kv reqs")
     rows = [header]
     for s in body["stages"]:
         rows.append((
-            str(s["index"]), f"[{s['layers'][0]}, {s['layers'][1]})", str(s["pid"]),
+            f"{s['index']} {s['pool']}".rstrip(), f"[{s['layers'][0]}, {s['layers'][1]})", str(s["pid"]),
             f"{s['busy_s']:.1f}s {s['busy_fraction']:.0%}", f"{s['starved_s']:.1f}s {s['starved_fraction']:.0%}",
             f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}", str(s["batches"]), str(s["rows"]),
             str(s["tokens"]), str(s["inflight"]), str(s["kv_requests"]),
@@ -446,6 +512,26 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for name, pool in body.get("pools", {}).items():
+        click.echo(
+            f"{name} pool ({pool['stages']} stages): busy {pool['busy_fraction']:.0%}, "
+            f"starved {pool['starved_fraction']:.0%}, blocked {pool['blocked_fraction']:.0%}"
+        )
+
+
+def _pool_totals(stages: list[dict]) -> dict:
+    """Busy / starved / blocked per pool: seconds summed over its stages, fractions of their wall time."""
+    pools: dict[str, dict] = {}
+    for stage in stages:
+        pool = pools.setdefault(stage["pool"], {"stages": 0, "wall_s": 0.0, "busy_s": 0.0, "starved_s": 0.0, "blocked_s": 0.0})
+        pool["stages"] += 1
+        for key in ("wall_s", "busy_s", "starved_s", "blocked_s"):
+            pool[key] += stage[key]
+    for pool in pools.values():
+        wall = pool["wall_s"] or 1.0
+        for part in ("busy", "starved", "blocked"):
+            pool[f"{part}_fraction"] = pool[f"{part}_s"] / wall
+    return pools
 
 
 @kvasir.command()

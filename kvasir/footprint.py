@@ -15,9 +15,14 @@ from kvasir.model.source import ModelSource
 from kvasir.plan import Plan
 
 
+MIB = 1 << 20
+GIB = 1 << 30
+
+
 @dataclass(frozen=True)
 class StageFootprint:
-    index: int
+    index: int  # global: a disaggregated plan numbers the prefill pool's stages first
+    pool: str  # "prefill" | "decode" | "" (colocated)
     role: str  # head | middle | tail
     layers: tuple[int, int]
     device: str
@@ -35,6 +40,13 @@ def boundary_slot_bytes(plan: Plan, source: ModelSource) -> int:
 
 
 def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
+    out: list[StageFootprint] = []
+    for pool, view in plan.pools():
+        out += _pool_footprint(view, source, pool, len(out))
+    return out
+
+
+def _pool_footprint(plan: Plan, source: ModelSource, pool: str, first: int) -> list[StageFootprint]:
     dtype = DTYPES[plan.model.dtype]
     config = source.config
     slot = boundary_slot_bytes(plan, source)
@@ -53,7 +65,8 @@ def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
         )
         out.append(
             StageFootprint(
-                index=index,
+                index=first + index,
+                pool=pool,
                 role=role,
                 layers=stage.layers,
                 device=stage.device,
@@ -66,3 +79,20 @@ def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
             )
         )
     return out
+
+
+# -- the price of disaggregation (MISSION.md: the worked balance) --------------------------
+def kv_bytes_per_token(plan: Plan, source: ModelSource) -> int:
+    """K and V of every layer for one prompt token: what a hand-off moves per token."""
+    config = source.config
+    return 2 * source.num_layers * int(config.num_key_value_heads) * head_dim(config) * DTYPES[plan.model.dtype].itemsize
+
+
+def handoff_ms(nbytes: int, link_gibps: float) -> float:
+    """Transfer time at a constant effective bandwidth (binary units, no overhead, no overlap)."""
+    return nbytes / (link_gibps * GIB) * 1000.0
+
+
+def break_even_gibps(nbytes: int, interference_ms: float) -> float:
+    """The bandwidth at which moving ``nbytes`` costs exactly the interference it avoids."""
+    return nbytes / GIB / (interference_ms / 1000.0)

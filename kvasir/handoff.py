@@ -117,11 +117,12 @@ class KvReceiver(NoHandoff):
         parts = self.parts.get(rid)
         if rid not in self.placed or parts is None or len(parts) < len(self.sources):
             return False
+        started = time.monotonic_ns()
         table = self.cache.extend(rid, self.placed.pop(rid))
         nbytes = sum(self._copy(rid, part, table) for part in self.parts.pop(rid).values())
         self.nbytes += nbytes
-        ready = min(part.sent_ns for part in parts.values())
-        self.head.send(KvHeld(rid, self.index, nbytes, ready, time.monotonic_ns()))
+        held = time.monotonic_ns()
+        self.head.send(KvHeld(rid, self.index, nbytes, held - started, held))
         return True
 
     def _copy(self, rid: int, part: KvReady, table: list[int]) -> int:

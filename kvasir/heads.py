@@ -4,8 +4,10 @@ what comes back. One class per kind of ring, chosen once when the stage is built
 - ``SchedulerIntake``: a colocated ring; requests come from the bridge and run to the end.
 - ``PrefillHeadIntake``: the prefill pool; a request leaves the ring after its first
   token: it is parked (its blocks held) and handed to the decode head, and its blocks
-  are freed when the decode head confirms every decode stage holds its KV, or when the
-  hand-off lease runs out (then the request fails).
+  are freed when the decode head confirms every decode stage holds its KV. Waiting for
+  decode blocks is back-pressure and may take as long as it takes; once the decode
+  head has placed the request, a lease bounds the copy (a lost confirmation fails the
+  request and frees the blocks instead of leaking them).
 - ``DecodeHeadIntake``: the decode pool; requests come from the prefill head, get blocks
   (or wait for them: back-pressure on the prefill pool), are placed on every decode
   stage, and are scheduled once every decode stage holds its part of the KV.
@@ -30,6 +32,7 @@ from kvasir.messages import (
     HandoffReport,
     KvDrop,
     KvHeld,
+    KvPlaced,
     Placement,
     RequestEnded,
 )
@@ -90,7 +93,8 @@ class PrefillHeadIntake(SchedulerIntake):
         super().__init__(scheduler, inbox, bridge)
         self.decode_head = decode_head
         self.lease_s = lease_s
-        self.leases: OrderedDict[int, float] = OrderedDict()  # handed off, not yet adopted: since when
+        self.handed: set[int] = set()  # handed off, not yet adopted
+        self.leases: OrderedDict[int, float] = OrderedDict()  # of those, placed by the decode head: since when
 
     def receive(self) -> None:
         super().receive()
@@ -99,7 +103,7 @@ class PrefillHeadIntake(SchedulerIntake):
     def handle(self, message) -> None:
         scheduler = self.scheduler
         match message:
-            case CancelRequest(request_id=rid) if rid in self.leases or not (rid in scheduler.waiting or rid in scheduler.running):
+            case CancelRequest(request_id=rid) if rid in self.handed or not (rid in scheduler.waiting or rid in scheduler.running):
                 self.decode_head.send(message)  # handed off (or already adopted): the decode head ends it
             case BatchResult():
                 members = scheduler.inflight.get(message.batch_id, ())
@@ -110,9 +114,14 @@ class PrefillHeadIntake(SchedulerIntake):
                         self._hand_off(event)
                     elif event.request_id in prompt_done:
                         self.decode_head.send(KvDrop(event.request_id))  # its KV was announced to the decode stages
-            case Adopted(request_id=rid):
-                if self.leases.pop(rid, None) is not None:
-                    scheduler.retire(rid)
+            case KvPlaced(request_id=rid) if rid in self.handed:
+                self.leases[rid] = time.monotonic()
+            case Adopted(request_id=rid) if rid in self.handed:
+                self.handed.discard(rid)
+                self.leases.pop(rid, None)
+                scheduler.retire(rid)
+            case KvPlaced() | Adopted():
+                pass  # the lease ran out first
             case _:
                 super().handle(message)
 
@@ -123,8 +132,7 @@ class PrefillHeadIntake(SchedulerIntake):
 
     def _hand_off(self, event: Emitted) -> None:
         state = self.scheduler.park(event.request_id)
-        now = time.monotonic()
-        self.leases[event.request_id] = now
+        self.handed.add(event.request_id)
         self.decode_head.send(
             Handoff(state.request_id, tuple(state.prompt), event.token_id, state.sampling, state.seed, time.monotonic_ns())
         )
@@ -135,6 +143,7 @@ class PrefillHeadIntake(SchedulerIntake):
             if now - since < self.lease_s:
                 return
             del self.leases[rid]
+            self.handed.discard(rid)
             self.scheduler.retire(rid)
             self.decode_head.send(CancelRequest(rid))
             self.bridge.send(
@@ -142,17 +151,17 @@ class PrefillHeadIntake(SchedulerIntake):
             )
 
     def counters(self) -> dict[str, int]:
-        return {**super().counters(), "handing_off": len(self.leases)}
+        return {**super().counters(), "handing_off": len(self.handed)}
 
 
 @dataclass
 class Placed:
     """A request placed on the decode stages, waiting for each to hold its KV."""
 
-    ready_ns: int
+    ready_ns: int  # when the prefill head handed it over
     held: set[int]
     nbytes: int = 0
-    first_ns: int = 0
+    copy_ns: int = 0  # the slowest stage's copy
     last_ns: int = 0
 
 
@@ -207,12 +216,13 @@ class DecodeHeadIntake(SchedulerIntake):
             del self.pending[handoff.request_id]
             self.placed[handoff.request_id] = Placed(handoff.ready_ns, set())
             self._broadcast(Placement(handoff.request_id, tuple(blocks)))
+            self.prefill_head.send(KvPlaced(handoff.request_id))
 
     def _held(self, held: KvHeld) -> None:
         placed = self.placed[held.request_id]
         placed.held.add(held.stage)
         placed.nbytes += held.nbytes
-        placed.first_ns = min(placed.first_ns or held.ready_ns, held.ready_ns)
+        placed.copy_ns = max(placed.copy_ns, held.copy_ns)
         placed.last_ns = max(placed.last_ns, held.held_ns)
         if len(placed.held) < len(self.stages):
             return
@@ -220,7 +230,7 @@ class DecodeHeadIntake(SchedulerIntake):
         del self.placed[rid]
         self.scheduler.unpark(rid)
         self.prefill_head.send(Adopted(rid))
-        self.bridge.send(HandoffReport(rid, placed.nbytes, (placed.last_ns - placed.first_ns) / 1e9))
+        self.bridge.send(HandoffReport(rid, placed.nbytes, (placed.last_ns - placed.ready_ns) / 1e9, placed.copy_ns / 1e9))
 
     def _broadcast(self, message: Placement) -> None:
         for stage in self.stages:

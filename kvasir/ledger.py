@@ -117,24 +117,28 @@ class HandoffLog:
     def __init__(self) -> None:
         self.count = 0
         self.kv_bytes = 0
-        self.recent: deque[tuple[int, float]] = deque(maxlen=RECENT_HANDOFFS)  # (bytes, seconds)
+        self.recent: deque[tuple[int, float, float]] = deque(maxlen=RECENT_HANDOFFS)  # (bytes, seconds, copy seconds)
 
-    def add(self, nbytes: int, seconds: float) -> HandoffTimings:
+    def add(self, nbytes: int, seconds: float, copy_s: float) -> HandoffTimings:
         self.count += 1
         self.kv_bytes += nbytes
-        self.recent.append((nbytes, seconds))
-        return HandoffTimings(kv_bytes=nbytes, seconds=seconds, gibps=nbytes / GIB / seconds if seconds > 0 else 0.0)
+        self.recent.append((nbytes, seconds, copy_s))
+        return HandoffTimings(kv_bytes=nbytes, seconds=seconds, copy_s=copy_s, gibps=_gibps(nbytes, copy_s))
 
     def summary(self) -> HandoffSummary | None:
         if not self.count:
             return None
-        times = sorted(seconds for _, seconds in self.recent)
-        total_s = sum(times)
-        moved = sum(nbytes for nbytes, _ in self.recent)
+        times = sorted(seconds for _, seconds, _ in self.recent)
+        copying = sum(copy_s for _, _, copy_s in self.recent)
+        moved = sum(nbytes for nbytes, _, _ in self.recent)
         return HandoffSummary(
             count=self.count,
             kv_bytes=self.kv_bytes,
             p50_s=times[len(times) // 2],
             p99_s=times[min(len(times) - 1, int(len(times) * 0.99))],
-            gibps=moved / GIB / total_s if total_s > 0 else 0.0,
+            gibps=_gibps(moved, copying),
         )
+
+
+def _gibps(nbytes: int, seconds: float) -> float:
+    return nbytes / GIB / seconds if seconds > 0 else 0.0

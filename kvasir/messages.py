@@ -18,7 +18,7 @@ Edges:
 A disaggregated plan runs two rings (DESIGN.md section 2): the prefill pool's and the
 decode pool's. Their heads and stages add:
     prefill head -> decode head  HeadMessage (Handoff | KvDrop | CancelRequest)
-    decode head -> prefill head  HeadMessage (Adopted)
+    decode head -> prefill head  HeadMessage (KvPlaced | Adopted)
     decode stage -> decode head  HeadMessage (KvHeld)
     prefill stage, decode head -> decode stage  KvMessage (KvReady | Placement)
     children -> launcher ControlMessage (Ready | Drained | Heartbeat)
@@ -145,8 +145,15 @@ class KvHeld(_Tagged):
     request_id: int
     stage: int  # global stage index
     nbytes: int  # KV bytes the stage copied
-    ready_ns: int  # earliest time a prefill stage announced a part (CLOCK_MONOTONIC)
-    held_ns: int  # when the copy was done
+    copy_ns: int  # how long the copy took
+    held_ns: int  # when it was done (CLOCK_MONOTONIC)
+
+
+class KvPlaced(_Tagged):
+    """Decode head -> prefill head: the request has decode blocks and is being copied; the
+    hand-off lease starts now (waiting for decode blocks is back-pressure, not a fault)."""
+
+    request_id: int
 
 
 class Adopted(_Tagged):
@@ -156,7 +163,7 @@ class Adopted(_Tagged):
     request_id: int
 
 
-HeadMessage = Enqueue | CancelRequest | BatchResult | Handoff | KvDrop | KvHeld | Adopted
+HeadMessage = Enqueue | CancelRequest | BatchResult | Handoff | KvDrop | KvHeld | KvPlaced | Adopted
 
 
 # -- KV hand-off to a decode stage ----------------------------------------------------------------
@@ -226,6 +233,7 @@ class StageStats(_Tagged):
     pool: str = ""  # "prefill" | "decode" in a disaggregated plan; "" in a colocated one
     handoff_bytes: int = 0  # decode stages: KV bytes received from the prefill pool
     handoff_s: float = 0.0  # decode stages: of busy time, spent copying them
+    handing_off: int = 0  # prefill head: requests handed to the decode pool, not yet taken (their blocks held)
 
 
 class HandoffReport(_Tagged):
@@ -233,7 +241,8 @@ class HandoffReport(_Tagged):
 
     request_id: int
     nbytes: int  # KV bytes moved, all decode stages together
-    seconds: float  # from the first prefill stage's announcement to the last decode stage's copy
+    seconds: float  # from the prefill head handing the request over to the last decode stage's copy
+    copy_s: float  # the slowest decode stage's copy (they copy in parallel)
 
 
 BridgeMessage = TokenEvents | RequestEnded | StageStats | HandoffReport
@@ -299,8 +308,9 @@ class HandoffTimings(msgspec.Struct, frozen=True, kw_only=True):
     """A request's KV hand-off between pools (disaggregated plans only)."""
 
     kv_bytes: int
-    seconds: float
-    gibps: float  # effective bandwidth: kv_bytes / seconds, in GiB/s
+    seconds: float  # first token sampled (prefill pool) -> every decode stage holds the KV
+    copy_s: float  # of which copying (the slowest decode stage; they copy in parallel)
+    gibps: float  # effective bandwidth of the copy: kv_bytes / copy_s, in GiB/s
 
 
 class Finished(_Client, tag="finished"):
@@ -343,9 +353,9 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
 class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):
     count: int  # requests handed from the prefill pool to the decode pool
     kv_bytes: int  # in all
-    p50_s: float  # hand-off time, over the most recent hand-offs
+    p50_s: float  # hand-off time (first token sampled -> decode holds the KV), over the most recent hand-offs
     p99_s: float
-    gibps: float  # kv_bytes / total hand-off time, over the most recent hand-offs
+    gibps: float  # effective copy bandwidth over the most recent hand-offs: their bytes / their copy time
 
 
 class StatsReply(_Client, tag="stats"):

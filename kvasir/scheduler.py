@@ -67,7 +67,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, plan: Plan, vocab_size: int) -> None:
+    def __init__(self, plan: Plan, vocab_size: int, reserve_output: bool = True) -> None:
+        """``reserve_output`` False: a prefill pool's head, whose requests leave after their
+        first token, reserves blocks for the prompt only."""
+        self.reserve_output = reserve_output
         self.max_rows = plan.batch.max_rows
         self.max_tokens = plan.batch.max_tokens
         self.inflight_limit = plan.batch.inflight
@@ -91,7 +94,7 @@ class Scheduler:
         """
         ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
         check_sampling(sampling, self.vocab_size)
-        total = min(len(ids) + sampling.max_tokens, self.max_seq_len)
+        total = min(len(ids) + sampling.max_tokens, self.max_seq_len) if self.reserve_output else len(ids)
         need = -(-total // self.block_size)
         seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED)
         if request_id is None:

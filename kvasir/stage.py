@@ -336,6 +336,7 @@ class StageAgent:
             pool=self.settings.pool,
             handoff_bytes=self.handoff.nbytes,
             handoff_s=self.handoff.copy_s,
+            handing_off=counters.get("handing_off", 0),
         )
 
     def _take_spans(self) -> tuple[BatchSpan, ...]:
@@ -387,7 +388,8 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
     commands = w.pull(Command, ends.command(f"stage-{index}"))
     closing: list = [segment] if segment else []
     if w.local == 0:
-        intake: Intake = _head_intake(w, Scheduler(plan, source.vocab_size), bridge)
+        scheduler = Scheduler(plan, source.vocab_size, reserve_output=settings.pool != "prefill")
+        intake: Intake = _head_intake(w, scheduler, bridge)
     else:
         ring_in = attach_ring(settings.edges[w.local - 1])
         closing.append(ring_in)

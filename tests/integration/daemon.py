@@ -27,6 +27,9 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
     stages = "".join(f"[[{pool + '.' if pool else ''}stages]]\nlayers = [{a}, {b}]\n" for pool, split in pools for a, b in split)
     if "lease_s" in kw:
         stages = f"[handoff]\nlease_s = {kw['lease_s']}\n" + stages
+    for pool in ("prefill", "decode"):  # a pool's own cache size: prefill_blocks = N, decode_blocks = N
+        if f"{pool}_blocks" in kw:
+            stages = f"[{pool}.kv]\nblock_size = {values['block_size']}\nnum_blocks = {kw[pool + '_blocks']}\n" + stages
     path.write_text(
         f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\n'
         f'[batch]\nmax_rows = {values["max_rows"]}\nmax_tokens = {values["max_tokens"]}\ninflight = {values["inflight"]}\n'

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
+from daemon import alive
 from kvasir.client import Client
-from kvasir.messages import Finished
+from kvasir.messages import ErrorEvent, Finished
 from models import hf_greedy, random_prompts, reference_model
 from test_ring import check_events, run_all
+from test_supervision import load_then, one_greedy, terminal_codes, wait_serving_again
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 48, 64, 90, 120, 2, 5, 17, 26, 40, 75, 101, 9]
 SPLITS = {
@@ -39,3 +45,86 @@ def test_disaggregated_output_equals_hf_generate(tiny_models, start_daemon, spli
     assert pools == ["prefill"] * len(splits["prefill"]) + ["decode"] * len(splits["decode"])
     assert stats.handoff is not None and stats.handoff.count == sum(1 for n in budgets if n > 1)
     assert all(s.kv_blocks == 0 for s in stats.stages)  # every pool freed every request's blocks
+
+
+@pytest.mark.parametrize("victim", [1, 2])  # the prefill pool's tail, the decode pool's head
+def test_a_stage_dying_mid_handoff_fails_its_requests_once_and_the_pools_recover(tiny_models, start_daemon, victim):
+    splits = SPLITS["different"]
+    daemon = start_daemon(tiny_models["llama"], splits, name=f"disagg-kill{victim}", num_blocks=160).wait_ready()
+    launcher = daemon.process.pid
+    before = daemon.child_pids()
+    events, struck, told, late = asyncio.run(load_then(daemon, 40, lambda: os.kill(before[victim], signal.SIGKILL), 60))
+    codes = terminal_codes(events)
+    assert set(codes) <= {"finished", "stage_failed"} and "stage_failed" in codes, codes
+    failure = next(e for evs in events.values() for e in evs if isinstance(e, ErrorEvent))
+    assert f"stage-{victim}" in failure.message, failure.message
+    stats = wait_serving_again(daemon.runtime_dir, daemon.stages)
+    assert not any(alive(pid) for pid in before)
+    reference = reference_model(tiny_models["llama"])
+    prompt = list(range(5, 45))
+    assert one_greedy(daemon.runtime_dir, prompt, 12) == hf_greedy(reference, prompt, 12)
+    stats = settled(daemon.runtime_dir)
+    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
+    assert daemon.stop() == 0
+    assert not list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))  # edges and prefill KV segments removed
+
+
+def test_a_full_decode_pool_makes_prefill_wait_and_drops_nothing(tiny_models, start_daemon):
+    """The decode pool holds 4 requests at a time, the prefill pool 3 prompts: 16 requests
+    queue on both sides (prefill waits for the decode pool to take KV), and every one
+    finishes with the reference output."""
+    splits = SPLITS["equal"]
+    daemon = start_daemon(
+        tiny_models["llama"], splits, name="disagg-full", num_blocks=160, decode_blocks=64, prefill_blocks=64
+    ).wait_ready()
+    prompts = random_prompts(320, [80] * 16, seed=3)
+    budgets = [40] * 16
+    results = asyncio.run(run_all(daemon.runtime_dir, prompts, budgets))
+    reference = reference_model(tiny_models["llama"])
+    handed = 0
+    for prompt, budget, events in zip(prompts, budgets, results):
+        _, final = check_events(events)
+        assert isinstance(final, Finished), final
+        assert final.token_ids == hf_greedy(reference, prompt, budget)
+        handed += len(final.token_ids) > 1  # one that ends at its first token never leaves the prefill pool
+    stats = settled(daemon.runtime_dir)
+    assert handed > 8 and stats.handoff.count == handed
+    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
+
+
+def test_a_lost_confirmation_ends_with_the_lease(tiny_models, start_daemon):
+    """A decode stage that stops taking KV (SIGSTOP: alive, silent; heartbeats are given
+    long enough) never confirms: after the lease the requests fail with stage_failed and
+    the prefill pool's blocks are free; once it runs again the daemon serves as before."""
+    splits = SPLITS["equal"]
+    daemon = start_daemon(
+        tiny_models["llama"], splits, name="disagg-lease", num_blocks=160, lease_s=2, heartbeat_timeout_s=120
+    ).wait_ready()
+    pids = daemon.child_pids()
+    os.kill(pids[3], signal.SIGSTOP)  # the decode tail
+    try:
+        with Client(daemon.runtime_dir) as client:
+            finals = [client.generate(token_ids=[4, 5, 6 + i], max_tokens=8, temperature=0) for i in range(3)]
+        for final in finals:
+            assert isinstance(final, ErrorEvent) and final.code == "stage_failed", final
+            assert "did not take" in final.message
+        prefill = [s for s in settled(daemon.runtime_dir).stages if s.pool == "prefill"]
+        assert len(prefill) == 2 and all(s.handing_off == 0 and s.kv_blocks == 0 for s in prefill), prefill
+    finally:
+        os.kill(pids[3], signal.SIGCONT)
+    reference = reference_model(tiny_models["llama"])
+    assert one_greedy(daemon.runtime_dir, [9, 8, 7], 10) == hf_greedy(reference, [9, 8, 7], 10)
+    stats = settled(daemon.runtime_dir)
+    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
+
+
+def settled(runtime_dir, timeout_s: float = 30.0):
+    """Stats once no request is in the daemon and every stage has reported since (the
+    stages free released blocks with the next descriptor, and report twice a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with Client(runtime_dir) as client:
+            stats = client.stats()
+        if stats.in_flight == 0 and all(s.kv_blocks == 0 for s in stats.stages) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
