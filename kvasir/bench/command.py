@@ -21,8 +21,9 @@ from kvasir.transport import default_runtime_dir
 @click.option("--rate", type=float, default=None, help="Open loop: requests per second (Poisson, seeded).")
 @click.option("--requests", "count", type=int, default=64, show_default=True, help="Measured requests (per rate).")
 @click.option("--warmup", type=int, default=8, show_default=True, help="Requests run first and left out of the figures.")
-@click.option("--prompt-len", default="128", show_default=True, help="Prompt tokens: N or LOW:HIGH (uniform).")
-@click.option("--output-len", default="64", show_default=True, help="Output tokens: N or LOW:HIGH (uniform).")
+@click.option("--prompt-len", default="128", show_default=True,
+              help="Prompt tokens: N, LOW:HIGH (uniform) or N,N,... (drawn from the list: 1000,40,40,40 mixes long prompts into chats).")
+@click.option("--output-len", default="64", show_default=True, help="Output tokens: N, LOW:HIGH or N,N,...")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, exists=True), default=None,
               help='JSONL file, one {"prompt": ...} or {"token_ids": [...]} per line (instead of random ids).')
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -34,11 +35,14 @@ from kvasir.transport import default_runtime_dir
 @click.option("--rate-sweep", is_flag=True,
               help="Search the goodput: open-loop runs from --rate (default 1), doubling, then bisecting.")
 @click.option("--sweep-steps", type=int, default=3, show_default=True, help="Bisection steps of --rate-sweep.")
-@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Start a daemon from this plan for the run (private runtime dir) and stop it after.")
+@click.option("--plan", "plan_paths", type=click.Path(dir_okay=False, exists=True), multiple=True,
+              help="Start a daemon from this plan for the run (private runtime dir) and stop it after. "
+                   "Twice with --compare: the two plans side by side.")
 @click.option("--compare", is_flag=True,
               help="Run the workload on the ring, the drained ring (inflight = 1), transformers generate "
-                   "(static batches) and generate_batch, alternating; print ratios. Uses --plan (default plan if absent).")
+                   "(static batches) and generate_batch, alternating; print ratios. Uses --plan (default plan if absent). "
+                   "With two --plan: both plans (e.g. colocated and disaggregated) on the same jobs and cores, with "
+                   "TTFT, ITL, SLO attainment (goodput with --rate-sweep), pool use and hand-off cost.")
 @click.option("--contenders", default="ring,drained,hf-static,hf-continuous", show_default=True,
               help="With --compare: which contenders, comma-separated.")
 @click.option("--rounds", type=int, default=1, show_default=True,
@@ -55,7 +59,7 @@ from kvasir.transport import default_runtime_dir
 @click.option("--runtime-dir", type=click.Path(file_okay=False), default=None,
               help="The daemon's runtime dir (default as for every command; ignored with --plan).")
 def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, ignore_eos, slo_ttft, slo_tpot,
-          slo_attain, rate_sweep, sweep_steps, plan_path, compare, contenders, rounds, plot_dir, hop, submit_only,
+          slo_attain, rate_sweep, sweep_steps, plan_paths, compare, contenders, rounds, plot_dir, hop, submit_only,
           failover, as_json, runtime_dir):
     """Load a daemon and report requests/s, tokens/s, TTFT / ITL / end-to-end latency
     percentiles, goodput under SLOs and each stage's busy/starved/blocked share.
@@ -72,7 +76,13 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if concurrency is not None and rate is not None:
         raise click.UsageError("give --concurrency or --rate, not both")
-    if compare and (rate is not None or rate_sweep or submit_only):
+    if len(plan_paths) > 2 or (len(plan_paths) == 2 and not compare):
+        raise click.UsageError("--plan twice goes with --compare (two plans side by side); at most two plans")
+    two_plans = len(plan_paths) == 2
+    plan_path = plan_paths[0] if plan_paths else None
+    if two_plans and (submit_only or hop or failover or plot_dir is not None):
+        raise click.UsageError("two plans compare load runs: no --submit-only, --hop, --failover or --plot")
+    if compare and not two_plans and (rate is not None or rate_sweep or submit_only):
         raise click.UsageError("--compare runs a closed loop: give --concurrency, not --rate, --rate-sweep or --submit-only")
     if rate_sweep and concurrency is not None:
         raise click.UsageError("--rate-sweep runs open loop: give --rate (its first rate), not --concurrency")
@@ -90,6 +100,8 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
         raise click.UsageError("--rounds must be >= 1, --sweep-steps >= 0, --slo-attain in (0, 1]")
     if concurrency is None and rate is None and not rate_sweep:
         concurrency = 32
+    if rate_sweep and rate is None:
+        rate = 1.0
     try:
         lengths = (LengthSpec.parse(prompt_len), LengthSpec.parse(output_len))
     except KvasirError as exc:
@@ -112,7 +124,10 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
 
                 print_failover(report["failover"], click.echo)
             return
-        if compare:
+        if two_plans:
+            report, pictures = _plans(plan_paths, concurrency, rate, count, warmup, lengths, prompts_file, seed, rounds,
+                                      slo, slo_attain, (rate, sweep_steps) if rate_sweep else None, say), []
+        elif compare:
             report, pictures = _compare(plan_path, concurrency or 32, count, warmup, lengths, prompts_file, seed,
                                         contenders, rounds, slo, plot_dir, say)
         else:
@@ -156,7 +171,7 @@ def _daemon(plan_path: str | None, runtime_dir: str | None):
     from kvasir.bench.daemon import ManagedDaemon
     from kvasir.plan import load_plan
 
-    stages = len(load_plan(plan_path).stages)
+    stages = len(load_plan(plan_path).all_stages)
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp:
         with ManagedDaemon(Path(plan_path), Path(tmp), stages) as daemon:
             yield daemon.runtime_dir
@@ -196,8 +211,8 @@ def _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed, 
 
         return {"submit_only": asyncio.run(submit())}, []
     mode = {"concurrency": concurrency} if concurrency is not None else {"rate": rate}
-    workload = {"requests": count, "warmup": warmup, "prompt_len": f"{lengths[0].low}:{lengths[0].high}",
-                "output_len": f"{lengths[1].low}:{lengths[1].high}", "seed": seed, "ignore_eos": ignore_eos}
+    workload = {"requests": count, "warmup": warmup, "prompt_len": str(lengths[0]),
+                "output_len": str(lengths[1]), "seed": seed, "ignore_eos": ignore_eos}
     if rate_sweep:
         runs = []
 
@@ -238,6 +253,22 @@ def _failover(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file
         return {"failover": asyncio.run(run(rt))}
 
 
+def _plans(paths, concurrency, rate, count, warmup, lengths, prompts_file, seed, rounds, slo, attain, sweep, say) -> dict:
+    from kvasir.bench.plans import Load, run_plans
+    from kvasir.resolve import resolve_plan
+
+    _, source = resolve_plan(paths[0])
+    jobs = _jobs(count + warmup, lengths, prompts_file, seed, source.vocab_size)
+    load = Load(jobs, warmup, concurrency if sweep is None else None, rate if concurrency is None else None, seed)
+    report = run_plans([Path(p) for p in paths], load, rounds, slo, attain, sweep, say)
+    report["workload"] = {"requests": count, "warmup": warmup, "prompt_len": str(lengths[0]),
+                          "output_len": str(lengths[1]), "seed": seed,
+                          **({"concurrency": concurrency} if concurrency is not None else {"rate": rate})}
+    if slo is not None:
+        report["slo"] = _slo(slo, attain)
+    return {"plans": report}
+
+
 def _slo(slo, attain) -> dict:
     return {"ttft_s": slo[0], "tpot_s": slo[1], "attain": attain}
 
@@ -261,8 +292,7 @@ def _compare(plan_path, concurrency, count, warmup, lengths, prompts_file, seed,
 
     names = tuple(name.strip() for name in contenders.split(",") if name.strip())
     report = run_compare(path, Workload(jobs, warmup, concurrency), names, rounds, slo, keep, say)
-    report["workload"].update(prompt_len=f"{lengths[0].low}:{lengths[0].high}",
-                              output_len=f"{lengths[1].low}:{lengths[1].high}", seed=seed)
+    report["workload"].update(prompt_len=str(lengths[0]), output_len=str(lengths[1]), seed=seed)
     return {"compare": report}, list(pictures.values())
 
 

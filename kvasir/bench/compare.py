@@ -113,7 +113,7 @@ def run_compare(
     plan, source = resolve_plan(plan_path)
     source = prepare(source)
     folder = source.require_weights()
-    threads = sum(stage.threads for stage in plan.stages)
+    threads = sum(stage.threads for stage in plan.all_stages)
     figures: dict[str, dict] = {name: {"output_tokens_per_s": [], "requests_per_s": []} for name in contenders}
     baselines = None
     with tempfile.TemporaryDirectory(prefix="kvasir-compare-") as tmp:
@@ -123,7 +123,7 @@ def run_compare(
                 say(f"round {round_index + 1}/{rounds}: {kind}")
                 if kind in RING_KINDS:
                     hook = partial(on_ring_result, kind) if on_ring_result is not None else None
-                    with ManagedDaemon(plans[kind], Path(tmp) / kind, len(plan.stages)) as daemon:
+                    with ManagedDaemon(plans[kind], Path(tmp) / kind, len(plan.all_stages)) as daemon:
                         result = asyncio.run(_drive(daemon.runtime_dir, workload, hook))
                     report = ring_report(result, slo)
                     entry = figures[kind]

@@ -22,6 +22,7 @@ class RequestRecord:
     token_times_s: tuple[float, ...]  # arrival of every output token, from submission
     output_tokens: int
     ok: bool = True  # finished (not an error or cancellation)
+    handoff: tuple[int, float, float] | None = None  # disaggregated plans: KV bytes, hand-off s, copy s
 
     @property
     def e2e_s(self) -> float:
@@ -162,3 +163,21 @@ def summarise(records: Sequence[RequestRecord], duration_s: float, slo: tuple[fl
         e2e=Distribution.of([r.e2e_s for r in done]),
         slo_attainment=attainment(records, *slo) if slo is not None else None,
     )
+
+
+def handoff_figures(records: Sequence[RequestRecord]) -> dict | None:
+    """What moving KV between pools cost the finished requests: bytes, time, bandwidth,
+    and the first-to-second token gap it lands in (None when nothing was handed off)."""
+    moved = [r for r in records if r.ok and r.handoff is not None]
+    if not moved:
+        return None
+    nbytes = [r.handoff[0] for r in moved]
+    copying = sum(r.handoff[2] for r in moved)
+    gaps = [r.token_times_s[1] - r.token_times_s[0] for r in moved if len(r.token_times_s) > 1]
+    return {
+        "requests": len(moved),
+        "kv_bytes_mean": sum(nbytes) / len(nbytes),
+        "seconds": Distribution.of([r.handoff[1] for r in moved]).__dict__,
+        "copy_gibps": sum(nbytes) / (1 << 30) / copying if copying > 0 else 0.0,
+        "second_token_gap": Distribution.of(gaps).__dict__,
+    }

@@ -21,6 +21,8 @@ def print_report(report: dict, echo: Echo) -> None:
              f"{r['sent_per_s']:.0f} sent/s, {r['accepted_per_s']:.0f} accepted/s")
     elif "compare" in report:
         print_compare(report["compare"], echo)
+    elif "plans" in report:
+        print_plans(report["plans"], echo)
     elif "sweep" in report:
         for point in report["sweep"]:
             s = point["summary"]
@@ -72,3 +74,32 @@ def print_compare(report: dict, echo: Echo) -> None:
             print_stages(entry["stages"], echo, indent="    ")
     for name, value in report["ratios"].items():
         echo(f"ratio {name:<22} {value:.2f}x")
+
+
+def print_plans(report: dict, echo: Echo) -> None:
+    w = report["workload"]
+    load = f"concurrency {w['concurrency']}" if "concurrency" in w else f"rate {w['rate']:g} req/s"
+    echo(f"{w['requests']} requests (+{w['warmup']} warm-up), {load}, prompt {w['prompt_len']}, output "
+         f"{w['output_len']} tokens; {report['rounds']} round(s), alternating")
+    slo = report.get("slo")
+    for name, entry in report["contenders"].items():
+        s = entry["summary"]
+        kind = "disaggregated" if entry["disaggregated"] else "colocated"
+        echo(f"{name} ({kind}): {s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s, "
+             f"{s['errors']} failed")
+        echo(f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
+             f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms")
+        if slo is not None:
+            line = f"    SLO (TTFT {slo['ttft_s']} s, TPOT {slo['tpot_s']} s) met by {s['slo_attainment']:.1%}"
+            if "goodput" in entry:
+                line += f"; goodput {entry['goodput']:.3g} requests/s (>= {slo['attain']:.0%}; figures above at {entry['shown_rate']:.3g})"
+            echo(line)
+        h = entry["handoff"]
+        if h is not None:
+            echo(f"    hand-off: {h['kv_bytes_mean'] / (1 << 20):.2f} MiB of KV per request, p50 {h['seconds']['p50'] * 1e3:.1f} ms "
+                 f"p99 {h['seconds']['p99'] * 1e3:.1f} ms, copies at {h['copy_gibps']:.2f} GiB/s; first-to-second token "
+                 f"p50 {h['second_token_gap']['p50'] * 1e3:.0f} ms p99 {h['second_token_gap']['p99'] * 1e3:.0f} ms")
+        for pool, f in entry["pools"].items():
+            echo(f"    {pool:<8} busy {f['busy']:.0%}  starved {f['starved']:.0%}  blocked {f['blocked']:.0%}")
+    for name, value in report["ratios"].items():
+        echo(f"ratio {name:<36} {value:.2f}x")

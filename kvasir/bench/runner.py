@@ -30,13 +30,16 @@ async def one_request(client: AsyncClient, job: Job, ignore_eos: bool = False, c
                                  ignore_eos=ignore_eos)
     times: list[float] = []
     ok = False
+    handoff = None
     async for event in stream:
         if isinstance(event, TokenOut):
             times.append(clock() - submitted)
         elif isinstance(event, Finished):
             ok = True
+            if event.handoff is not None:
+                handoff = (event.handoff.kv_bytes, event.handoff.seconds, event.handoff.copy_s)
     first = times[0] if times else clock() - submitted
-    return RequestRecord(submitted, first, tuple(times), len(times), ok)
+    return RequestRecord(submitted, first, tuple(times), len(times), ok, handoff)
 
 
 async def run_load(
@@ -137,6 +140,7 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
         out.append(
             {
                 "index": s.index,
+                "pool": s.pool,
                 "layers": list(s.layers),
                 "window_s": wall,
                 "busy": (s.busy_s - b.busy_s) / wall,

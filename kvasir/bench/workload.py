@@ -16,25 +16,38 @@ class WorkloadError(KvasirError):
 
 @dataclass(frozen=True)
 class LengthSpec:
-    """A fixed length ("128") or a uniform range ("64:192", both ends included)."""
+    """A fixed length ("128"), a uniform range ("64:192", both ends included), or a mix
+    drawn uniformly from a list ("1000,40,40,40": a quarter long prompts, the rest chats)."""
 
     low: int
     high: int
+    choices: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> "LengthSpec":
+        if "," in text:
+            try:
+                choices = tuple(int(part) for part in text.split(","))
+            except ValueError:
+                raise WorkloadError(f"length {text!r} is not a comma-separated list of lengths") from None
+            if min(choices) < 1:
+                raise WorkloadError(f"length {text!r}: every length must be >= 1")
+            return cls(min(choices), max(choices), choices)
         low_text, _, high_text = text.partition(":")
         try:
             low = int(low_text)
             high = int(high_text) if high_text else low
         except ValueError:
-            raise WorkloadError(f"length {text!r} is not N or LOW:HIGH") from None
+            raise WorkloadError(f"length {text!r} is not N, LOW:HIGH or N,N,...") from None
         if low < 1 or high < low:
             raise WorkloadError(f"length {text!r} must satisfy 1 <= LOW <= HIGH")
         return cls(low, high)
 
     def draw(self, rng: random.Random) -> int:
-        return rng.randint(self.low, self.high)
+        return rng.choice(self.choices) if self.choices else rng.randint(self.low, self.high)
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self.choices)) if self.choices else f"{self.low}:{self.high}"
 
 
 @dataclass(frozen=True)

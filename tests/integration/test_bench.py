@@ -174,3 +174,31 @@ def test_failover_kills_each_stage_in_turn_and_times_the_recovery(tiny_models, s
     lines = []
     print_failover(report, lines.append)
     assert len(lines) == 5 and lines[-2].startswith("failure -> every client told: median")
+
+
+def test_compare_two_plans_colocated_and_disaggregated(tiny_models, tmp_path):
+    colocated = write_plan(tmp_path / "colocated.toml", tiny_models["llama"], [(0, 3), (3, 6)], max_tokens=64)
+    disagg = write_plan(tmp_path / "disagg.toml", tiny_models["llama"],
+                        {"prefill": [(0, 2), (2, 6)], "decode": [(0, 4), (4, 6)]}, max_tokens=64)
+    run = subprocess.run(
+        [str(BIN / "kvasir"), "bench", "--compare", "--plan", str(colocated), "--plan", str(disagg),
+         "--requests", "12", "--warmup", "2", "--concurrency", "4", "--prompt-len", "60,8,8", "--output-len", "6",
+         "--slo-ttft", "60", "--slo-tpot", "60", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    plans = json.loads(run.stdout)["plans"]
+    assert list(plans["contenders"]) == ["colocated", "disagg"]
+    for name, entry in plans["contenders"].items():
+        summary = entry["summary"]
+        assert summary["requests"] == 12 and summary["errors"] == 0 and summary["output_tokens"] == 72, name
+        assert summary["slo_attainment"] == 1.0 and summary["itl"]["p99"] >= summary["itl"]["p50"] > 0
+    colo, dis = plans["contenders"]["colocated"], plans["contenders"]["disagg"]
+    assert colo["handoff"] is None and not colo["disaggregated"] and set(colo["pools"]) == {"ring"}
+    assert dis["disaggregated"] and set(dis["pools"]) == {"prefill", "decode"}
+    handoff = dis["handoff"]
+    assert handoff["requests"] == 12 and handoff["kv_bytes_mean"] > 0 and handoff["copy_gibps"] > 0
+    assert handoff["second_token_gap"]["p50"] > 0
+    assert [s["pool"] for s in dis["stages"]] == ["prefill", "prefill", "decode", "decode"]
+    assert "disagg/colocated output tokens/s" in plans["ratios"]
+    assert plans["workload"]["prompt_len"] == "60,8,8"
