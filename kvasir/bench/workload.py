@@ -47,7 +47,9 @@ class LengthSpec:
         return rng.choice(self.choices) if self.choices else rng.randint(self.low, self.high)
 
     def __str__(self) -> str:
-        return ",".join(map(str, self.choices)) if self.choices else f"{self.low}:{self.high}"
+        if self.choices:
+            return ",".join(map(str, self.choices))
+        return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"
 
 
 @dataclass(frozen=True)
