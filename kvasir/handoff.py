@@ -12,12 +12,16 @@ copies in parallel. The prefill pool keeps the blocks until the decode head conf
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from kvasir.errors import BatchError
 from kvasir.messages import BatchDescriptor, HandoffWiring, KvHeld, KvReady, Placement
 from kvasir.model.kv_cache import PagedKVCache, flat_slots
 from kvasir.slots import KvSegmentMap
 from kvasir.transport import PullChannel, PushChannel
+
+
+DROPPED_KEPT = 65536  # ids of dropped requests a decode stage remembers (their late announcements are ignored)
 
 
 def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
@@ -79,7 +83,6 @@ class KvReceiver(NoHandoff):
         self.cache = cache
         self.inbox = inbox
         self.head = head
-        self.lease_ns = int(wiring.lease_s * 1e9)
         self.sources = {
             source: KvSegmentMap(segment, create=False)
             for source, segment in enumerate(wiring.prefill)
@@ -88,6 +91,7 @@ class KvReceiver(NoHandoff):
         self.sockets = [inbox.socket]
         self.parts: dict[int, dict[int, KvReady]] = {}
         self.placed: dict[int, tuple[int, ...]] = {}
+        self.dropped: OrderedDict[int, None] = OrderedDict()
         self.nbytes = 0
         self.copy_s = 0.0
 
@@ -100,7 +104,8 @@ class KvReceiver(NoHandoff):
                 case KvReady(request_id=rid, source=source):
                     if source not in self.sources:
                         raise BatchError(f"KV of request {rid} announced by stage {source}, which shares no layers with stage {self.index}")
-                    self.parts.setdefault(rid, {})[source] = message
+                    if rid not in self.dropped:  # a drop may overtake the announcement (another socket)
+                        self.parts.setdefault(rid, {})[source] = message
                     touched.add(rid)
                 case Placement(request_id=rid, blocks=blocks) if blocks:
                     self.placed[rid] = blocks
@@ -108,7 +113,6 @@ class KvReceiver(NoHandoff):
                 case Placement(request_id=rid):
                     self._forget(rid)
         copied = [rid for rid in touched if self._try(rid)]
-        self._expire()
         spent = time.perf_counter() - started if copied else 0.0
         self.copy_s += spent
         return spent
@@ -142,18 +146,14 @@ class KvReceiver(NoHandoff):
         return 2 * (hi - lo) * part.num_tokens * keys.shape[2] * keys.shape[3] * keys.element_size()
 
     def _forget(self, rid: int) -> None:
+        """A dropped request: its parts, placement and table go; announcements still on
+        their way are ignored when they come (request ids are never reused)."""
         self.parts.pop(rid, None)
         self.placed.pop(rid, None)
         self.cache.release((rid,))
-
-    def _expire(self) -> None:
-        """Parts never placed (their request ended before the decode head saw it, and the
-        drop went astray) are forgotten after the lease."""
-        if not self.parts:
-            return
-        cutoff = time.monotonic_ns() - self.lease_ns
-        for rid in [rid for rid, parts in self.parts.items() if rid not in self.placed and min(p.sent_ns for p in parts.values()) < cutoff]:
-            self._forget(rid)
+        self.dropped[rid] = None
+        if len(self.dropped) > DROPPED_KEPT:
+            self.dropped.popitem(last=False)
 
     def close(self) -> None:
         for source in self.sources.values():

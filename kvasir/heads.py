@@ -3,12 +3,12 @@ what comes back. One class per kind of ring, chosen once when the stage is built
 
 - ``SchedulerIntake``: a colocated ring; requests come from the bridge and run to the end.
 - ``PrefillHeadIntake``: the prefill pool; a request leaves the ring after its first
-  token: it is parked (its blocks held) and handed to the decode head, and its blocks
+  token: it is parked (its blocks held) while the tail hands it to the decode head; its blocks
   are freed when the decode head confirms every decode stage holds its KV. Waiting for
   decode blocks is back-pressure and may take as long as it takes; once the decode
   head has placed the request, a lease bounds the copy (a lost confirmation fails the
   request and frees the blocks instead of leaking them).
-- ``DecodeHeadIntake``: the decode pool; requests come from the prefill head, get blocks
+- ``DecodeHeadIntake``: the decode pool; requests come from the prefill tail, get blocks
   (or wait for them: back-pressure on the prefill pool), are placed on every decode
   stage, and are scheduled once every decode stage holds its part of the KV.
 """
@@ -89,12 +89,16 @@ class SchedulerIntake:
 
 
 class PrefillHeadIntake(SchedulerIntake):
+    """The prefill pool's head. Its tail hands each request to the decode head itself (no
+    wait for this loop); the head parks the request, holding its blocks, until adopted."""
+
     def __init__(self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel, decode_head: PushChannel, lease_s: float) -> None:
         super().__init__(scheduler, inbox, bridge)
         self.decode_head = decode_head
         self.lease_s = lease_s
-        self.handed: set[int] = set()  # handed off, not yet adopted
+        self.handed: set[int] = set()  # parked: handed off, not yet adopted
         self.leases: OrderedDict[int, float] = OrderedDict()  # of those, placed by the decode head: since when
+        self.early: dict[int, float | None] = {}  # the decode head's word that overtook the tail's result: placed at, or None: adopted
 
     def receive(self) -> None:
         super().receive()
@@ -111,31 +115,37 @@ class PrefillHeadIntake(SchedulerIntake):
                 for event in scheduler.complete(message):
                     self.report(event)
                     if event.finish is None and event.token_id is not None:
-                        self._hand_off(event)
-                    elif event.request_id in prompt_done:
-                        self.decode_head.send(KvDrop(event.request_id))  # its KV was announced to the decode stages
+                        self._park(event.request_id)
+                    elif event.request_id in prompt_done:  # its KV was announced to the decode stages
+                        self.early.pop(event.request_id, None)
+                        self.decode_head.send(KvDrop(event.request_id))
             case KvPlaced(request_id=rid) if rid in self.handed:
                 self.leases[rid] = time.monotonic()
             case Adopted(request_id=rid) if rid in self.handed:
                 self.handed.discard(rid)
                 self.leases.pop(rid, None)
                 scheduler.retire(rid)
+            case KvPlaced(request_id=rid) | Adopted(request_id=rid) if rid in scheduler.running:
+                self.early[rid] = time.monotonic() if isinstance(message, KvPlaced) else None
             case KvPlaced() | Adopted():
-                pass  # the lease ran out first
+                pass  # the request ended here first (cancelled, or its lease ran out)
             case _:
                 super().handle(message)
 
     def _prompt_ran(self, rid: int) -> bool:
         """Its last prompt chunk has run: the prefill stages announced its KV."""
         state = self.scheduler.running.get(rid)
-        return state is not None and state.computed >= len(state.prompt)
+        return state is not None and state.computed >= state.prompt_len
 
-    def _hand_off(self, event: Emitted) -> None:
-        state = self.scheduler.park(event.request_id)
-        self.handed.add(event.request_id)
-        self.decode_head.send(
-            Handoff(state.request_id, tuple(state.prompt), event.token_id, state.sampling, state.seed, time.monotonic_ns())
-        )
+    def _park(self, rid: int) -> None:
+        placed = self.early.pop(rid, 0.0)
+        if placed is None:  # adopted before its first token's result came back here
+            self.scheduler.retire(rid)
+            return
+        self.scheduler.park(rid)
+        self.handed.add(rid)
+        if placed:
+            self.leases[rid] = placed
 
     def _expire(self, now: float) -> None:
         while self.leases:
@@ -165,6 +175,9 @@ class Placed:
     last_ns: int = 0
 
 
+ENDED_KEPT = 65536  # ids the decode head remembers ending before their hand-off came
+
+
 class DecodeHeadIntake(SchedulerIntake):
     def __init__(
         self,
@@ -179,6 +192,7 @@ class DecodeHeadIntake(SchedulerIntake):
         self.stages = stages  # every decode stage's KV inbox, this one's included
         self.pending: OrderedDict[int, Handoff] = OrderedDict()  # waiting for blocks
         self.placed: dict[int, Placed] = {}
+        self.ended: OrderedDict[int, None] = OrderedDict()  # cancelled or dropped before their hand-off arrived
 
     def receive(self) -> None:
         super().receive()
@@ -186,30 +200,46 @@ class DecodeHeadIntake(SchedulerIntake):
 
     def handle(self, message) -> None:
         match message:
+            case Handoff(request_id=rid) if rid in self.ended:
+                del self.ended[rid]  # a cancel or drop from the prefill head overtook it
+                self._drop(rid)
             case Handoff(request_id=rid):
                 self.pending[rid] = message
-            case KvDrop(request_id=rid):
-                self._broadcast(Placement(rid, ()))
             case KvHeld(request_id=rid) if rid in self.placed:
                 self._held(message)
             case KvHeld():
-                pass  # a request cancelled while its KV was being copied
-            case CancelRequest(request_id=rid) if rid in self.pending or rid in self.placed:
-                if self.pending.pop(rid, None) is None:
-                    del self.placed[rid]
-                    self.scheduler.retire(rid)
-                self._broadcast(Placement(rid, ()))
-                self.prefill_head.send(Adopted(rid))
-                self.bridge.send(RequestEnded(rid, "cancelled"))
+                pass  # a request that ended while its KV was being copied
+            case KvDrop(request_id=rid) | CancelRequest(request_id=rid):
+                self._end(rid)
             case _:
                 super().handle(message)
+
+    def _end(self, rid: int) -> None:
+        """Cancel (or drop) a request wherever it is on this side."""
+        if rid in self.pending or rid in self.placed:
+            if self.pending.pop(rid, None) is None:
+                del self.placed[rid]
+                self.scheduler.retire(rid)
+            self._drop(rid)
+        elif rid in self.scheduler.running:
+            self.report(self.scheduler.cancel(rid))
+        else:
+            self._broadcast(Placement(rid, ()))  # its parts may have reached the stages
+            self.ended[rid] = None
+            if len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
+
+    def _drop(self, rid: int) -> None:
+        self._broadcast(Placement(rid, ()))
+        self.prefill_head.send(Adopted(rid))  # the prefill pool may free the blocks
+        self.bridge.send(RequestEnded(rid, "cancelled"))  # ignored by the bridge if it has ended already
 
     def _place(self) -> None:
         """Reserve blocks for waiting hand-offs, oldest first, while the cache has room."""
         while self.pending:
             handoff = next(iter(self.pending.values()))
             blocks = self.scheduler.reserve(
-                handoff.request_id, list(handoff.prompt), [handoff.first_token], handoff.sampling, handoff.seed
+                handoff.request_id, handoff.prompt_len, [handoff.first_token], handoff.sampling, handoff.seed
             )
             if blocks is None:
                 return  # the decode pool is full: the prefill pool keeps holding the KV

@@ -17,7 +17,8 @@ Edges:
 
 A disaggregated plan runs two rings (DESIGN.md section 2): the prefill pool's and the
 decode pool's. Their heads and stages add:
-    prefill head -> decode head  HeadMessage (Handoff | KvDrop | CancelRequest)
+    prefill tail -> decode head  HeadMessage (Handoff)
+    prefill head -> decode head  HeadMessage (KvDrop | CancelRequest)
     decode head -> prefill head  HeadMessage (KvPlaced | Adopted)
     decode stage -> decode head  HeadMessage (KvHeld)
     prefill stage, decode head -> decode stage  KvMessage (KvReady | Placement)
@@ -120,15 +121,15 @@ class BatchResult(_Tagged):
 
 
 class Handoff(_Tagged):
-    """Prefill head -> decode head: a request's prompt is done and its first token sampled;
-    its KV is on its way from the prefill stages to the decode stages."""
+    """Prefill tail -> decode head: a request's prompt is done and its first token sampled
+    (and not its last); its KV is on its way from the prefill stages to the decode stages."""
 
     request_id: int
-    prompt: tuple[int, ...]
+    prompt_len: int
     first_token: int
     sampling: SamplingParams
     seed: int
-    ready_ns: int  # when the prefill head handed it over
+    ready_ns: int  # when the prefill tail handed it over
 
 
 class KvDrop(_Tagged):
@@ -241,7 +242,7 @@ class HandoffReport(_Tagged):
 
     request_id: int
     nbytes: int  # KV bytes moved, all decode stages together
-    seconds: float  # from the prefill head handing the request over to the last decode stage's copy
+    seconds: float  # from the prefill tail handing the request over to the last decode stage's copy
     copy_s: float  # the slowest decode stage's copy (they copy in parallel)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvasir.errors import BatchError
-from kvasir.messages import BatchDescriptor, BatchResult, NewRequest, SampledToken
+from kvasir.messages import BatchDescriptor, BatchResult, NewRequest, SampledToken, SamplingParams
 
 
 GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive token indices over the seed space
@@ -72,6 +72,11 @@ class Sampler:
 
     def __len__(self) -> int:
         return len(self._requests)
+
+    def spec(self, request_id: int) -> tuple[SamplingParams, int]:
+        """A running request's sampling parameters and seed (to hand it to another pool)."""
+        state = self._requests[request_id]
+        return state.params, state.seed
 
     def sample(self, descriptor: BatchDescriptor, logits: torch.Tensor) -> BatchResult:
         """Sample one token for every emitting row of the batch; logits are [E, vocab]."""

@@ -26,10 +26,11 @@ from kvasir.validation import MAX_SEED, check_prompt, check_sampling
 @dataclass
 class RequestState:
     request_id: int
-    prompt: list[int]
+    prompt: list[int]  # [] in a decode pool, which holds the prompt's KV, not its tokens
     sampling: SamplingParams
     seed: int
     need_blocks: int
+    prompt_len: int = -1  # len(prompt) unless given
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     blocks_sent: int = 0
@@ -39,13 +40,17 @@ class RequestState:
     cancelled: bool = False
     parked: bool = False  # holds its blocks but is not scheduled (KV being handed between pools)
 
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt)
+
     @property
     def length(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return self.prompt_len + len(self.output)
 
     def tokens(self, start: int, count: int) -> list[int]:
         """Tokens [start, start + count) of prompt + output, without copying either whole."""
-        split = len(self.prompt)
+        split = self.prompt_len
         head = self.prompt[start : start + count]
         return head + self.output[max(0, start - split) : max(0, start + count - split)]
 
@@ -133,8 +138,8 @@ class Scheduler:
         tokens: list[int] = []
         new: list[NewRequest] = []
         ready = [s for s in self.running.values() if not s.in_flight and not s.parked]
-        decode = [s for s in ready if s.computed >= len(s.prompt)]
-        prefill = [s for s in ready if s.computed < len(s.prompt)]
+        decode = [s for s in ready if s.computed >= s.prompt_len]
+        prefill = [s for s in ready if s.computed < s.prompt_len]
         candidates = itertools.chain(decode, prefill, self._admit())
         while len(rows) < self.max_rows and len(tokens) < self.max_tokens:
             state = next(candidates, None)
@@ -244,19 +249,19 @@ class Scheduler:
             self._retire(state)
         return state
 
-    def reserve(self, request_id: int, prompt: list[int], output: list[int], sampling: SamplingParams, seed: int) -> list[int] | None:
+    def reserve(self, request_id: int, prompt_len: int, output: list[int], sampling: SamplingParams, seed: int) -> list[int] | None:
         """Take in a request whose prompt KV is computed elsewhere: reserve its blocks and
         park it (``unpark`` once every stage holds the KV). None when the cache is full."""
         if request_id in self.running or request_id in self.waiting:
             raise RequestError("invalid_request", f"request id {request_id} is already in use")
-        total = min(len(prompt) + sampling.max_tokens, self.max_seq_len)
+        total = min(prompt_len + sampling.max_tokens, self.max_seq_len)
         need = -(-total // self.block_size)
         blocks = self.blocks.allocate(need)
         if blocks is None:
             return None
-        state = RequestState(request_id, prompt, sampling, seed, need, output=list(output), blocks=blocks)
+        state = RequestState(request_id, [], sampling, seed, need, prompt_len, output=list(output), blocks=blocks)
         state.blocks_sent = need  # the placement gave every stage the whole table
-        state.computed = len(prompt)
+        state.computed = prompt_len
         state.parked = True
         self.running[request_id] = state
         return blocks

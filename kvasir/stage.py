@@ -29,6 +29,7 @@ from kvasir.messages import (
     Command,
     ControlMessage,
     Credit,
+    Handoff,
     HeadMessage,
     Heartbeat,
     KvMessage,
@@ -63,7 +64,7 @@ class Intake(Protocol):
     hop_ns: int  # time spent on boundary hand-offs (reading slots, descriptors, credits)
 
 
-class Handoff(Protocol):
+class HandoffRole(Protocol):
     """What a stage does for the KV hand-off between pools (nothing in a colocated plan)."""
 
     sockets: list[zmq.Socket]
@@ -222,6 +223,30 @@ class TailOutlet:
             self.bridge.send(TokenEvents(result.tokens))
 
 
+class PrefillTailOutlet(TailOutlet):
+    """The prefill pool's tail: as a tail, and every request whose first token is not its
+    last goes straight to the decode head (its KV is already on its way)."""
+
+    def __init__(self, sampler: Sampler, head: PushChannel, bridge: PushChannel, decode_head: PushChannel) -> None:
+        super().__init__(sampler, head, bridge)
+        self.decode_head = decode_head
+
+    def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None:
+        if output is None:
+            self.sampler.sample(descriptor, torch.empty(0, 0))
+            return
+        result = self.sampler.sample(descriptor, output)
+        lengths = {row.request_id: row.start + row.num_tokens for row in descriptor.rows if row.emit}
+        now = time.monotonic_ns()
+        for token in result.tokens:
+            if token.finish is None:
+                sampling, seed = self.sampler.spec(token.request_id)
+                self.decode_head.send(Handoff(token.request_id, lengths[token.request_id], token.token_id, sampling, seed, now))
+        self.head.send(result)
+        if result.tokens:
+            self.bridge.send(TokenEvents(result.tokens))
+
+
 # -- the agent -----------------------------------------------------------------------------
 class StageAgent:
     def __init__(
@@ -234,7 +259,7 @@ class StageAgent:
         bridge: PushChannel,
         control: PushChannel,
         log,
-        handoff: Handoff = NoHandoff(),
+        handoff: HandoffRole = NoHandoff(),
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -395,7 +420,12 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
         closing.append(ring_in)
         intake = UpstreamIntake(w.pull(BatchDescriptor, ends.stage_in(index)), ring_in, w.push(Credit, ends.credits(index - 1)))
     if w.local == w.last:
-        outlet: Outlet = TailOutlet(Sampler(source.eos_token_ids, plan.model.max_seq_len), w.push(HeadMessage, ends.stage_in(w.head)), bridge)
+        sampler, head = Sampler(source.eos_token_ids, plan.model.max_seq_len), w.push(HeadMessage, ends.stage_in(w.head))
+        if settings.pool == "prefill":
+            decode_head = w.push(HeadMessage, ends.stage_in(settings.handoff.decode_head))
+            outlet: Outlet = PrefillTailOutlet(sampler, head, bridge, decode_head)
+        else:
+            outlet = TailOutlet(sampler, head, bridge)
     else:
         edge = settings.edges[w.local]
         ring_out = attach_ring(edge)
@@ -422,7 +452,7 @@ def _head_intake(w: Wiring, scheduler: Scheduler, bridge: PushChannel) -> Intake
     return SchedulerIntake(scheduler, inbox, bridge)
 
 
-def _handoff(w: Wiring, engine: StageEngine) -> Handoff:
+def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
     settings, ends, wiring = w.settings, w.ends, w.settings.handoff
     layers = engine.spec.layers
     if settings.pool == "prefill":

@@ -115,13 +115,13 @@ def test_prefill_reserves_the_prompt_and_decode_takes_a_parked_request_in():
     state = prefill.park(rid)
     assert prefill.next_batch() is None  # parked: no decode row in the prefill pool
     decode = Scheduler(plan, 100)
-    blocks = decode.reserve(rid, state.prompt, state.output, state.sampling, state.seed)
+    blocks = decode.reserve(rid, len(state.prompt), state.output, state.sampling, state.seed)
     assert len(blocks) == 13  # 10 + 40 tokens
     assert decode.next_batch() is None  # parked until every decode stage holds the KV
     decode.unpark(rid)
     row = decode.next_batch().descriptor.rows[0]
     assert (row.start, row.num_tokens, row.new_blocks, row.emit) == (10, 1, (), True)
-    assert decode.reserve(99, state.prompt, state.output, state.sampling, state.seed) is None  # full: it waits
+    assert decode.reserve(99, 10, state.output, state.sampling, state.seed) is None  # full: it waits
     prefill.retire(rid)
     assert prefill.blocks.free == 20 and prefill.release_only().release == (rid,)
 
@@ -144,3 +144,71 @@ def test_handoff_log_summary():
     summary = log.summary()
     assert summary.count == 100 and summary.kv_bytes == (1 << 30) + 99 * (1 << 20)
     assert summary.p50_s == pytest.approx(0.051) and summary.p99_s == 0.5  # sorted: 0.001 .. 0.099, 0.5
+
+
+def test_a_decode_stage_copies_its_layers_out_of_differently_split_prefill_stages(tmp_path):
+    """Prefill stages hold layers [0, 2) and [2, 5) in blocks of 8 tokens; a decode stage
+    holding [1, 4) in blocks of 4 gets each position's K/V of its layers, from both."""
+    import os
+    import secrets
+
+    import zmq
+
+    from kvasir.handoff import KvReceiver
+    from kvasir.messages import HandoffWiring, HeadMessage, KvMessage, KvReady, KvSegment, Placement
+    from kvasir.model.kv_cache import PagedKVCache
+    from kvasir.slots import KvSegmentMap
+    from kvasir.transport import PullChannel, PushChannel
+
+    tag = f"kvasir-test-{os.getpid()}-{secrets.token_hex(3)}"
+    segments = [
+        KvSegment(name=f"{tag}-{k}", layers=layers, num_blocks=6, block_size=8, kv_heads=2, head_dim=4, dtype="float32")
+        for k, layers in enumerate([(0, 2), (2, 5)])
+    ]
+    maps = [KvSegmentMap(segment, create=True) for segment in segments]
+    ctx = zmq.Context()
+    try:
+        for k, m in enumerate(maps):
+            m.keys.copy_(torch.randn(m.keys.shape, generator=torch.Generator().manual_seed(k)))
+            m.values.copy_(torch.randn(m.values.shape, generator=torch.Generator().manual_seed(10 + k)))
+        cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, torch.device("cpu"))
+        inbox = PullChannel(ctx.socket(zmq.PULL), KvMessage)
+        inbox.socket.bind("inproc://kv")
+        head = PullChannel(ctx.socket(zmq.PULL), HeadMessage)
+        head.socket.bind("inproc://head")
+        out = ctx.socket(zmq.PUSH)
+        out.connect("inproc://head")
+        wiring = HandoffWiring(prefill=segments, decode=[(1, 4)], lease_s=60.0)
+        receiver = KvReceiver(7, (1, 4), cache, wiring, inbox, PushChannel(out))
+        send = ctx.socket(zmq.PUSH)
+        send.connect("inproc://kv")
+        to_stage = PushChannel(send)
+        prefill_blocks, decode_blocks = (3, 1), (7, 2, 5)
+        to_stage.send(Placement(11, decode_blocks))
+        to_stage.send(KvReady(11, 0, (0, 2), prefill_blocks, 10, 0))
+        receiver.receive()
+        assert head.drain() == []  # one part is not the whole
+        to_stage.send(KvReady(11, 1, (2, 5), prefill_blocks, 10, 0))
+        receiver.receive()
+        [held] = head.drain()
+        assert (held.request_id, held.stage, held.nbytes) == (11, 7, 2 * 3 * 10 * 2 * 4 * 4)
+        for layer in (1, 2, 3):
+            source = maps[0] if layer < 2 else maps[1]
+            first = source.spec.layers[0]
+            for pos in range(10):
+                src = prefill_blocks[pos // 8] * 8 + pos % 8
+                dst = decode_blocks[pos // 4] * 4 + pos % 4
+                assert torch.equal(cache.keys[layer - 1, dst], source.keys[layer - first, src])
+                assert torch.equal(cache.values[layer - 1, dst], source.values[layer - first, src])
+        assert cache.table(11) == list(decode_blocks)
+        to_stage.send(Placement(11, ()))  # dropped: its table goes
+        to_stage.send(Placement(12, ()))  # a drop that overtook the announcements
+        to_stage.send(KvReady(12, 0, (0, 2), prefill_blocks, 10, 0))
+        receiver.receive()
+        assert cache.requests == 0 and receiver.parts == {}
+        receiver.close()
+    finally:
+        ctx.destroy(linger=0)
+        for m in maps:
+            m.close()
+            m.unlink()
