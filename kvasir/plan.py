@@ -247,6 +247,12 @@ def _check_pools(plan: Plan) -> None:
         if pool.kv is not None:
             _check_kv(f"{name}.kv", pool.kv, plan.model.max_seq_len)
         _check_stages(pool.stages, f"{name}.stages")
+        for i, stage in enumerate(pool.stages):
+            if stage.device != "cpu":
+                raise PlanError(
+                    f"{name}.stages[{i}].device = {stage.device!r}: in this version a disaggregated plan runs on CPU "
+                    "stages (the KV hand-off goes through shared memory)"
+                )
 
 
 def tcp_host(endpoint: str) -> str | None:

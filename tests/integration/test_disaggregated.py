@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from daemon import alive
+from daemon import BIN, alive
 from kvasir.client import Client
 from kvasir.messages import ErrorEvent, Finished
 from models import hf_greedy, random_prompts, reference_model
@@ -43,8 +45,17 @@ def test_disaggregated_output_equals_hf_generate(tiny_models, start_daemon, spli
         stats = client.stats()
     pools = [s.pool for s in stats.stages]
     assert pools == ["prefill"] * len(splits["prefill"]) + ["decode"] * len(splits["decode"])
-    assert stats.handoff is not None and stats.handoff.count == sum(1 for n in budgets if n > 1)
-    assert all(s.kv_blocks == 0 for s in stats.stages)  # every pool freed every request's blocks
+    handed = sum(1 for events in results if len(check_events(events)[0]) > 1)  # one that ends at its first token stays
+    assert stats.handoff is not None and stats.handoff.count == handed > 0
+    stats = settled(daemon.runtime_dir)
+    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages)  # every pool freed every request's blocks
+    shown = subprocess.run([str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)],
+                           capture_output=True, text=True, timeout=60)
+    body = json.loads(shown.stdout)
+    assert body["handoff"]["count"] == handed and body["handoff"]["kv_bytes"] > 0 and body["handoff"]["gibps"] > 0
+    assert set(body["pools"]) == {"prefill", "decode"}
+    decode = [stage for stage in body["stages"] if stage["pool"] == "decode"]
+    assert all(stage["handoff_bytes"] > 0 for stage in decode)
 
 
 @pytest.mark.parametrize("victim", [1, 2])  # the prefill pool's tail, the decode pool's head

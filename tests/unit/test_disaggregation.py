@@ -58,6 +58,7 @@ def test_pools_are_rings_of_their_own_with_their_own_widths():
         (POOLS.replace("layers = [2, 5]", "layers = [3, 5]"), "prefill.stages[1].layers: gap"),
         ("[prefill.batch]\nmax_rows = 0\n" + POOLS, "prefill.batch.max_rows must be a positive integer"),
         ("[handoff]\nlease_s = 0\n" + POOLS, "handoff.lease_s must be a positive number"),
+        (POOLS.replace("layers = [4, 6]", 'layers = [4, 6]\ndevice = "cuda:0"'), "decode.stages[1].device = 'cuda:0'"),
     ],
 )
 def test_bad_disaggregated_plans_are_refused_naming_the_key(text, fragment):
