@@ -168,7 +168,7 @@ class PrefillHeadIntake(SchedulerIntake):
 class Placed:
     """A request placed on the decode stages, waiting for each to hold its KV."""
 
-    ready_ns: int  # when the prefill head handed it over
+    ready_ns: int  # when the prefill tail handed it over
     held: set[int]
     nbytes: int = 0
     copy_ns: int = 0  # the slowest stage's copy
