@@ -168,8 +168,10 @@ def test_plan_check_prints_each_stage(tmp_path, tiny_models):
     result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    table = lines[lines.index(next(l for l in lines if l.startswith("stage"))) + 1 :]
+    start = lines.index(next(l for l in lines if l.startswith("stage"))) + 1
+    table = lines[start : start + 3]
     assert [l.split()[1] for l in table] == ["head", "middle", "tail"]
+    assert lines[start + 3].startswith("hand-off")  # then the price of handing KV between pools
     assert "[0, 2)" in table[0] and "[2, 5)" in table[1] and "[5, 6)" in table[2]
 
 
