@@ -85,7 +85,9 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: str, first: int) -> l
 def kv_bytes_per_token(plan: Plan, source: ModelSource) -> int:
     """K and V of every layer for one prompt token: what a hand-off moves per token."""
     config = source.config
-    return 2 * source.num_layers * int(config.num_key_value_heads) * head_dim(config) * DTYPES[plan.model.dtype].itemsize
+    return PagedKVCache.bytes_needed(
+        source.num_layers, 1, 1, int(config.num_key_value_heads), head_dim(config), DTYPES[plan.model.dtype]
+    )
 
 
 def handoff_ms(nbytes: int, link_gibps: float) -> float:

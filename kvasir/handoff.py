@@ -143,7 +143,7 @@ class KvReceiver(NoHandoff):
         keys, values = self.cache.keys, self.cache.values
         keys[mine, dst] = source.keys[theirs, src].to(keys.device)
         values[mine, dst] = source.values[theirs, src].to(values.device)
-        return 2 * (hi - lo) * part.num_tokens * keys.shape[2] * keys.shape[3] * keys.element_size()
+        return PagedKVCache.bytes_needed(hi - lo, part.num_tokens, 1, keys.shape[2], keys.shape[3], keys.dtype)
 
     def _forget(self, rid: int) -> None:
         """A dropped request: its parts, placement and table go; announcements still on

@@ -22,6 +22,7 @@ import torch
 
 from kvasir.errors import KvasirError
 from kvasir.messages import EdgeSpec, KvSegment
+from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import DTYPES
 
 SHM_DIR = Path("/dev/shm")
@@ -92,8 +93,8 @@ def attach_ring(spec: EdgeSpec) -> SlotRing:
 
 def kv_segment_bytes(spec: KvSegment) -> int:
     """Keys and values of every layer of a prefill stage's cache."""
-    per_layer = spec.num_blocks * spec.block_size * spec.kv_heads * spec.head_dim
-    return 2 * (spec.layers[1] - spec.layers[0]) * per_layer * DTYPES[spec.dtype].itemsize
+    layers = spec.layers[1] - spec.layers[0]
+    return PagedKVCache.bytes_needed(layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, DTYPES[spec.dtype])
 
 
 class KvSegmentMap:

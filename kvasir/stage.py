@@ -24,6 +24,7 @@ from kvasir.heads import DecodeHeadIntake, PrefillHeadIntake, SchedulerIntake, W
 from kvasir.logs import setup_logging
 from kvasir.messages import (
     BatchDescriptor,
+    BatchResult,
     BatchSpan,
     BridgeMessage,
     Command,
@@ -218,9 +219,13 @@ class TailOutlet:
             self.sampler.sample(descriptor, torch.empty(0, 0))
             return
         result = self.sampler.sample(descriptor, output)
+        self.sampled(descriptor, result)
         self.head.send(result)
         if result.tokens:
             self.bridge.send(TokenEvents(result.tokens))
+
+    def sampled(self, descriptor: BatchDescriptor, result: BatchResult) -> None:
+        """Called with each batch's tokens before they go out (the prefill tail hands requests on)."""
 
 
 class PrefillTailOutlet(TailOutlet):
@@ -231,20 +236,13 @@ class PrefillTailOutlet(TailOutlet):
         super().__init__(sampler, head, bridge)
         self.decode_head = decode_head
 
-    def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None:
-        if output is None:
-            self.sampler.sample(descriptor, torch.empty(0, 0))
-            return
-        result = self.sampler.sample(descriptor, output)
+    def sampled(self, descriptor: BatchDescriptor, result: BatchResult) -> None:
         lengths = {row.request_id: row.start + row.num_tokens for row in descriptor.rows if row.emit}
         now = time.monotonic_ns()
         for token in result.tokens:
             if token.finish is None:
                 sampling, seed = self.sampler.spec(token.request_id)
                 self.decode_head.send(Handoff(token.request_id, lengths[token.request_id], token.token_id, sampling, seed, now))
-        self.head.send(result)
-        if result.tokens:
-            self.bridge.send(TokenEvents(result.tokens))
 
 
 # -- the agent -----------------------------------------------------------------------------

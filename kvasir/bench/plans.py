@@ -18,8 +18,8 @@ from pathlib import Path
 import msgspec
 
 from kvasir.bench.daemon import ManagedDaemon
-from kvasir.bench.metrics import attainment, handoff_figures, search_goodput, summarise
-from kvasir.bench.runner import LoadResult, run_load, stage_fractions
+from kvasir.bench.metrics import attainment, handoff_figures, search_goodput
+from kvasir.bench.runner import LoadResult, run_load, stage_fractions, summary_data
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.errors import KvasirError
@@ -72,12 +72,10 @@ async def _drive(runtime_dir: Path, load: Load, rate: float | None = None) -> Lo
 
 def _figures(results: list[LoadResult], slo) -> dict:
     records = [r for result in results for r in result.records]
-    summary = summarise(records, sum(result.duration_s for result in results), slo)
-    fields = summary.__dict__ | {name: getattr(summary, name).__dict__ for name in ("ttft", "itl", "e2e")}
+    summary = summary_data(records, sum(result.duration_s for result in results), slo)
     last = results[-1]
     stages = stage_fractions(last.stats_before, last.stats_after)
-    return {"summary": msgspec.to_builtins(fields), "stages": stages, "pools": pool_fractions(stages),
-            "handoff": handoff_figures(records)}
+    return {"summary": summary, "stages": stages, "pools": pool_fractions(stages), "handoff": handoff_figures(records)}
 
 
 def pool_fractions(stages: list[dict]) -> dict:

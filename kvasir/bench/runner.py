@@ -122,9 +122,15 @@ async def _open(send, jobs, rate, rng, progress) -> list[RequestRecord]:
 
 def ring_report(result: LoadResult, slo: tuple[float, float] | None) -> dict:
     """The summary and per-stage figures of one run, as plain data."""
-    summary = summarise(result.records, result.duration_s, slo)
+    summary = summary_data(result.records, result.duration_s, slo)
+    return {"summary": summary, "stages": stage_fractions(result.stats_before, result.stats_after)}
+
+
+def summary_data(records, duration_s: float, slo: tuple[float, float] | None) -> dict:
+    """``summarise`` as plain data (for reports and --json)."""
+    summary = summarise(records, duration_s, slo)
     fields = summary.__dict__ | {name: getattr(summary, name).__dict__ for name in ("ttft", "itl", "e2e")}
-    return {"summary": msgspec.to_builtins(fields), "stages": stage_fractions(result.stats_before, result.stats_after)}
+    return msgspec.to_builtins(fields)
 
 
 def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
