@@ -99,7 +99,10 @@ def plan_check(path: str, as_json: bool, link_gibps: float, interference_ms: flo
     """Validate PATH and print the resolved plan, or exit 2 with the first problem.
 
     Per stage it shows the pool (in a disaggregated plan), layer range, parameter count
-    and bytes, KV cache bytes and the boundary slots on the edge into the stage. Then
+    and bytes, KV cache bytes and the boundary slots on the edge into the stage; then
+    each edge's slot kind (shm, pinned or cuda-ipc: a stage's `edge` key, "auto" by
+    default, picks CUDA IPC between GPU stages, pinned memory between a GPU and a CPU
+    stage, shared memory between CPU stages) and why. Then
     the price of handing a prompt's KV from a prefill pool to a decode pool: KV bytes
     per prompt token, the hand-off size for a few prompt lengths, its time at
     --link-gibps and the break-even bandwidth against --interference-ms.
@@ -205,7 +208,7 @@ def _print_plan(path, resolved, source, stages) -> None:
     header = ("stage", "role", "layers", "device", "threads", "params", "param bytes", "kv bytes", "boundary in")
     rows = [header]
     for s in stages:
-        slots = f"{s.slots} x {_size(s.slot_bytes)}" if s.slots else "-"
+        slots = f"{s.slots} x {_size(s.slot_bytes)} {s.edge}" if s.slots else "-"
         rows.append(
             (
                 str(s.index),
@@ -222,6 +225,9 @@ def _print_plan(path, resolved, source, stages) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for s in stages:
+        if s.edge:
+            click.echo(f"edge     {s.index - 1} -> {s.index}: {s.edge} ({s.edge_reason})")
 
 
 @kvasir.group()
@@ -470,7 +476,8 @@ def tail(request_id, as_json, count, runtime_dir) -> None:
 @remote_options
 def stats(as_json, wait_s, runtime_dir, remote) -> None:
     """Per-stage busy / starved / blocked time, batches, rows, tokens; the daemon's state,
-    restarts and last failure."""
+    restarts and last failure. CUDA stages also show their device and GPU memory (held
+    by tensors / reserved by the allocator)."""
     client = _connect(runtime_dir, wait_s, remote)
     try:
         daemon = client.stats()
@@ -509,6 +516,12 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
             f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}", str(s["batches"]), str(s["rows"]),
             str(s["tokens"]), str(s["inflight"]), str(s["kv_requests"]),
         ))
+    if any(s["device"] != "cpu" for s in body["stages"]):  # CUDA stages: where, and device memory in use / reserved
+        header += ("device", "gpu mem")
+        rows = [header] + [
+            row + (s["device"], f"{_size(s['gpu_bytes'])} / {_size(s['gpu_reserved_bytes'])}" if s["device"] != "cpu" else "-")
+            for row, s in zip(rows[1:], body["stages"])
+        ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
@@ -580,3 +593,7 @@ def keys_generate(folder: str, clients: tuple[str, ...]) -> None:
         _fail(exc)
     for path in made:
         click.echo(str(path))
+
+
+if __name__ == "__main__":  # python -m kvasir.cli (scripts/gpu-check, with any interpreter)
+    kvasir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvasir.edges import cuda_ordinal
 from kvasir.messages import BatchDescriptor
 from kvasir.model.attention import build_batch
 from kvasir.errors import BatchError
@@ -33,7 +34,8 @@ class StageEngine:
         stage = plan.stages[index]
         self.index = index
         self.spec = slice_spec(plan, index)
-        self.device = torch.device(stage.device)
+        ordinal = cuda_ordinal(stage.device)
+        self.device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)  # "cuda" is cuda:0
         dtype = DTYPES[plan.model.dtype]
         modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
         self.model = StageModel(modules, source, self.device)

@@ -1,4 +1,4 @@
-"""What each stage of a plan will hold: parameters, KV cache, boundary slots.
+"""What each stage of a plan will hold: parameters, KV cache, boundary slots and their kind.
 
 Computed from the model's config alone (the skeleton is built on the meta device), so
 a plan can be checked before any weights are read.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvasir.edges import pool_edges, torch_peer_access
 from kvasir.engine import head_dim, slice_spec
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import DTYPES, build_skeleton, count_parameters
@@ -32,6 +33,8 @@ class StageFootprint:
     kv_bytes: int
     slot_bytes: int  # one boundary slot on the edge into this stage (0 on the head)
     slots: int  # slots in that edge's ring
+    edge: str = ""  # that edge's slot kind: shm | pinned | cuda-ipc | auto (undecided without CUDA here); "" on the head
+    edge_reason: str = ""
 
 
 def boundary_slot_bytes(plan: Plan, source: ModelSource) -> int:
@@ -50,6 +53,7 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: str, first: int) -> l
     dtype = DTYPES[plan.model.dtype]
     config = source.config
     slot = boundary_slot_bytes(plan, source)
+    edges = pool_edges(plan.stages, torch_peer_access(plan.stages))
     out = []
     for index, stage in enumerate(plan.stages):
         spec = slice_spec(plan, index)
@@ -76,6 +80,8 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: str, first: int) -> l
                 kv_bytes=kv,
                 slot_bytes=0 if spec.is_head else slot,
                 slots=0 if spec.is_head else plan.batch.inflight,
+                edge="" if spec.is_head else edges[index - 1].kind,
+                edge_reason="" if spec.is_head else edges[index - 1].reason,
             )
         )
     return out

@@ -19,12 +19,15 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from kvasir.edges import pool_edges, torch_peer_access
 from kvasir.errors import KvasirError, PlanError
 from kvasir.engine import head_dim
+from kvasir.handshake import HandleExchange, HandshakeError
 from kvasir.messages import (
     Command,
     ControlMessage,
     Drained,
+    EdgeHandles,
     EdgeSpec,
     HandoffWiring,
     Heartbeat,
@@ -35,7 +38,7 @@ from kvasir.messages import (
 from kvasir.model.source import ModelSource
 from kvasir.notify import ServiceNotifier
 from kvasir.plan import Plan
-from kvasir.slots import KvSegmentMap, ShmSlotRing, create_ring
+from kvasir.slots import SHARED_MEMORY_KINDS, KvSegmentMap, ShmSlotRing, create_ring
 from kvasir.supervision import Heartbeats, RestartPolicy
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
 
@@ -124,6 +127,7 @@ class Launcher:
         self.rings: list[ShmSlotRing | KvSegmentMap] = []  # shared memory the launcher owns
         self.places: list[StagePlace] = []  # per global stage index
         self.wiring: HandoffWiring | None = None
+        self.exchange = HandleExchange({})  # CUDA IPC edges' handles, paired at each start
         self._lock_fd: int | None = None
         self._control: PullChannel | None = None
         sup = self.plan.supervise
@@ -158,21 +162,32 @@ class Launcher:
             stale.unlink(missing_ok=True)
         self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage)
         prefix = f"kvasir-{os.getpid()}-{secrets.token_hex(4)}"
+        peer_access = torch_peer_access(self.plan.all_stages)
+        ipc_edges: dict[str, tuple[int, int]] = {}
         for pool, view in self.plan.pools():
             first = len(self.places)
             edges = []
-            for k in range(len(view.stages) - 1):
+            for k, choice in enumerate(pool_edges(view.stages, peer_access)):
                 spec = EdgeSpec(
-                    kind="shm",
+                    kind=choice.kind,
                     name=f"{prefix}-edge{first + k}",
                     slots=view.batch.inflight,
                     max_tokens=view.batch.max_tokens,
                     hidden=int(self.source.config.hidden_size),
                     dtype=view.model.dtype,
+                    producer=view.stages[k].device,
+                    consumer=view.stages[k + 1].device,
                 )
-                self.rings.append(create_ring(spec))
+                if choice.kind in SHARED_MEMORY_KINDS:
+                    self.rings.append(create_ring(spec))
+                elif choice.kind == "cuda-ipc":
+                    ipc_edges[spec.name] = (first + k, first + k + 1)
+                else:
+                    raise LaunchError(f"edge {first + k} -> {first + k + 1}: {choice.reason} (no CUDA to ask here)")
+                self.log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
                 edges.append(spec)
             self.places += [StagePlace(pool, view, first, edges) for _ in view.stages]
+        self.exchange = HandleExchange(ipc_edges)
         if self.plan.disaggregated:
             self.wiring = self._kv_segments(prefix)
 
@@ -201,6 +216,7 @@ class Launcher:
         """Start every child that is not running: all of them at first, after a failure
         the stages (and the bridge when it was the one that died)."""
         if not self.stages:
+            self.exchange.clear()
             self.stages = [self._spawn("stage", k) for k in range(len(self.places))]
         if self.bridge is None:
             self.bridge = self._spawn("bridge", 0)
@@ -265,17 +281,27 @@ class Launcher:
         """Readiness and heartbeats, matched to the current children by name and pid."""
         now = time.monotonic()
         for message in messages:
-            if not isinstance(message, (Ready, Heartbeat)):
+            if not isinstance(message, (Ready, Heartbeat, EdgeHandles)):
                 continue
-            name = f"stage-{message.index}" if message.role == "stage" else "bridge"
+            name = "bridge" if getattr(message, "role", "stage") == "bridge" else f"stage-{message.index}"
             child = next((c for c in self.children if c.name == name and c.process.pid == message.pid), None)
             if child is None:
                 continue  # from a child of a ring that has already been replaced
-            if isinstance(message, Ready):
+            if isinstance(message, EdgeHandles):
+                self._pass_handles(message)
+            elif isinstance(message, Ready):
                 child.ready = True
                 self.heartbeats.watch(name, now)
             else:
                 self.heartbeats.beat(name, now)
+
+    def _pass_handles(self, half: EdgeHandles) -> None:
+        """A stage's CUDA IPC handles: once both sides of its edge sent theirs, each gets the other's."""
+        try:
+            for target, other in self.exchange.offer(half):
+                self.stages[target].command.send(Command("attach", handles=(other,)))
+        except HandshakeError as exc:
+            self.log.error("bad CUDA IPC handles", error=str(exc))  # the stage waits in vain: its start-up times out
 
     # -- serving --------------------------------------------------------------------------
     def request_stop(self, signum: int, _frame=None) -> None:

@@ -3,8 +3,8 @@
 The batch descriptor is decided once by the head and travels unchanged to every stage;
 each message carries only what its receiver lacks (a request's sampling spec on its
 first appearance, a row's KV blocks as growth since the stage last saw the request).
-Tensors never travel inside these bodies: boundaries sit in shared-memory slots and
-descriptors name the slot.
+Tensors never travel inside these bodies: boundaries sit in slots (shared memory,
+page-locked shared memory or CUDA IPC buffers) and descriptors name the slot.
 
 Edges:
     client  -> bridge   ClientMessage   (Submit | Cancel | StatsQuery)
@@ -22,7 +22,7 @@ decode pool's. Their heads and stages add:
     decode head -> prefill head  HeadMessage (KvPlaced | Adopted)
     decode stage -> decode head  HeadMessage (KvHeld)
     prefill stage, decode head -> decode stage  KvMessage (KvReady | Placement)
-    children -> launcher ControlMessage (Ready | Drained | Heartbeat)
+    children -> launcher ControlMessage (Ready | Drained | Heartbeat | EdgeHandles)
     launcher -> children Command
 """
 
@@ -235,6 +235,9 @@ class StageStats(_Tagged):
     handoff_bytes: int = 0  # decode stages: KV bytes received from the prefill pool
     handoff_s: float = 0.0  # decode stages: of busy time, spent copying them
     handing_off: int = 0  # prefill head: requests handed to the decode pool, not yet taken (their blocks held)
+    device: str = "cpu"  # where the stage's slice, KV cache and attention live
+    gpu_bytes: int = 0  # CUDA stages: device memory held by live tensors (weights, KV cache, slots, activations)
+    gpu_reserved_bytes: int = 0  # CUDA stages: device memory reserved by the caching allocator
 
 
 class HandoffReport(_Tagged):
@@ -394,14 +397,43 @@ class HandoffWiring(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """One stage-to-stage edge: its slot ring's kind, name and geometry."""
+    """One stage-to-stage edge: its slot ring's kind, name, geometry and both ends' devices."""
 
-    kind: str  # "shm" (later: "cuda-ipc", "pinned", "frames")
+    kind: str  # "shm" | "pinned" | "cuda-ipc" (kvasir/edges.py)
     name: str
     slots: int
     max_tokens: int
     hidden: int
     dtype: str
+    producer: str = "cpu"  # the writing stage's device
+    consumer: str = "cpu"  # the reading stage's device (where CUDA IPC slots live)
+
+
+class CudaMemoryHandle(_Wire):
+    """A CUDA allocation exported for another process (torch's storage sharing, as bytes)."""
+
+    device: int
+    handle: bytes  # the allocation's cudaIpcMemHandle
+    size: int  # bytes of the shared storage
+    offset: int  # its offset inside the allocation
+    ref_counter: bytes  # torch's reference-counter file for the allocation
+    ref_counter_offset: int
+    event: bytes  # the allocation's own event handle (torch waits on it when opening)
+    event_sync: bool
+
+
+class EdgeHandles(_Tagged):
+    """Stage -> launcher -> the edge's other stage: one side's CUDA IPC handles, sent once
+    at start-up. The consumer's half names its slot buffers and its "slot read" events,
+    the producer's its "slot written" events (one interprocess event per slot)."""
+
+    edge: str  # EdgeSpec.name
+    side: str  # "producer" | "consumer"
+    index: int  # the sending stage's global index
+    pid: int
+    device: int  # where the events (and the consumer's buffers) live
+    events: tuple[bytes, ...]
+    memory: CudaMemoryHandle | None = None  # consumer only
 
 
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -438,15 +470,16 @@ class Heartbeat(_Tagged):
     pid: int
 
 
-ControlMessage = Ready | Drained | Heartbeat
+ControlMessage = Ready | Drained | Heartbeat | EdgeHandles
 
 
 class Command(_Wire):
     # "serve" (bridge: every stage is ready; bind the client endpoints, or after a restart
     # take requests again) | "ring_down" (bridge: the stages failed and are restarting) |
-    # "drain" | "stop"
+    # "attach" (stage: CUDA IPC handles of its edges' other sides) | "drain" | "stop"
     kind: str
     code: str = "shutting_down"  # with "stop": the error code for requests still running
     message: str = ""  # with "ring_down": what failed; with "serve": the last failure ("" for none)
     restarts: int = 0  # with "serve": ring restarts so far
     pids: tuple[int, ...] = ()  # with "serve": the stages' pids (stats from any other process are stale)
+    handles: tuple[EdgeHandles, ...] = ()  # with "attach" (stages at start-up): the other sides' CUDA IPC handles

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvasir.edges import check_edge_request
 from kvasir.errors import PlanError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -61,6 +62,7 @@ class StageSpec(_Section):
     device: str = "cpu"
     threads: int = 1
     cpus: tuple[int, ...] | None = None
+    edge: str | None = None  # slot kind of the edge to the next stage: auto (default) | cuda-ipc | pinned | shm
 
 
 class PoolSpec(_Section):
@@ -305,6 +307,9 @@ def _check_stages(stages: tuple[StageSpec, ...], name: str) -> None:
                 raise PlanError(f"{key}.cpus is empty: list at least one CPU or leave the key out")
             if any(c < 0 for c in stage.cpus) or len(set(stage.cpus)) != len(stage.cpus):
                 raise PlanError(f"{key}.cpus = {list(stage.cpus)} must be distinct non-negative CPU numbers")
+    for i, stage in enumerate(stages):
+        consumer = stages[i + 1].device if i + 1 < len(stages) else None
+        check_edge_request(f"{name}[{i}]", stage.edge, stage.device, consumer)
     if stages[0].layers[0] != 0:
         raise PlanError(
             f"{name}[0].layers starts at {stages[0].layers[0]}: layers [0, {stages[0].layers[0]}) are in no stage"

@@ -5,9 +5,11 @@ An edge between stage k and stage k+1 has ``slots`` buffers of ``max_tokens x hi
 writes into a free slot and sends a descriptor naming it; the consumer reads it in place
 and returns a credit. ``SlotCredits`` is the producer's view of which slots are free.
 
-Kinds: ``shm`` (POSIX shared memory, CPU stages on one host) is implemented here; CUDA
-IPC buffers, pinned host memory and zero-copy frames implement the same ``SlotRing``
-interface and are chosen per edge by ``EdgeSpec.kind``.
+Kinds (chosen per edge by ``EdgeSpec.kind``, see kvasir/edges.py): ``shm`` (POSIX shared
+memory) is here; ``pinned`` (the same memory, page-locked for CUDA) and ``cuda-ipc``
+(buffers on the consumer's GPU) are in kvasir/gpu_slots.py, behind the same ``SlotRing``
+interface. The launcher creates the shared-memory files of ``shm`` and ``pinned`` edges;
+``cuda-ipc`` buffers are made by the consuming stage and opened by the producing one.
 """
 
 from __future__ import annotations
@@ -33,9 +35,16 @@ class SlotError(KvasirError):
 
 
 class SlotRing(Protocol):
-    def write(self, slot: int, boundary: torch.Tensor) -> None: ...
+    spec: EdgeSpec
 
-    def read(self, slot: int, num_tokens: int) -> torch.Tensor: ...
+    def write(self, slot: int, boundary: torch.Tensor) -> None:
+        """Producer: put a boundary into a free slot (it is readable once the descriptor arrives)."""
+
+    def read(self, slot: int, num_tokens: int) -> torch.Tensor:
+        """Consumer: the boundary in a slot, on the consumer's device."""
+
+    def release(self, slot: int) -> None:
+        """Consumer: done with the slot (the work reading it is queued); its credit goes next."""
 
     def close(self) -> None: ...
 
@@ -69,6 +78,9 @@ class ShmSlotRing:
         self._check(slot, num_tokens)
         return self._slots[slot, :num_tokens]
 
+    def release(self, slot: int) -> None:
+        pass  # reads happen in place and the CPU work reading it has finished
+
     def close(self) -> None:
         self._slots = None
         _close_map(self._map)
@@ -77,18 +89,28 @@ class ShmSlotRing:
         self.path.unlink(missing_ok=True)
 
 
+SHARED_MEMORY_KINDS = ("shm", "pinned")  # edges whose buffers the launcher creates
+
+
 def create_ring(spec: EdgeSpec) -> ShmSlotRing:
-    """Create an edge's buffers (the launcher does this once, before spawning stages)."""
-    if spec.kind != "shm":
-        raise SlotError(f"slot kind {spec.kind!r} is not available in this version")
+    """Create a shared-memory edge's buffers (the launcher does this once, before spawning stages)."""
+    if spec.kind not in SHARED_MEMORY_KINDS:
+        raise SlotError(f"edge {spec.name}: {spec.kind!r} slots are not made by the launcher")
     return ShmSlotRing(spec, create=True)
 
 
-def attach_ring(spec: EdgeSpec) -> SlotRing:
-    """Attach a stage to an edge created by the launcher."""
-    if spec.kind != "shm":
-        raise SlotError(f"slot kind {spec.kind!r} is not available in this version")
-    return ShmSlotRing(spec, create=False)
+def attach_ring(spec: EdgeSpec, side: str) -> SlotRing:
+    """A stage's end of an edge: ``side`` is "producer" or "consumer". A ``cuda-ipc``
+    ring still needs the handle exchange (kvasir/handshake.py) before use."""
+    if side not in ("producer", "consumer"):
+        raise SlotError(f"edge {spec.name}: side {side!r} is neither producer nor consumer")
+    if spec.kind == "shm":
+        return ShmSlotRing(spec, create=False)
+    if spec.kind in ("pinned", "cuda-ipc"):
+        from kvasir.gpu_slots import CudaIpcSlotRing, PinnedSlotRing
+
+        return PinnedSlotRing(spec, side) if spec.kind == "pinned" else CudaIpcSlotRing(spec, side)
+    raise SlotError(f"edge {spec.name}: unknown slot kind {spec.kind!r}")
 
 
 def kv_segment_bytes(spec: KvSegment) -> int:

@@ -18,7 +18,9 @@ import msgspec
 import torch
 import zmq
 
+from kvasir.edges import cuda_ordinal
 from kvasir.engine import StageEngine
+from kvasir.handshake import exchange_handles
 from kvasir.handoff import HandoffSender, KvReceiver, NoHandoff, overlap
 from kvasir.heads import DecodeHeadIntake, PrefillHeadIntake, SchedulerIntake, Work
 from kvasir.logs import setup_logging
@@ -46,6 +48,7 @@ from kvasir.slots import KvSegmentMap, SlotCredits, SlotRing, attach_ring
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
 
 POLL_MS = 50
+HANDSHAKE_TIMEOUT_S = 300.0  # as the launcher's start-up wait: it gives up on a stage no sooner
 SPANS_PER_REPORT = 2048  # batch spans a stage keeps between two stats reports
 
 
@@ -142,6 +145,7 @@ class UpstreamIntake:
     def consumed(self, descriptor: BatchDescriptor) -> None:
         if descriptor.rows:
             started = time.perf_counter_ns()
+            self.ring.release(descriptor.slot)
             self.credits.send(Credit(descriptor.slot))
             self.hop_ns += time.perf_counter_ns() - started
 
@@ -360,7 +364,18 @@ class StageAgent:
             handoff_bytes=self.handoff.nbytes,
             handoff_s=self.handoff.copy_s,
             handing_off=counters.get("handing_off", 0),
+            **self._device_memory(),
         )
+
+    def _device_memory(self) -> dict:
+        device = self.engine.device
+        if device.type != "cuda":
+            return {}
+        return {
+            "device": str(device),
+            "gpu_bytes": torch.cuda.memory_allocated(device),
+            "gpu_reserved_bytes": torch.cuda.memory_reserved(device),
+        }
 
     def _take_spans(self) -> tuple[BatchSpan, ...]:
         spans = tuple(self.clock.spans)
@@ -409,13 +424,16 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
     engine = StageEngine(plan, w.local, source, storage=(segment.keys, segment.values) if segment else None)
     bridge = w.push(BridgeMessage, ends.bridge_in)
     commands = w.pull(Command, ends.command(f"stage-{index}"))
+    control = w.push(ControlMessage, ends.control)
     closing: list = [segment] if segment else []
+    rings: list[SlotRing] = []
     if w.local == 0:
         scheduler = Scheduler(plan, source.vocab_size, reserve_output=settings.pool != "prefill")
         intake: Intake = _head_intake(w, scheduler, bridge)
     else:
-        ring_in = attach_ring(settings.edges[w.local - 1])
+        ring_in = attach_ring(settings.edges[w.local - 1], "consumer")
         closing.append(ring_in)
+        rings.append(ring_in)
         intake = UpstreamIntake(w.pull(BatchDescriptor, ends.stage_in(index)), ring_in, w.push(Credit, ends.credits(index - 1)))
     if w.local == w.last:
         sampler, head = Sampler(source.eos_token_ids, plan.model.max_seq_len), w.push(HeadMessage, ends.stage_in(w.head))
@@ -426,14 +444,16 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
             outlet = TailOutlet(sampler, head, bridge)
     else:
         edge = settings.edges[w.local]
-        ring_out = attach_ring(edge)
+        ring_out = attach_ring(edge, "producer")
         closing.append(ring_out)
+        rings.append(ring_out)
         outlet = DownstreamOutlet(
             w.push(BatchDescriptor, ends.stage_in(index + 1)), ring_out, w.pull(Credit, ends.credits(index)), edge.slots
         )
     handoff = _handoff(w, engine)
     closing.append(handoff)
-    control = w.push(ControlMessage, ends.control)
+    ipc = [ring for ring in rings if ring.spec.kind == "cuda-ipc"]
+    exchange_handles(ipc, index, control, commands, settings.launcher_pid, HANDSHAKE_TIMEOUT_S)
     return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log, handoff), closing
 
 
@@ -471,8 +491,9 @@ def pin_worker(settings: WorkerSettings) -> None:
     torch.set_num_threads(stage.threads)
     if stage.cpus is not None:
         os.sched_setaffinity(0, stage.cpus)
-    if stage.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(stage.device))
+    ordinal = cuda_ordinal(stage.device)
+    if ordinal is not None:
+        torch.cuda.set_device(ordinal)  # once, before anything touches CUDA: plain "cuda" is device 0
 
 
 def run_stage(encoded: bytes) -> None:

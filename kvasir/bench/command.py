@@ -50,6 +50,8 @@ from kvasir.transport import default_runtime_dir
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Write timeline.png, stages.png and latency.png into this folder.")
 @click.option("--hop", is_flag=True, help="Measure one stage-to-stage hand-off next to memcpy and ZMQ round trips.")
+@click.option("--hop-device", default="cpu", show_default=True,
+              help="With --hop: 'cpu' (shared-memory slots) or 'cuda:N' (both processes on that GPU, CUDA IPC slots).")
 @click.option("--submit-only", is_flag=True,
               help="Measure submission line rate: --requests one-token requests as fast as one client can.")
 @click.option("--failover", is_flag=True,
@@ -59,8 +61,8 @@ from kvasir.transport import default_runtime_dir
 @click.option("--runtime-dir", type=click.Path(file_okay=False), default=None,
               help="The daemon's runtime dir (default as for every command; ignored with --plan).")
 def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, ignore_eos, slo_ttft, slo_tpot,
-          slo_attain, rate_sweep, sweep_steps, plan_paths, compare, contenders, rounds, plot_dir, hop, submit_only,
-          failover, as_json, runtime_dir):
+          slo_attain, rate_sweep, sweep_steps, plan_paths, compare, contenders, rounds, plot_dir, hop, hop_device,
+          submit_only, failover, as_json, runtime_dir):
     """Load a daemon and report requests/s, tokens/s, TTFT / ITL / end-to-end latency
     percentiles, goodput under SLOs and each stage's busy/starved/blocked share.
 
@@ -112,7 +114,7 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
         if hop:
             from kvasir.bench.hop import hop_report, print_hop
 
-            report = hop_report()
+            report = hop_report(device=_hop_device(hop_device))
             click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
             return
         if failover:
@@ -309,3 +311,23 @@ def _bar(total: int, say):
         sys.stderr.flush()
 
     return show
+
+
+def _hop_device(device: str) -> str:
+    """--hop-device checked: "cpu", or a CUDA device that is here."""
+    if device == "cpu":
+        return device
+    import re
+
+    import torch
+
+    from kvasir.edges import cuda_ordinal
+
+    if not re.fullmatch(r"cuda(:[0-9]+)?", device):
+        raise click.BadParameter(f"{device!r} is not 'cpu' or 'cuda:N'", param_hint="--hop-device")
+    if not torch.cuda.is_available():
+        raise click.BadParameter(f"{device}: CUDA is not available here", param_hint="--hop-device")
+    ordinal = cuda_ordinal(device)
+    if ordinal >= torch.cuda.device_count():
+        raise click.BadParameter(f"{device}: this machine has {torch.cuda.device_count()} CUDA devices", param_hint="--hop-device")
+    return f"cuda:{ordinal}"

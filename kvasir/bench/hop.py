@@ -1,11 +1,16 @@
 """``kvasir bench --hop``: the cost of one stage-to-stage hand-off, next to the raw limits.
 
 A producer (this process) and a consumer (a child process) use the stage agent's own
-edge classes, ``DownstreamOutlet`` and ``UpstreamIntake``, over a one-slot shared-memory
-ring: one hand-off is writing the boundary into the slot, sending the descriptor, the
-consumer taking the boundary (in place) and returning the credit, and the producer
-receiving it. Beside it, in the same run: memcpy bandwidth into shared memory, and a
-raw ZMQ ipc message round trip between the same two processes.
+edge classes, ``DownstreamOutlet`` and ``UpstreamIntake``, over a one-slot ring: one
+hand-off is writing the boundary into the slot, sending the descriptor, the consumer
+taking the boundary (in place) and returning the credit, and the producer receiving it.
+Beside it, in the same run: the bare copy into the slot, and a raw ZMQ ipc message round
+trip between the same two processes.
+
+On "cpu" the ring is shared memory. On "cuda:N" both processes use that GPU and the ring
+is CUDA IPC slots (the two sides swap their handles once, as stages do at start-up); the
+consumer waits for the boundary to be on its device before returning the credit, so a
+hand-off there is end to end.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import msgspec
 import torch
 import zmq
 
-from kvasir.messages import BatchDescriptor, Credit, EdgeSpec, Row
+from kvasir.messages import BatchDescriptor, Credit, EdgeHandles, EdgeSpec, Row
 from kvasir.slots import attach_ring, create_ring
 from kvasir.stage import DownstreamOutlet, UpstreamIntake
 from kvasir.transport import PullChannel, PushChannel, make_socket
@@ -32,9 +37,9 @@ HIDDEN = 576  # SmolLM2-135M's hidden size
 PING = b"p" * 64
 
 
-def _edge() -> EdgeSpec:
-    return EdgeSpec(kind="shm", name=f"kvasir-hop-{os.getpid()}-{time.monotonic_ns()}", slots=1,
-                    max_tokens=max(SIZES), hidden=HIDDEN, dtype="float32")
+def _edge(device: str) -> EdgeSpec:
+    return EdgeSpec(kind="shm" if device == "cpu" else "cuda-ipc", name=f"kvasir-hop-{os.getpid()}-{time.monotonic_ns()}",
+                    slots=1, max_tokens=max(SIZES), hidden=HIDDEN, dtype="float32", producer=device, consumer=device)
 
 
 def _endpoints(folder: Path) -> tuple[str, str, str]:
@@ -46,10 +51,16 @@ def consumer_main(argv: list[str]) -> None:
     folder, edge = Path(argv[0]), msgspec.json.decode(argv[1].encode(), type=EdgeSpec)
     descriptors_at, credits_at, ping_at = _endpoints(folder)
     torch.set_num_threads(1)
+    cuda = edge.kind == "cuda-ipc"
+    if cuda:
+        torch.cuda.set_device(torch.device(edge.consumer))
     ctx = zmq.Context()
-    ring = attach_ring(edge)
+    ring = attach_ring(edge, "consumer")
     pings = make_socket(ctx, zmq.PULL, bind=ping_at)
     credits = make_socket(ctx, zmq.PUSH, connect=credits_at)
+    if cuda:  # the producer's half came with the arguments; ours goes back first thing
+        ring.attach(msgspec.json.decode(argv[2].encode(), type=EdgeHandles))
+        credits.send(msgspec.msgpack.encode(ring.local_half(1, os.getpid())))
     descriptors = PullChannel[BatchDescriptor](make_socket(ctx, zmq.PULL, bind=descriptors_at), BatchDescriptor)
     intake = UpstreamIntake(descriptors, ring, PushChannel[Credit](credits))
     poller = zmq.Poller()
@@ -66,6 +77,8 @@ def consumer_main(argv: list[str]) -> None:
             if descriptors.socket in ready:
                 intake.receive()
                 while (work := intake.take(True)) is not None:
+                    if cuda:
+                        torch.cuda.current_stream().synchronize()  # the boundary is on this device
                     intake.consumed(work[0])
     finally:
         ring.close()
@@ -76,23 +89,33 @@ def _median_us(samples: list[int]) -> float:
     return statistics.median(samples) / 1e3
 
 
-def hop_report(iterations: int = 400) -> dict:
-    """Measure memcpy into shared memory, the ZMQ round trip and the hand-off per size."""
+def hop_report(iterations: int = 400, device: str = "cpu") -> dict:
+    """Measure the bare copy into a slot, the ZMQ round trip and the hand-off per size."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvasir-hop-") as tmp:
         folder = Path(tmp)
-        edge = _edge()
-        ring = create_ring(edge)
+        edge = _edge(device)
+        argv = [sys.executable, "-m", "kvasir.bench.hop", str(folder), msgspec.json.encode(edge).decode()]
+        if device == "cpu":
+            ring = create_ring(edge)
+        else:
+            torch.cuda.set_device(torch.device(device))
+            ring = attach_ring(edge, "producer")
+            argv.append(msgspec.json.encode(ring.local_half(0, os.getpid())).decode())
         ctx = zmq.Context()
         descriptors_at, credits_at, ping_at = _endpoints(folder)
         credits = make_socket(ctx, zmq.PULL, bind=credits_at)
-        child = subprocess.Popen([sys.executable, "-m", "kvasir.bench.hop", str(folder), msgspec.json.encode(edge).decode()])
+        child = subprocess.Popen(argv)
         try:
+            if device != "cpu":
+                if not credits.poll(120_000):
+                    raise RuntimeError("the hop consumer sent no CUDA IPC handles within 120 s")
+                ring.attach(msgspec.msgpack.decode(credits.recv(), type=EdgeHandles))
             pings = make_socket(ctx, zmq.PUSH, connect=ping_at)
             descriptors = make_socket(ctx, zmq.PUSH, connect=descriptors_at)
             outlet = DownstreamOutlet(PushChannel[BatchDescriptor](descriptors), ring,
                                       PullChannel[Credit](credits, Credit), slots=1)
-            report = _measure(outlet, pings, credits, ring, iterations)
+            report = _measure(outlet, pings, credits, ring, iterations, device)
             pings.send(b"stop")
             child.wait(30)
         finally:
@@ -100,14 +123,16 @@ def hop_report(iterations: int = 400) -> dict:
                 child.kill()
                 child.wait()
             ring.close()
-            ring.unlink()
+            if device == "cpu":
+                ring.unlink()
             ctx.destroy(linger=0)
     return report
 
 
-def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int) -> dict:
-    """Per size: back-to-back copies into the slot (the memcpy limit), then hand-offs
+def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int, device: str) -> dict:
+    """Per size: back-to-back copies into the slot (the copy limit), then hand-offs
     alternating with raw round trips (so the machine's drift touches both alike); medians."""
+    cuda = device != "cpu"
     poller = zmq.Poller()
     poller.register(credits, zmq.POLLIN)
 
@@ -131,11 +156,13 @@ def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int) ->
     warm = 20
     sizes = []
     for tokens in SIZES:
-        boundary = torch.randn(tokens, HIDDEN)
+        boundary = torch.randn(tokens, HIDDEN, device=device)
         copies, hops, trips = [], [], []
         for i in range(iterations + warm):  # the raw copy, back to back
             started = time.perf_counter_ns()
             ring.write(0, boundary)
+            if cuda:
+                torch.cuda.synchronize()
             copies.append(time.perf_counter_ns() - started)
         for i in range(iterations + warm):
             hops.append(hand_off(i, boundary))
@@ -145,12 +172,14 @@ def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int) ->
         sizes.append({"tokens": tokens, "bytes": nbytes, "memcpy_us": copy_us,
                       "memcpy_gibps": nbytes / (copy_us * 1e-6) / 2**30, "zmq_rtt_us": rtt_us,
                       "hop_us": hop_us, "hop_over_zmq_rtt": hop_us / rtt_us})
-    return {"hidden": HIDDEN, "dtype": "float32", "iterations": iterations, "sizes": sizes}
+    return {"hidden": HIDDEN, "dtype": "float32", "iterations": iterations, "device": device,
+            "kind": ring.spec.kind, "sizes": sizes}
 
 
 def print_hop(report: dict, echo) -> None:
-    echo(f"medians of {report['iterations']} samples each; hand-offs alternate with 64-byte ZMQ ipc round trips")
-    echo("boundary (float32 x 576)   memcpy into shm          ZMQ round trip   one hand-off   hand-off / round trip")
+    echo(f"medians of {report['iterations']} samples each; hand-offs alternate with 64-byte ZMQ ipc round trips; "
+         f"{report['kind']} slots on {report['device']}")
+    echo(f"boundary (float32 x 576)   copy into {report['kind']:<8}     ZMQ round trip   one hand-off   hand-off / round trip")
     for s in report["sizes"]:
         echo(f"{s['tokens']:5d} tokens {s['bytes'] / 1024:9.1f} KiB  {s['memcpy_us']:7.1f} us {s['memcpy_gibps']:6.2f} GiB/s"
              f"   {s['zmq_rtt_us']:8.1f} us   {s['hop_us']:8.1f} us   {s['hop_over_zmq_rtt']:6.2f}x")

@@ -24,14 +24,17 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
     values.update(kw)
     supervise = "".join(f"{key} = {kw[key]}\n" for key in ("max_restarts", "restart_window_s", "heartbeat_timeout_s") if key in kw)
     pools = splits.items() if isinstance(splits, dict) else [("", splits)]  # {"prefill": [...], "decode": [...]}
-    stages = "".join(f"[[{pool + '.' if pool else ''}stages]]\nlayers = [{a}, {b}]\n" for pool, split in pools for a, b in split)
+    stages = "".join(
+        f"[[{pool + '.' if pool else ''}stages]]\nlayers = [{a}, {b}]\n" + _stage_keys(kw, i)
+        for pool, split in pools for i, (a, b) in enumerate(split)
+    )
     if "lease_s" in kw:
         stages = f"[handoff]\nlease_s = {kw['lease_s']}\n" + stages
     for pool in ("prefill", "decode"):  # a pool's own cache size: prefill_blocks = N, decode_blocks = N
         if f"{pool}_blocks" in kw:
             stages = f"[{pool}.kv]\nblock_size = {values['block_size']}\nnum_blocks = {kw[pool + '_blocks']}\n" + stages
     path.write_text(
-        f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\n'
+        f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\ndtype = "{kw.get("dtype", "float32")}"\n'
         f'[batch]\nmax_rows = {values["max_rows"]}\nmax_tokens = {values["max_tokens"]}\ninflight = {values["inflight"]}\n'
         f'[kv]\nblock_size = {values["block_size"]}\nnum_blocks = {values["num_blocks"]}\n'
         f'[bridge]\nmax_waiting = {values["max_waiting"]}\nmax_per_client = {values["max_per_client"]}\n'
@@ -40,6 +43,16 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         + f'[supervise]\n{supervise}{stages}'
     )
     return path
+
+
+def _stage_keys(kw, i: int) -> str:
+    """A stage's device and edge kind from devices = [...] / edges = [...] (None: the default)."""
+    keys = ""
+    for key, plural in (("device", "devices"), ("edge", "edges")):
+        values = kw.get(plural)
+        if values is not None and values[i] is not None:
+            keys += f'{key} = "{values[i]}"\n'
+    return keys
 
 
 class Daemon:

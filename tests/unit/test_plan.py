@@ -171,7 +171,9 @@ def test_plan_check_prints_each_stage(tmp_path, tiny_models):
     start = lines.index(next(l for l in lines if l.startswith("stage"))) + 1
     table = lines[start : start + 3]
     assert [l.split()[1] for l in table] == ["head", "middle", "tail"]
-    assert lines[start + 3].startswith("hand-off")  # then the price of handing KV between pools
+    assert [l.split(":")[0] for l in lines[start + 3 : start + 5]] == ["edge     0 -> 1", "edge     1 -> 2"]
+    assert all(l.endswith("shm (both stages on cpu)") for l in lines[start + 3 : start + 5])
+    assert lines[start + 5].startswith("hand-off")  # then the price of handing KV between pools
     assert "[0, 2)" in table[0] and "[2, 5)" in table[1] and "[5, 6)" in table[2]
 
 
