@@ -23,7 +23,7 @@ import torch
 from kvasir.edges import cuda_ordinal
 from kvasir.messages import CudaMemoryHandle, EdgeHandles, EdgeSpec
 from kvasir.model.loader import DTYPES
-from kvasir.slots import ShmSlotRing, SlotError, edge_bytes
+from kvasir.slots import ShmSlotRing, SlotError, check_slot, edge_bytes
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 
@@ -162,10 +162,7 @@ class CudaIpcSlotRing:
     def _check(self, slot: int, num_tokens: int) -> None:
         if not self._peer:
             raise SlotError(f"edge {self.spec.name}: used before the CUDA IPC handles were exchanged")
-        if not 0 <= slot < self.spec.slots:
-            raise SlotError(f"edge {self.spec.name}: slot {slot} outside [0, {self.spec.slots})")
-        if not 0 < num_tokens <= self.spec.max_tokens:
-            raise SlotError(f"edge {self.spec.name}: {num_tokens} tokens do not fit a {self.spec.max_tokens}-token slot")
+        check_slot(self.spec, slot, num_tokens)
 
     def write(self, slot: int, boundary: torch.Tensor) -> None:
         self._check(slot, boundary.shape[0])

@@ -49,6 +49,14 @@ class SlotRing(Protocol):
     def close(self) -> None: ...
 
 
+def check_slot(spec: EdgeSpec, slot: int, num_tokens: int) -> None:
+    """A slot index and boundary size within what the edge was built for (else SlotError)."""
+    if not 0 <= slot < spec.slots:
+        raise SlotError(f"edge {spec.name}: slot {slot} outside [0, {spec.slots})")
+    if not 0 < num_tokens <= spec.max_tokens:
+        raise SlotError(f"edge {spec.name}: {num_tokens} tokens do not fit a {spec.max_tokens}-token slot")
+
+
 def edge_bytes(spec: EdgeSpec) -> int:
     return spec.slots * spec.max_tokens * spec.hidden * DTYPES[spec.dtype].itemsize
 
@@ -64,10 +72,7 @@ class ShmSlotRing:
         self._slots = flat.view(DTYPES[spec.dtype]).view(spec.slots, spec.max_tokens, spec.hidden)
 
     def _check(self, slot: int, num_tokens: int) -> None:
-        if not 0 <= slot < self.spec.slots:
-            raise SlotError(f"edge {self.spec.name}: slot {slot} outside [0, {self.spec.slots})")
-        if not 0 < num_tokens <= self.spec.max_tokens:
-            raise SlotError(f"edge {self.spec.name}: {num_tokens} tokens do not fit a {self.spec.max_tokens}-token slot")
+        check_slot(self.spec, slot, num_tokens)
 
     def write(self, slot: int, boundary: torch.Tensor) -> None:
         self._check(slot, boundary.shape[0])

@@ -283,6 +283,61 @@ def test_launcher_prepares_each_edge_by_kind(tmp_path, tiny_models):
         assert launcher.exchange.edges == {edges[1].name: (1, 2)}
         settings = WorkerSettings(role="stage", index=1, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=edges)
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(settings), type=WorkerSettings).edges == edges
+        check_the_launcher_passes_halves_between_its_children(launcher, edges[1].name, tmp_path)
     finally:
         launcher.cleanup()
     assert not (SHM_DIR / edges[0].name).exists()
+
+
+def check_the_launcher_passes_halves_between_its_children(launcher, edge: str, tmp_path) -> None:
+    """Stand-in children (real processes, real command sockets): a half from a current
+    child is paired and each side gets the other's; one from a replaced child is ignored."""
+    import subprocess
+
+    from kvasir.launcher import Child
+
+    inboxes = []
+    for k in range(3):
+        process = subprocess.Popen(["sleep", "60"])
+        at = f"ipc://{tmp_path}/stage-{k}.sock"
+        inboxes.append(PullChannel(make_socket(launcher.ctx, zmq.PULL, bind=at), Command))
+        launcher.stages.append(Child(f"stage-{k}", process, PushChannel[Command](make_socket(launcher.ctx, zmq.PUSH, connect=at))))
+    pids = [c.process.pid for c in launcher.stages]
+    producer = msgspec.structs.replace(half(edge, "producer", 1), pid=pids[1])
+    consumer = msgspec.structs.replace(half(edge, "consumer", 2, memory=True), pid=pids[2])
+    launcher._note([msgspec.structs.replace(consumer, pid=12345)])  # from a child that is gone
+    launcher._note([producer])
+    assert not inboxes[2].socket.poll(100)
+    launcher._note([consumer])
+    assert inboxes[1].recv() == Command("attach", handles=(consumer,))
+    assert inboxes[2].recv() == Command("attach", handles=(producer,))
+    assert not inboxes[0].socket.poll(50)
+
+
+def test_pinned_slots_on_a_cpu_side_are_plain_shared_memory():
+    """The CPU side of a pinned edge registers nothing and reads in place (a CUDA side
+    registers the same file and copies asynchronously: tests/gpu)."""
+    import torch
+
+    from kvasir.gpu_slots import CudaIpcSlotRing, PinnedSlotRing
+
+    spec = EdgeSpec(kind="pinned", name=f"kvasir-test-pinned-{os.getpid()}", slots=2, max_tokens=4, hidden=8,
+                    dtype="float32", producer="cpu", consumer="cpu")
+    made = create_ring(spec)
+    producer, consumer = attach_ring(spec, "producer"), attach_ring(spec, "consumer")
+    try:
+        assert isinstance(producer, PinnedSlotRing) and producer.device is None and consumer.device is None
+        boundary = torch.arange(24, dtype=torch.float32).view(3, 8)
+        producer.write(1, boundary)
+        assert torch.equal(consumer.read(1, 3), boundary)
+        consumer.release(1)
+        with pytest.raises(SlotError, match="5 tokens do not fit a 4-token slot"):
+            producer.write(0, torch.zeros(5, 8))
+        with pytest.raises(SlotError, match="slot 2 outside"):
+            consumer.read(2, 1)
+    finally:
+        for ring in (producer, consumer, made):
+            ring.close()
+        made.unlink()
+    with pytest.raises(SlotError, match="need CUDA stages on both sides"):
+        CudaIpcSlotRing(msgspec.structs.replace(spec, kind="cuda-ipc", producer="cuda:0"), "producer")
