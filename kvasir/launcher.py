@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from kvasir.messages import (
 from kvasir.model.source import ModelSource
 from kvasir.notify import ServiceNotifier
 from kvasir.plan import Plan
-from kvasir.slots import SHARED_MEMORY_KINDS, KvSegmentMap, ShmSlotRing, create_ring
+from kvasir.slots import SHARED_MEMORY_KINDS, KvSegmentMap, ShmSlotRing, create_ring, segment_prefix, sweep_stale_segments
 from kvasir.supervision import Heartbeats, RestartPolicy
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
 
@@ -160,8 +159,10 @@ class Launcher:
         os.write(fd, f"{os.getpid()}\n".encode())
         for stale in self.ends.socket_files():
             stale.unlink(missing_ok=True)
+        for path, size in sweep_stale_segments():
+            self.log.warning("removed stale shared memory", file=str(path), bytes=size)
         self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage)
-        prefix = f"kvasir-{os.getpid()}-{secrets.token_hex(4)}"
+        prefix = segment_prefix()
         peer_access = torch_peer_access(self.plan.all_stages)
         ipc_edges: dict[str, tuple[int, int]] = {}
         for pool, view in self.plan.pools():

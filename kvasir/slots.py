@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import secrets
 from collections import deque
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +30,48 @@ from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import DTYPES
 
 SHM_DIR = Path("/dev/shm")
+SEGMENT_NAME = re.compile(r"kvasir-(?P<pid>[0-9]+)-[0-9a-f]{8}-[a-z]+[0-9]*")  # segment_prefix() + "-edge3", "-kv0", "-hop"
+
+
+def segment_prefix() -> str:
+    """The start of every shared-memory segment this process creates: it names the
+    creator's pid, so a later daemon can tell segments whose creator is gone."""
+    return f"kvasir-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def sweep_stale_segments(directory: Path = SHM_DIR) -> list[tuple[Path, int]]:
+    """Remove this user's segments whose creator no longer runs (a daemon or bench killed
+    with SIGKILL, or by the OOM killer, cannot remove its own). Segments of live
+    processes, other users' files and other names are left alone. Returns the removed
+    files with their sizes."""
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        match = SEGMENT_NAME.fullmatch(path.name)
+        if match is None or _alive(int(match["pid"])):
+            continue
+        try:
+            info = path.lstat()
+            if info.st_uid != os.getuid():
+                continue
+            path.unlink()
+        except OSError:
+            continue  # gone already, or not ours to remove
+        removed.append((path, info.st_size))
+    return removed
 
 
 class SlotError(KvasirError):

@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from kvasir.messages import BatchDescriptor, Credit, EdgeHandles, EdgeSpec, Row
-from kvasir.slots import attach_ring, create_ring
+from kvasir.slots import attach_ring, create_ring, segment_prefix
 from kvasir.stage import DownstreamOutlet, UpstreamIntake
 from kvasir.transport import PullChannel, PushChannel, make_socket
 
@@ -38,7 +38,7 @@ PING = b"p" * 64
 
 
 def _edge(device: str) -> EdgeSpec:
-    return EdgeSpec(kind="shm" if device == "cpu" else "cuda-ipc", name=f"kvasir-hop-{os.getpid()}-{time.monotonic_ns()}",
+    return EdgeSpec(kind="shm" if device == "cpu" else "cuda-ipc", name=f"{segment_prefix()}-hop",
                     slots=1, max_tokens=max(SIZES), hidden=HIDDEN, dtype="float32", producer=device, consumer=device)
 
 

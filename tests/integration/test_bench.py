@@ -150,7 +150,7 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     assert (report["kind"], report["device"]) == ("shm", "cpu")
     assert [s["tokens"] for s in sizes] == [1, 16, 128, 512]
     assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 and s["memcpy_gibps"] > 0 for s in sizes)
-    assert not list(Path("/dev/shm").glob("kvasir-hop-*"))
+    assert not list(Path("/dev/shm").glob("kvasir-*-hop"))
     for device, why in (("gpu", "is not 'cpu' or 'cuda:N'"), ("cuda:99", "cuda:99: ")):  # cuda:99 is never here
         bad = subprocess.run([str(BIN / "kvasir"), "bench", "--hop", "--hop-device", device], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr

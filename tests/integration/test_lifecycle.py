@@ -90,5 +90,11 @@ def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in children), "children outlived their launcher"
-    for leftover in Path("/dev/shm").glob(f"kvasir-{launcher}-*"):  # a killed launcher cannot clean up
-        leftover.unlink()
+    leftovers = sorted(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))  # a killed launcher cannot clean up
+    assert [p.name.rsplit("-", 1)[1] for p in leftovers] == ["edge0"]
+
+    # the next kvasird (here on the same runtime dir, as systemd's restart would) removes them
+    again = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="orphans").wait_ready()
+    assert not any(p.exists() for p in leftovers)
+    assert "removed stale shared memory" in again.log() and leftovers[0].name in again.log()
+    assert list(Path("/dev/shm").glob(f"kvasir-{again.process.pid}-*-edge0"))
