@@ -289,8 +289,12 @@ def kvasird() -> None:
               help="Seconds to wait for every stage to load and report ready.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds to let running requests finish.")
+@click.option("--stop-with-parent", is_flag=True,
+              help="Drain and stop, as on SIGTERM, when the process that started kvasird exits "
+                   "(kvasir bench starts its daemons so: a killed bench leaves none behind).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
-def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, drain_timeout: float, log_level: str) -> None:
+def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, drain_timeout: float,
+          stop_with_parent: bool, log_level: str) -> None:
     """Serve a plan in the foreground until SIGTERM or SIGINT (then drain and exit 0).
 
     Validates the plan first (exit 2 on a bad plan, before anything is spawned), makes
@@ -326,6 +330,7 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
         timeouts=Timeouts(ready_s=ready_timeout, drain_s=drain_timeout),
         log_level=log_level,
         notifier=ServiceNotifier.from_environment(),
+        parent_pid=os.getppid() if stop_with_parent else None,
     )
     sys.exit(run_launcher(launcher))
 

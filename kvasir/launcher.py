@@ -117,6 +117,7 @@ class Launcher:
     state: str = "starting"
     exit_code: int = 0
     notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
+    parent_pid: int | None = None  # stop (drain) once this process is no longer the parent
 
     def __post_init__(self) -> None:
         self.ends = Endpoints(self.runtime_dir)
@@ -255,6 +256,7 @@ class Launcher:
             dead = self._dead()
             if dead is not None:
                 raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
+            self._watch_parent()
             if self.state == "draining":
                 raise StartInterrupted("stopped during start-up")
             self.notifier.watchdog()
@@ -310,10 +312,17 @@ class Launcher:
         if self.state in ("starting", "running"):
             self.state = "draining"
 
+    def _watch_parent(self) -> None:
+        """With ``parent_pid``: the process that started the daemon is gone, so stop as on SIGTERM."""
+        if self.parent_pid is not None and self.state in ("starting", "running") and os.getppid() != self.parent_pid:
+            self.log.warning("the process that started kvasird is gone: stopping", parent=self.parent_pid)
+            self.state = "draining"
+
     def serve(self) -> None:
         self.log.info("serving", runtime_dir=str(self.runtime_dir), stages=len(self.places))
         drain_deadline = None
         while self.state in ("running", "draining"):
+            self._watch_parent()
             failure = self._failure()
             if failure is not None:
                 self._failed(failure)

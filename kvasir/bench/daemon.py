@@ -75,7 +75,7 @@ class ManagedDaemon:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [*kvasird_command(), "start", "--plan", str(self.plan_path), "--runtime-dir", str(self.runtime_dir),
-                 "--ready-timeout", str(self.ready_timeout_s), "--log-level", "warning"],
+                 "--ready-timeout", str(self.ready_timeout_s), "--log-level", "warning", "--stop-with-parent"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
-from daemon import alive
+from daemon import BIN, alive, wait_serving, write_plan
 from kvasir.client import AsyncClient
 from kvasir.messages import Cancelled, ErrorEvent, Finished, TokenOut
 from models import hf_greedy, reference_model
@@ -78,8 +81,6 @@ def children_of(pid: int) -> list[int]:
 
 
 def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):
-    import time
-
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="orphans").wait_ready()
     launcher = daemon.process.pid
     children = children_of(launcher)
@@ -98,3 +99,40 @@ def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):
     assert not any(p.exists() for p in leftovers)
     assert "removed stale shared memory" in again.log() and leftovers[0].name in again.log()
     assert list(Path("/dev/shm").glob(f"kvasir-{again.process.pid}-*-edge0"))
+
+
+def exited(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (it no longer runs either way)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def test_stop_with_parent_drains_and_cleans_up_when_the_starter_is_killed(tiny_models, tmp_path):
+    plan = write_plan(tmp_path / "p.toml", tiny_models["llama"], [(0, 3), (3, 6)])
+    runtime, log = tmp_path / "rt", tmp_path / "kvasird.log"
+    # a starter that is not this test, as kvasir bench is for its daemons; kvasird is its child
+    starter = subprocess.Popen(
+        ["sh", "-c", f'"{BIN}/kvasird" start --plan "{plan}" --runtime-dir "{runtime}" --stop-with-parent > "{log}" 2>&1 & wait']
+    )
+    launcher = None
+    try:
+        wait_serving(starter, runtime, 2, 180, lambda: log.read_text(errors="replace"))
+        launcher = int((runtime / "kvasird.lock").read_text())
+        children = children_of(launcher)
+        assert len(children) == 3 and list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(10)
+        deadline = time.monotonic() + 60
+        while not all(exited(pid) for pid in [launcher, *children]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        text = log.read_text(errors="replace")
+        assert all(exited(pid) for pid in [launcher, *children]), text
+    finally:
+        starter.kill()
+        if launcher is not None and not exited(launcher):
+            os.kill(launcher, signal.SIGKILL)  # the test failed: leave no daemon (its children follow it)
+    assert "the process that started kvasird is gone" in text and "stopped" in text
+    assert list(runtime.glob("*")) == []  # it drained and cleaned up as on SIGTERM
+    assert not list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))
