@@ -1,8 +1,10 @@
 """``kvasir top``: a live terminal view of a running daemon, refreshed about once a second.
 
 Each frame compares two stats snapshots: per stage the busy / starved / blocked shares
-of the interval as bars, batches and tokens per second, KV held; daemon-wide the
-requests in flight, the head's queue and batches in flight, and output tokens/s.
+of the interval as bars, batches and tokens per second, KV held (and, where stages run
+on GPUs, each stage's device and the device memory it holds); daemon-wide the requests
+in flight, the head's queue and batches in flight (in a disaggregated plan: each pool's
+head, and the requests being handed from prefill to decode), and output tokens/s.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import click
 from kvasir.messages import DaemonStats, StageStats
 
 BAR = 24
+WAITING = "(waiting for the stage's next report)"
 
 
 def bar(busy: float, starved: float, blocked: float, width: int = BAR) -> str:
@@ -34,24 +37,47 @@ def bar(busy: float, starved: float, blocked: float, width: int = BAR) -> str:
 def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
     """The lines of one frame: what changed between two snapshots."""
     seconds = max(after.uptime_s - before.uptime_s, 1e-9)
-    head = next((s for s in after.stages if s.index == 0), None)
+    pooled = any(s.pool for s in after.stages)
+    gpus = any(s.device != "cpu" for s in after.stages)
     lines = [
         f"kvasir  up {after.uptime_s:7.0f} s   requests {after.requests}   in flight {after.in_flight}"
-        f"   queued {head.waiting if head else 0}   batches in flight {head.inflight if head else 0}"
-        f"   {(after.tokens_out - before.tokens_out) / seconds:7.1f} tokens/s out"
+        + _queues(after.stages, pooled)
+        + f"   {(after.tokens_out - before.tokens_out) / seconds:7.1f} tokens/s out"
         + (f"   restarts {after.restarts}" if after.restarts else "")
         + (f"   {after.state.upper()}" if after.state != "serving" else ""),
-        f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks",
+        ("pool     " if pooled else "")
+        + f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks"
+        + ("  device   GPU memory" if gpus else ""),
     ]
     old = {s.index: s for s in before.stages}
     for s in after.stages:
-        lines.append(_stage_line(old.get(s.index), s))
+        lines.append(
+            (f"{s.pool:<9}" if pooled else "")
+            + _stage_line(old.get(s.index), s)
+            + (f"  {s.device:<8} {s.gpu_bytes / 2**30:6.2f} GiB" if gpus and s.device != "cpu" else "")
+        )
     return lines
+
+
+def _queues(stages: list[StageStats], pooled: bool) -> str:
+    """The head's queue and batches in flight; in a disaggregated plan, each pool's head."""
+    heads = {}
+    for s in sorted(stages, key=lambda s: s.index):
+        heads.setdefault(s.pool, s)  # a pool's head is its first stage
+    if not pooled:
+        head = heads.get("")
+        return f"   queued {head.waiting if head else 0}   batches in flight {head.inflight if head else 0}"
+    prefill, decode = heads.get("prefill"), heads.get("decode")
+    return (
+        f"   prefill: queued {prefill.waiting if prefill else 0}, batches in flight {prefill.inflight if prefill else 0}"
+        f", handing off {prefill.handing_off if prefill else 0}"
+        f"   decode: queued {decode.waiting if decode else 0}, batches in flight {decode.inflight if decode else 0}"
+    )
 
 
 def _stage_line(b: StageStats | None, s: StageStats) -> str:
     if b is None or b.pid != s.pid or s.wall_s <= b.wall_s:
-        return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  (waiting for the stage's next report)"
+        return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  {WAITING:<{BAR + 53}}"
     wall = s.wall_s - b.wall_s
     busy, starved, blocked = ((s.busy_s - b.busy_s) / wall, (s.starved_s - b.starved_s) / wall, (s.blocked_s - b.blocked_s) / wall)
     return (

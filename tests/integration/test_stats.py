@@ -102,11 +102,3 @@ def test_top_draws_frames_from_live_stats(tiny_models, start_daemon):
     gone = subprocess.run([str(BIN / "kvasir"), "top", "--count", "1", "--runtime-dir", str(daemon.runtime_dir / "none")],
                           capture_output=True, text=True, timeout=60)
     assert gone.returncode == 3
-
-
-def test_bar_shares():
-    from kvasir.top import bar
-
-    assert bar(0.5, 0.25, 0.25, width=8) == "####--xx"
-    assert bar(0.0, 0.0, 0.0, width=4) == "    "
-    assert len(bar(0.34, 0.33, 0.34, width=10)) == 10

@@ -1,0 +1,68 @@
+"""kvasir top's frames, drawn from stats snapshots (the live command is tested in
+tests/integration/test_stats.py)."""
+
+from __future__ import annotations
+
+from kvasir.messages import DaemonStats, StageStats
+from kvasir.top import bar, frame
+
+
+def stage(index, layers, wall_s, busy_s, batches, **kw) -> StageStats:
+    values = dict(pid=100 + index, starved_s=0.0, blocked_s=0.0, rows=0, tokens=batches * 4, inflight=0,
+                  kv_requests=0, kv_blocks=7)
+    values.update(kw)
+    return StageStats(index=index, layers=layers, wall_s=wall_s, busy_s=busy_s, batches=batches, **values)
+
+
+def snapshot(uptime_s, stages, tokens_out) -> DaemonStats:
+    return DaemonStats(uptime_s=uptime_s, requests=5, in_flight=3, tokens_out=tokens_out, waiting_limit=64,
+                       vocab_size=100, max_seq_len=256, stages=stages)
+
+
+def test_bar_shares():
+    assert bar(0.5, 0.25, 0.25, width=8) == "####--xx"
+    assert bar(0.0, 0.0, 0.0, width=4) == "    "
+    assert len(bar(0.34, 0.33, 0.34, width=10)) == 10
+
+
+def test_a_cpu_ring_frame_shows_the_head_and_each_stages_shares():
+    before = snapshot(10.0, [stage(0, (0, 15), 9.0, 4.0, 10), stage(1, (15, 30), 9.0, 3.0, 10)], 100)
+    after = snapshot(12.0, [stage(0, (0, 15), 11.0, 5.0, 30, waiting=4, inflight=2), stage(1, (15, 30), 11.0, 3.5, 30)], 140)
+    lines = frame(before, after)
+    assert "queued 4   batches in flight 2" in lines[0] and "20.0 tokens/s out" in lines[0]
+    assert lines[1].startswith("stage  layers") and "device" not in lines[1] and "pool" not in lines[1]
+    assert "  0-15  " in lines[2] and " 50% " in lines[2] and "10.0" in lines[2]  # 1 s busy of 2; 20 batches in 2 s
+    assert " 25% " in lines[3]
+    assert len(lines) == 4
+
+
+def test_gpu_stages_show_their_device_and_memory_and_a_restarted_stage_waits():
+    before = snapshot(10.0, [stage(0, (0, 15), 9.0, 4.0, 10, device="cuda:0"), stage(1, (15, 30), 9.0, 3.0, 10)], 0)
+    after = snapshot(12.0, [
+        stage(0, (0, 15), 11.0, 5.0, 30, device="cuda:0", gpu_bytes=3 * 2**29),
+        stage(1, (15, 30), 1.0, 0.5, 2, pid=999),  # a new process since the last snapshot
+    ], 0)
+    lines = frame(before, after)
+    assert lines[1].endswith("device   GPU memory")
+    assert lines[2].endswith("cuda:0     1.50 GiB")
+    assert "(waiting for the stage's next report)" in lines[3] and "cuda" not in lines[3]
+    # the device column lines up whether or not the stage has reported
+    assert len(lines[3]) == len(lines[2]) - len("  cuda:0     1.50 GiB")
+
+
+def test_a_disaggregated_frame_names_each_pool_and_its_head():
+    pools = [("prefill", (0, 15)), ("prefill", (15, 30)), ("decode", (0, 17)), ("decode", (17, 30))]
+
+    def stages(wall, **head):
+        return [
+            stage(k, layers, wall, 1.0, 5, pool=pool, **(head.get(pool, {}) if k in (0, 2) else {}))
+            for k, (pool, layers) in enumerate(pools)
+        ]
+
+    after = snapshot(12.0, stages(11.0, prefill=dict(waiting=6, inflight=1, handing_off=2),
+                                  decode=dict(waiting=3, inflight=2)), 50)
+    lines = frame(snapshot(10.0, stages(9.0), 10), after)
+    assert "prefill: queued 6, batches in flight 1, handing off 2" in lines[0]
+    assert "decode: queued 3, batches in flight 2" in lines[0]
+    assert lines[1].startswith("pool     stage")
+    assert [line.split()[0] for line in lines[2:]] == ["prefill", "prefill", "decode", "decode"]
