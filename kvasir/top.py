@@ -23,7 +23,7 @@ import click
 from kvasir.messages import DaemonStats, StageStats
 
 BAR = 24
-WAITING = "(waiting for the stage's next report)"
+STAGE_LINE = 17 + BAR + 53  # characters of a stage's line before the device column
 
 
 def bar(busy: float, starved: float, blocked: float, width: int = BAR) -> str:
@@ -51,11 +51,10 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
     ]
     old = {s.index: s for s in before.stages}
     for s in after.stages:
-        lines.append(
-            (f"{s.pool:<9}" if pooled else "")
-            + _stage_line(old.get(s.index), s)
-            + (f"  {s.device:<8} {s.gpu_bytes / 2**30:6.2f} GiB" if gpus and s.device != "cpu" else "")
-        )
+        line = _stage_line(old.get(s.index), s)
+        if gpus and s.device != "cpu":
+            line = f"{line:<{STAGE_LINE}}  {s.device:<8} {s.gpu_bytes / 2**30:6.2f} GiB"
+        lines.append((f"{s.pool:<9}" if pooled else "") + line)
     return lines
 
 
@@ -77,7 +76,7 @@ def _queues(stages: list[StageStats], pooled: bool) -> str:
 
 def _stage_line(b: StageStats | None, s: StageStats) -> str:
     if b is None or b.pid != s.pid or s.wall_s <= b.wall_s:
-        return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  {WAITING:<{BAR + 53}}"
+        return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  (waiting for the stage's next report)"
     wall = s.wall_s - b.wall_s
     busy, starved, blocked = ((s.busy_s - b.busy_s) / wall, (s.starved_s - b.starved_s) / wall, (s.blocked_s - b.blocked_s) / wall)
     return (

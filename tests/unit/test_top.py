@@ -37,17 +37,19 @@ def test_a_cpu_ring_frame_shows_the_head_and_each_stages_shares():
 
 
 def test_gpu_stages_show_their_device_and_memory_and_a_restarted_stage_waits():
-    before = snapshot(10.0, [stage(0, (0, 15), 9.0, 4.0, 10, device="cuda:0"), stage(1, (15, 30), 9.0, 3.0, 10)], 0)
+    before = snapshot(10.0, [stage(0, (0, 10), 9.0, 4.0, 10, device="cuda:0"),
+                             stage(1, (10, 20), 9.0, 3.0, 10, device="cuda:1"), stage(2, (20, 30), 9.0, 3.0, 10)], 0)
     after = snapshot(12.0, [
-        stage(0, (0, 15), 11.0, 5.0, 30, device="cuda:0", gpu_bytes=3 * 2**29),
-        stage(1, (15, 30), 1.0, 0.5, 2, pid=999),  # a new process since the last snapshot
+        stage(0, (0, 10), 11.0, 5.0, 30, device="cuda:0", gpu_bytes=3 * 2**29),
+        stage(1, (10, 20), 1.0, 0.5, 2, pid=999, device="cuda:1", gpu_bytes=2**30),  # a new process since the last snapshot
+        stage(2, (20, 30), 11.0, 3.5, 30),
     ], 0)
     lines = frame(before, after)
     assert lines[1].endswith("device   GPU memory")
     assert lines[2].endswith("cuda:0     1.50 GiB")
-    assert "(waiting for the stage's next report)" in lines[3] and "cuda" not in lines[3]
-    # the device column lines up whether or not the stage has reported
-    assert len(lines[3]) == len(lines[2]) - len("  cuda:0     1.50 GiB")
+    assert "(waiting for the stage's next report)" in lines[3] and lines[3].endswith("cuda:1     1.00 GiB")
+    assert len(lines[3]) == len(lines[2])  # the device column lines up whether or not the stage has reported
+    assert lines[4].endswith("7") and "cuda" not in lines[4]  # a CPU stage of the same plan: no device column
 
 
 def test_a_disaggregated_frame_names_each_pool_and_its_head():
