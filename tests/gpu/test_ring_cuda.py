@@ -2,8 +2,10 @@
 Hugging Face ``generate`` (skipped where CUDA is absent).
 
 Tolerance rules:
-- float32: greedy tokens are identical to ``generate`` of the unsplit model on the same
-  device (exactly as on CPU).
+- float32, every stage on one device: greedy tokens are identical to ``generate`` of the
+  unsplit model on that device (exactly as on CPU).
+- float32, stages on a CPU and a GPU: no single device runs the same kernels, so the
+  rule is the near-argmax one below with ``MIXED_MARGIN`` (1e-4: float32 noise only).
 - bfloat16: kernels and summation order differ between the ring and ``generate``, so two
   near-tied logits may swap and the outputs then diverge. The rule is per token, teacher
   forced: every token the ring picks is within ``BF16_MARGIN`` x (the step's largest
@@ -31,6 +33,7 @@ pytestmark = [
 LENGTHS = [1, 4, 9, 17, 33, 60, 90, 120, 2, 45]
 NEW = 16
 BF16_MARGIN = 0.05
+MIXED_MARGIN = 1e-4
 
 
 async def greedy(runtime_dir, prompts, new_tokens=NEW) -> list[list[int]]:
@@ -56,6 +59,19 @@ def hf_greedy(model, prompt: list[int], new_tokens: int = NEW) -> list[int]:
 
 def edge_kinds(daemon) -> list[str]:
     return [line.split("kind=")[1].split()[0] for line in daemon.log().splitlines() if " edge " in line and "kind=" in line]
+
+
+def check_near_argmax(model, prompts, outputs, margin: float) -> None:
+    """Teacher forced on the ring's own output: each chosen token's float32 reference logit
+    is within ``margin`` x the step's largest |logit| of the step's best."""
+    for prompt, tokens in zip(prompts, outputs):
+        assert len(tokens) == NEW
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens], device=model.device)).logits[0, len(prompt) - 1 : -1].float()
+        best = logits.max(dim=-1).values
+        chosen = logits.gather(1, torch.tensor(tokens, device=model.device)[:, None])[:, 0]
+        allowed = margin * logits.abs().max(dim=-1).values
+        assert bool(((best - chosen) <= allowed).all()), (best - chosen, allowed)
 
 
 def check_exact(daemon, folder, device: str, prompts) -> None:
@@ -86,7 +102,9 @@ def test_three_gpu_stages_two_cuda_ipc_edges_with_more_batches_than_slots(start_
 def test_pinned_edges_between_cpu_and_gpu_stages_match_generate(start_daemon, tiny_models):
     daemon = start_daemon(tiny_models["llama"], [(0, 2), (2, 4), (4, 6)], devices=["cpu", "cuda:0", "cpu"]).wait_ready()
     assert edge_kinds(daemon) == ["pinned", "pinned"]
-    check_exact(daemon, tiny_models["llama"], "cpu", random_prompts(320, LENGTHS, seed=5))
+    prompts = random_prompts(320, LENGTHS, seed=5)
+    got = asyncio.run(greedy(daemon.runtime_dir, prompts))
+    check_near_argmax(reference(tiny_models["llama"], "cpu"), prompts, got, MIXED_MARGIN)
 
 
 def test_explicit_shared_memory_between_gpu_stages_still_works(start_daemon, tiny_models):
@@ -100,15 +118,7 @@ def test_bfloat16_tokens_are_near_argmax_of_the_float32_reference(start_daemon, 
     daemon = start_daemon(tiny_models["qwen2"], [(0, 3), (3, 6)], devices=["cuda:0", "cuda:0"], dtype="bfloat16").wait_ready()
     prompts = random_prompts(320, LENGTHS, seed=7)
     got = asyncio.run(greedy(daemon.runtime_dir, prompts))
-    model = reference(tiny_models["qwen2"], "cuda:0")
-    for prompt, tokens in zip(prompts, got):
-        assert len(tokens) == NEW
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens], device="cuda:0")).logits[0, len(prompt) - 1 : -1].float()
-        best = logits.max(dim=-1).values
-        chosen = logits.gather(1, torch.tensor(tokens, device="cuda:0")[:, None])[:, 0]
-        margin = BF16_MARGIN * logits.abs().max(dim=-1).values
-        assert bool(((best - chosen) <= margin).all()), (best - chosen, margin)
+    check_near_argmax(reference(tiny_models["qwen2"], "cuda:0"), prompts, got, BF16_MARGIN)
 
 
 def test_hop_over_cuda_ipc_slots():
