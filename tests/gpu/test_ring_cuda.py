@@ -21,7 +21,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvasir.client import AsyncClient, Client
+from daemon import settled
+from kvasir.client import AsyncClient
 from kvasir.messages import Finished, TokenOut
 from models import random_prompts
 
@@ -85,8 +86,7 @@ def test_two_stages_on_one_gpu_over_cuda_ipc_match_generate_float32(start_daemon
     assert edge_kinds(daemon) == ["cuda-ipc"]
     prompts = random_prompts(320, LENGTHS)
     check_exact(daemon, tiny_models["llama"], "cuda:0", prompts)
-    with Client(daemon.runtime_dir) as client:
-        stages = client.stats().stages
+    stages = settled(daemon.runtime_dir).stages
     assert [s.device for s in stages] == ["cuda:0", "cuda:0"]
     assert all(0 < s.gpu_bytes <= s.gpu_reserved_bytes for s in stages)
     assert all(s.kv_blocks == 0 for s in stages)

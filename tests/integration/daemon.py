@@ -137,3 +137,15 @@ class TailReader:
     def stop(self) -> None:
         self.process.kill()
         self.process.wait()
+
+
+def settled(runtime_dir, timeout_s: float = 30.0):
+    """Stats once no request is in the daemon and every stage has reported since (the
+    stages free released blocks with the next descriptor, and report twice a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with Client(runtime_dir) as client:
+            stats = client.stats()
+        if stats.in_flight == 0 and all(s.kv_blocks == 0 for s in stats.stages) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)

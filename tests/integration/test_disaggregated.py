@@ -7,12 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from daemon import BIN, alive
+from daemon import BIN, alive, settled
 from kvasir.client import Client
 from kvasir.messages import ErrorEvent, Finished
 from models import hf_greedy, random_prompts, reference_model
@@ -127,15 +126,3 @@ def test_a_lost_confirmation_ends_with_the_lease(tiny_models, start_daemon):
     assert one_greedy(daemon.runtime_dir, [9, 8, 7], 10) == hf_greedy(reference, [9, 8, 7], 10)
     stats = settled(daemon.runtime_dir)
     assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
-
-
-def settled(runtime_dir, timeout_s: float = 30.0):
-    """Stats once no request is in the daemon and every stage has reported since (the
-    stages free released blocks with the next descriptor, and report twice a second)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with Client(runtime_dir) as client:
-            stats = client.stats()
-        if stats.in_flight == 0 and all(s.kv_blocks == 0 for s in stats.stages) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
