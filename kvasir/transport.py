@@ -198,7 +198,9 @@ class BatchedSocket:
         (ROUTER_MANDATORY: no such peer); then nothing was queued. ZMQ takes a multipart
         message whole or not at all: once the first frame is queued, the rest are too."""
         last = len(frames) - 1
-        self.shadow.send(frames[0], NOBLOCK_MORE if last else NOBLOCK)
-        for index in range(1, last + 1):
-            self.shadow.send(frames[index], NOBLOCK_MORE if index < last else NOBLOCK)
-        self._wake()
+        try:
+            self.shadow.send(frames[0], NOBLOCK_MORE if last else NOBLOCK)
+            for index in range(1, last + 1):
+                self.shadow.send(frames[index], NOBLOCK_MORE if index < last else NOBLOCK)
+        finally:
+            self._wake()  # a failed send may have consumed the descriptor's notification too

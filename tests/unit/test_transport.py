@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -93,4 +94,41 @@ def test_multipart_frames_arrive_whole(tmp_path, frames):
             b.close(linger=0)
 
     assert asyncio.run(main()) == [frames]
+    ctx.term()
+
+
+def test_a_send_to_a_vanished_client_does_not_swallow_anothers_message(tmp_path):
+    # The bridge's ROUTER (ROUTER_MANDATORY) sends an event to a client that is gone: the
+    # send fails with EHOSTUNREACH, and on its way ZMQ may consume the descriptor's
+    # notification of a message another client has just sent. The waiting reader must
+    # still wake (before the fix it slept until some later message arrived).
+    endpoint = f"ipc://{tmp_path / 'router.sock'}"
+    ctx = zmq.asyncio.Context()
+    plain = zmq.Context()
+
+    async def main():
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.bind(endpoint)
+        io = BatchedSocket(router)
+        client = plain.socket(zmq.DEALER)
+        client.connect(endpoint)
+        try:
+            client.send(b"hello")
+            identity, _ = (await asyncio.wait_for(io.recv_batch(multipart=True), 5))[0]
+            reader = asyncio.create_task(io.recv_batch(multipart=True))
+            await asyncio.sleep(0.05)  # the reader is waiting on the descriptor
+            client.send(b"stats?")
+            time.sleep(0.1)  # arrived, and the event loop has not run since
+            with pytest.raises(zmq.ZMQError) as failed:
+                io.send_now([b"gone", b"an event"])
+            assert failed.value.errno == zmq.EHOSTUNREACH
+            return identity, await asyncio.wait_for(reader, 5)
+        finally:
+            client.close(linger=0)
+            router.close(linger=0)
+
+    identity, messages = asyncio.run(main())
+    assert messages == [[identity, b"stats?"]]
+    plain.term()
     ctx.term()
