@@ -23,7 +23,7 @@ import click
 from kvasir.messages import DaemonStats, StageStats
 
 BAR = 24
-STAGE_LINE = 17 + BAR + 53  # characters of a stage's line before the device column
+HEADER = f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks"
 
 
 def bar(busy: float, starved: float, blocked: float, width: int = BAR) -> str:
@@ -45,15 +45,13 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
         + f"   {(after.tokens_out - before.tokens_out) / seconds:7.1f} tokens/s out"
         + (f"   restarts {after.restarts}" if after.restarts else "")
         + (f"   {after.state.upper()}" if after.state != "serving" else ""),
-        ("pool     " if pooled else "")
-        + f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks"
-        + ("  device   GPU memory" if gpus else ""),
+        ("pool     " if pooled else "") + HEADER + ("  device   GPU memory" if gpus else ""),
     ]
     old = {s.index: s for s in before.stages}
     for s in after.stages:
         line = _stage_line(old.get(s.index), s)
         if gpus and s.device != "cpu":
-            line = f"{line:<{STAGE_LINE}}  {s.device:<8} {s.gpu_bytes / 2**30:6.2f} GiB"
+            line = f"{line:<{len(HEADER)}}  {s.device:<8} {s.gpu_bytes / 2**30:6.2f} GiB"  # under the header's column
         lines.append((f"{s.pool:<9}" if pooled else "") + line)
     return lines
 
@@ -63,15 +61,16 @@ def _queues(stages: list[StageStats], pooled: bool) -> str:
     heads = {}
     for s in sorted(stages, key=lambda s: s.index):
         heads.setdefault(s.pool, s)  # a pool's head is its first stage
+
+    def counts(pool: str, sep: str) -> str:
+        head = heads.get(pool)
+        return f"queued {head.waiting if head else 0}{sep}batches in flight {head.inflight if head else 0}"
+
     if not pooled:
-        head = heads.get("")
-        return f"   queued {head.waiting if head else 0}   batches in flight {head.inflight if head else 0}"
-    prefill, decode = heads.get("prefill"), heads.get("decode")
-    return (
-        f"   prefill: queued {prefill.waiting if prefill else 0}, batches in flight {prefill.inflight if prefill else 0}"
-        f", handing off {prefill.handing_off if prefill else 0}"
-        f"   decode: queued {decode.waiting if decode else 0}, batches in flight {decode.inflight if decode else 0}"
-    )
+        return "   " + counts("", "   ")
+    prefill = heads.get("prefill")
+    handing_off = prefill.handing_off if prefill else 0
+    return f"   prefill: {counts('prefill', ', ')}, handing off {handing_off}   decode: {counts('decode', ', ')}"
 
 
 def _stage_line(b: StageStats | None, s: StageStats) -> str:
