@@ -52,14 +52,22 @@ from kvasir.messages import (
 from kvasir.keys import load_pair
 from kvasir.ledger import HandoffLog, Ledger, Peer, Pending
 from kvasir.model.source import resolve_source
+from kvasir.outbox import ZMQ_QUEUE, Outbox
 from kvasir.plan import BridgeSpec
 from kvasir.transport import BatchedSocket, Endpoints, make_socket
-from kvasir.validation import check_prompt, check_sampling
+from kvasir.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling
 
 
 MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
-PUB_QUEUE = 1_000_000  # token events queued per `kvasir tail` subscriber before it misses some
+PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
+
+
+class _Envelope(msgspec.Struct):
+    """Just enough of a client message to answer one that does not decode: its key."""
+
+    type: str = ""
+    key: int | None = None
 
 
 class Bridge:
@@ -72,10 +80,11 @@ class Bridge:
         self.max_seq_len = plan.model.max_seq_len
         self.max_waiting = plan.bridge.max_waiting
         self.max_per_client = plan.bridge.max_per_client
+        self.max_tokens = plan.bridge.max_tokens_per_request  # None: any (model.max_seq_len caps a request)
         self.tokenizer = load_tokenizer(source.weights_dir)
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
-        self.client_queue = plan.bridge.max_client_queue
+        self.outbox = Outbox(plan.bridge.max_client_queue, plan.bridge.max_client_bytes, self._lost)
         self.clients = self._client_router(ctx)
         self.publisher = make_socket(ctx, zmq.PUB)
         self.publisher.setsockopt(zmq.SNDHWM, PUB_QUEUE)
@@ -94,6 +103,9 @@ class Bridge:
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
+        self.envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+        self.malformed = 0  # internal messages that did not decode (dropped)
+        self.clients_lost = 0
         self.requests = Ledger()
         self.handoffs = HandoffLog()
         self.stage_stats: dict[int, StageStats] = {}
@@ -116,7 +128,7 @@ class Bridge:
     # -- serving -----------------------------------------------------------------------
     async def serve(self) -> None:
         await self.control.send(self.encoder.encode(Ready("bridge", 0, os.getpid())))
-        self._tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands(), self._heartbeat())]
+        self._tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands(), self._heartbeat(), self.outbox.run())]
         stopped = asyncio.create_task(self.stopped.wait())
         try:
             while not self.stopped.is_set():
@@ -133,6 +145,7 @@ class Bridge:
         while True:
             for frames in await io.recv_batch(multipart=True):
                 await self._client_message(io, frames)
+            await asyncio.sleep(0)  # a client that never pauses must not starve heartbeats, tokens, CURVE
 
     async def _client_message(self, io: BatchedSocket, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -145,7 +158,7 @@ class Bridge:
         try:
             message = self.client_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}"))
+            await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}", key=self._key_of(body)))
             return
         match message:
             case Submit():
@@ -170,6 +183,8 @@ class Bridge:
                 raise RequestError(
                     "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
                 )
+            if self.max_tokens is not None:
+                check_max_tokens(msg.max_tokens, self.max_tokens)
             ids = self._prompt_ids(msg)
             sampling = SamplingParams(
                 temperature=msg.temperature,
@@ -189,8 +204,19 @@ class Bridge:
         self.accepted += 1
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.requests.add(rid, Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok))
+        client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
-        await self.head_io.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling)))
+        if self.requests.get(rid) is None:
+            return  # the client could not be told (gone, or not reading): nothing runs for nobody
+        await self.head_io.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling, client)))
+
+    def _key_of(self, body: bytes) -> int | None:
+        """The key of a submission or stats query that did not decode, when it has one."""
+        try:
+            envelope = self.envelope_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return envelope.key if envelope.type in ("submit", "stats") else None
 
     def _prompt_ids(self, msg: Submit) -> list[int]:
         if (msg.prompt is None) == (msg.token_ids is None):
@@ -199,6 +225,7 @@ class Bridge:
             return check_prompt(msg.token_ids, self.vocab_size, self.max_seq_len)
         if self.tokenizer is None:
             raise RequestError("invalid_request", "this model has no tokenizer: submit token ids instead of text")
+        check_prompt_text(msg.prompt, self.max_seq_len)
         if msg.chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise RequestError("invalid_request", "this model has no chat template")
@@ -222,8 +249,20 @@ class Bridge:
     async def _stages(self) -> None:
         while True:
             for body in await self.inbox_io.recv_batch():
-                await self._stage_message(self.inbox_decoder.decode(body))
+                try:
+                    message = self.inbox_decoder.decode(body)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    self._malformed("bridge-in", exc)
+                    continue
+                await self._stage_message(message)
             await self._maybe_drained()
+            await asyncio.sleep(0)
+
+    def _malformed(self, socket: str, exc: Exception) -> None:
+        """An internal message that does not decode: a bug, a version mix or a stray
+        process of the daemon's user. Dropped and logged; the bridge keeps serving."""
+        self.malformed += 1
+        self.log.warning("dropped a malformed internal message", socket=socket, error=str(exc), dropped=self.malformed)
 
     async def _stage_message(self, message: BridgeMessage) -> None:
         match message:
@@ -277,7 +316,11 @@ class Bridge:
     async def _commands(self) -> None:
         decoder = msgspec.msgpack.Decoder(Command)
         while True:
-            command = decoder.decode(await self.commands.recv())
+            try:
+                command = decoder.decode(await self.commands.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._malformed("command-bridge", exc)
+                continue
             if command.kind == "serve":
                 self._serve(command)
             elif command.kind == "ring_down":
@@ -344,7 +387,7 @@ class Bridge:
         unnoticed and no queue grows without bound."""
         sock = make_socket(ctx, zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
-        sock.setsockopt(zmq.SNDHWM, self.client_queue)
+        sock.setsockopt(zmq.SNDHWM, ZMQ_QUEUE)  # the rest waits in the outbox, counted in bytes
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         return sock
 
@@ -376,18 +419,13 @@ class Bridge:
 
     def _deliver(self, peer: Peer, payload: bytes) -> None:
         """Queue one event for a client; a client that is gone, or has not read its last
-        ``bridge.max_client_queue`` events, loses its requests instead."""
-        try:
-            peer.io.send_now([peer.identity, payload])
-        except zmq.Again:
-            self._lost(peer, "stopped reading its events")
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self._lost(peer, "disconnected")
+        ``bridge.max_client_queue`` events or ``bridge.max_client_bytes`` bytes, loses its
+        requests instead (see kvasir/outbox.py)."""
+        self.outbox.deliver(peer, payload)
 
     def _lost(self, peer: Peer, why: str) -> None:
         """Cancel every request of a client that cannot be told anything any more."""
+        self.clients_lost += 1
         rids = self.requests.of(peer)
         for rid in rids:
             self.requests.end(rid)
@@ -412,6 +450,9 @@ class Bridge:
             last_failure=self.last_failure,
             last_failure_age_s=time.monotonic() - self.last_failure_at if self.last_failure is not None else None,
             handoff=self.handoffs.summary(),
+            client_bytes_waiting=self.outbox.waiting_bytes,
+            clients_lost=self.clients_lost,
+            malformed=self.malformed,
         )
 
 

@@ -243,11 +243,14 @@ def model_prepare(source: str) -> None:
     Later loads read the converted safetensors folder; each stage reads only its own
     tensors. A folder that is already a Hugging Face model needs no preparing.
     """
-    from kvasir.model.convert import prepare
+    from kvasir.model.convert import ConversionInterrupted, prepare
     from kvasir.model.source import resolve_source
 
     try:
         prepared = prepare(resolve_source(source))
+    except ConversionInterrupted as exc:
+        click.echo(f"kvasir: {exc}", err=True)
+        sys.exit(1)
     except KvasirError as exc:
         _fail(exc)
     click.echo(f"{source}: ready in {prepared.weights_dir}")
@@ -304,7 +307,7 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     section bounds how often); past that bound the daemon exits 1.
     """
     from kvasir.launcher import Launcher, Timeouts, check_host, run_launcher
-    from kvasir.model.convert import prepare
+    from kvasir.model.convert import ConversionInterrupted, prepare
     from kvasir.logs import setup_logging
     from kvasir.notify import ServiceNotifier
     from kvasir.resolve import resolve_plan
@@ -319,6 +322,9 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     try:
         source = prepare(source, log)
         source.require_weights()
+    except ConversionInterrupted as exc:
+        log.info("stopped during start-up", why=str(exc))
+        sys.exit(0)
     except KvasirError as exc:
         _fail(exc)
     plan = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))
@@ -345,13 +351,13 @@ def _connect(runtime_dir: str | None, wait_s: float = 0.0, remote=None):
     or it refuses this client's key."""
     import time
 
-    from kvasir.client import Client, NoDaemon, NotAuthorised
+    from kvasir.client import Client, NoDaemon, NotAuthorised, RuntimeDirError
 
     deadline = time.monotonic() + wait_s
     while True:
         try:
             return Client(runtime_dir, remote=remote)
-        except NotAuthorised as exc:
+        except (NotAuthorised, RuntimeDirError) as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(3)
         except NoDaemon as exc:

@@ -40,7 +40,10 @@ from kvasir.messages import (
     Submit,
     TokenOut,
 )
+from kvasir.rundir import RuntimeDirError, check_client_dir
 from kvasir.transport import BatchedSocket, Endpoints, default_runtime_dir
+
+__all__ = ["AsyncClient", "Client", "NoDaemon", "NotAuthorised", "Remote", "RuntimeDirError"]
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -69,6 +72,16 @@ class Remote:
             public, secret = load_pair(self.client_key)
             sock.curve_publickey, sock.curve_secretkey = public, secret
             sock.curve_serverkey = load_public(self.server_key)
+
+
+def _check_local(rt: Path, ends: Endpoints) -> None:
+    """A runtime dir that is safe to send prompts to and has a daemon's socket in it."""
+    try:
+        check_client_dir(rt)
+    except FileNotFoundError:
+        raise NoDaemon(f"no kvasird is running at runtime dir {rt} (no such directory)") from None
+    if not ends.client_path.exists():
+        raise NoDaemon(f"no kvasird is running at runtime dir {rt} (no {ends.client_path.name})")
 
 
 class RequestStream:
@@ -131,8 +144,8 @@ class AsyncClient:
         rt = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
         where = remote.endpoint if remote is not None else f"runtime dir {rt}"
         ends = Endpoints(rt)
-        if remote is None and not ends.client_path.exists():
-            raise NoDaemon(f"no kvasird is running at runtime dir {rt} (no {ends.client_path.name})")
+        if remote is None:
+            _check_local(rt, ends)
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvasir.errors import RequestError
+from kvasir.errors import BatchError, RequestError
 from kvasir.messages import (
     Adopted,
     BatchDescriptor,
@@ -42,8 +42,32 @@ from kvasir.transport import PullChannel, PushChannel
 Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
 
 
+class RecentIds:
+    """The most recent ``limit`` request ids added, for "has this one ended already?"."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._ids: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, rid: int) -> None:
+        self._ids[rid] = None
+        if len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
+
+    def take(self, rid: int) -> bool:
+        """Was ``rid`` added (and not taken since)? Forgets it."""
+        return self._ids.pop(rid, 0) is None
+
+
+ENDED_KEPT = 65536  # ids a head remembers ending before it heard of them
+
+
 class SchedulerIntake:
-    """The head of a colocated ring: batches come from its scheduler."""
+    """The head of a colocated ring: batches come from its scheduler.
+
+    A cancel for a request the head has not heard of is remembered, so that the request
+    is never run if its Enqueue comes after all (cancels always win).
+    """
 
     def __init__(self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel) -> None:
         self.scheduler = scheduler
@@ -51,6 +75,7 @@ class SchedulerIntake:
         self.bridge = bridge
         self.sockets = [inbox.socket]
         self.hop_ns = 0
+        self.cancelled_early = RecentIds(ENDED_KEPT)
 
     def receive(self) -> None:
         for message in self.inbox.drain():
@@ -58,16 +83,30 @@ class SchedulerIntake:
 
     def handle(self, message) -> None:
         match message:
-            case Enqueue(request_id=rid, token_ids=ids, sampling=sampling):
+            case Enqueue(request_id=rid) if self.cancelled_early.take(rid):
+                self.bridge.send(RequestEnded(rid, "cancelled"))
+            case Enqueue(request_id=rid, token_ids=ids, sampling=sampling, client=client):
                 try:
-                    self.scheduler.submit(list(ids), sampling, request_id=rid)
+                    self.scheduler.submit(list(ids), sampling, request_id=rid, client=client)
                 except RequestError as exc:
                     self.bridge.send(RequestEnded(rid, exc.code, exc.message))
+            case CancelRequest(request_id=rid) if not self._known(rid):
+                self.cancelled_early.add(rid)
             case CancelRequest(request_id=rid):
                 self.report(self.scheduler.cancel(rid))
+            case BatchResult(batch_id=batch) if batch not in self.scheduler.inflight:
+                self.inbox.drop(f"result for batch {batch}, which is not in flight")
             case BatchResult():
-                for event in self.scheduler.complete(message):
+                try:
+                    events = self.scheduler.complete(message)
+                except BatchError as exc:
+                    self.inbox.drop(str(exc))
+                    return
+                for event in events:
                     self.report(event)
+
+    def _known(self, rid: int) -> bool:
+        return rid in self.scheduler.waiting or rid in self.scheduler.running
 
     def report(self, event: Emitted | None) -> None:
         if event is not None and event.finish == "cancelled":
@@ -107,8 +146,13 @@ class PrefillHeadIntake(SchedulerIntake):
     def handle(self, message) -> None:
         scheduler = self.scheduler
         match message:
-            case CancelRequest(request_id=rid) if rid in self.handed or not (rid in scheduler.waiting or rid in scheduler.running):
-                self.decode_head.send(message)  # handed off (or already adopted): the decode head ends it
+            case CancelRequest(request_id=rid) if rid in self.handed:
+                self.decode_head.send(message)  # handed off: the decode head ends it
+            case CancelRequest(request_id=rid) if not self._known(rid):
+                self.cancelled_early.add(rid)  # not here yet, or already adopted: the decode head ends it
+                self.decode_head.send(message)
+            case BatchResult(batch_id=batch) if batch not in scheduler.inflight:
+                self.inbox.drop(f"result for batch {batch}, which is not in flight")
             case BatchResult():
                 members = scheduler.inflight.get(message.batch_id, ())
                 prompt_done = {rid for rid in members if self._prompt_ran(rid)}
@@ -175,9 +219,6 @@ class Placed:
     last_ns: int = 0
 
 
-ENDED_KEPT = 65536  # ids the decode head remembers ending before their hand-off came
-
-
 class DecodeHeadIntake(SchedulerIntake):
     def __init__(
         self,
@@ -192,7 +233,7 @@ class DecodeHeadIntake(SchedulerIntake):
         self.stages = stages  # every decode stage's KV inbox, this one's included
         self.pending: OrderedDict[int, Handoff] = OrderedDict()  # waiting for blocks
         self.placed: dict[int, Placed] = {}
-        self.ended: OrderedDict[int, None] = OrderedDict()  # cancelled or dropped before their hand-off arrived
+        self.ended = RecentIds(ENDED_KEPT)  # cancelled or dropped before their hand-off arrived
 
     def receive(self) -> None:
         super().receive()
@@ -200,9 +241,8 @@ class DecodeHeadIntake(SchedulerIntake):
 
     def handle(self, message) -> None:
         match message:
-            case Handoff(request_id=rid) if rid in self.ended:
-                del self.ended[rid]  # a cancel or drop from the prefill head overtook it
-                self._drop(rid)
+            case Handoff(request_id=rid) if self.ended.take(rid):
+                self._drop(rid)  # a cancel or drop from the prefill head overtook it
             case Handoff(request_id=rid):
                 self.pending[rid] = message
             case KvHeld(request_id=rid) if rid in self.placed:
@@ -225,9 +265,7 @@ class DecodeHeadIntake(SchedulerIntake):
             self.report(self.scheduler.cancel(rid))
         else:
             self._broadcast(Placement(rid, ()))  # its parts may have reached the stages
-            self.ended[rid] = None
-            if len(self.ended) > ENDED_KEPT:
-                self.ended.popitem(last=False)
+            self.ended.add(rid)
 
     def _drop(self, rid: int) -> None:
         self._broadcast(Placement(rid, ()))

@@ -37,6 +37,7 @@ from kvasir.messages import (
 from kvasir.model.source import ModelSource
 from kvasir.notify import ServiceNotifier
 from kvasir.plan import Plan
+from kvasir.rundir import RuntimeDirError, make_runtime_dir
 from kvasir.slots import SHARED_MEMORY_KINDS, KvSegmentMap, ShmSlotRing, create_ring, segment_prefix, sweep_stale_segments
 from kvasir.supervision import Heartbeats, RestartPolicy
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
@@ -147,9 +148,11 @@ class Launcher:
     # -- start-up ------------------------------------------------------------------------
     def prepare(self) -> None:
         """Make the runtime dir (0700), take its lock, clear stale sockets, create the edges."""
-        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.runtime_dir, 0o700)
-        fd = os.open(self.runtime_dir / "kvasird.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            make_runtime_dir(self.runtime_dir)
+        except RuntimeDirError as exc:
+            raise LaunchError(str(exc)) from None
+        fd = os.open(self.runtime_dir / "kvasird.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -158,11 +161,11 @@ class Launcher:
         self._lock_fd = fd
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        for stale in self.ends.socket_files():
+        for stale in self.ends.socket_files():  # only Kvasir's names (make_runtime_dir checked)
             stale.unlink(missing_ok=True)
         for path, size in sweep_stale_segments():
             self.log.warning("removed stale shared memory", file=str(path), bytes=size)
-        self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage)
+        self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage, self.log)
         prefix = segment_prefix()
         peer_access = torch_peer_access(self.plan.all_stages)
         ipc_edges: dict[str, tuple[int, int]] = {}
@@ -262,7 +265,8 @@ class Launcher:
             self.notifier.watchdog()
             self._note(self._control_messages(100))
         self._open(deadline)
-        self.state = "running"
+        if self.state == "starting":  # a SIGTERM that came during _open stands: serve() drains at once
+            self.state = "running"
         self.notifier.ready(f"serving {len(self.places)} stages from {self.runtime_dir}")
 
     def _open(self, deadline: float, restarts: int = 0) -> None:
@@ -323,13 +327,14 @@ class Launcher:
         drain_deadline = None
         while self.state in ("running", "draining"):
             self._watch_parent()
+            # heartbeats that are already here are read before anyone is judged silent
+            messages = self._control_messages(100)
+            self._note(messages)
             failure = self._failure()
             if failure is not None:
                 self._failed(failure)
                 continue
             self.notifier.watchdog()
-            messages = self._control_messages(100)
-            self._note(messages)
             if self.ring != "up" and self.state == "running":
                 self._restart_step()
             if self.state == "draining":

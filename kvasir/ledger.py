@@ -9,9 +9,10 @@ from typing import NamedTuple
 from kvasir.detokenizer import IncrementalDetokenizer
 from kvasir.messages import Finished, HandoffSummary, HandoffTimings, SampledToken, Timings, Usage
 
+from kvasir.transport import BatchedSocket
+
 GIB = 1 << 30
 RECENT_HANDOFFS = 4096  # hand-offs the percentiles are taken over
-from kvasir.transport import BatchedSocket
 
 
 class Peer(NamedTuple):
@@ -69,11 +70,18 @@ class Pending:
 
 
 class Ledger:
-    """Requests in the daemon by id, and how many each client has."""
+    """Requests in the daemon by id, and how many each client has.
+
+    A client with requests in the daemon has a number (the head's fair admission tells
+    clients apart by it); it is given with the client's first request and forgotten with
+    its last, so clients that come and go leave nothing behind.
+    """
 
     def __init__(self) -> None:
         self._by_id: dict[int, Pending] = {}
         self._per_client: dict[Peer, int] = {}
+        self._numbers: dict[Peer, int] = {}
+        self._next_number = 1
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -88,7 +96,16 @@ class Ledger:
         """The ids of one client's requests (a scan: only for a client that is gone)."""
         return [rid for rid, record in self._by_id.items() if record.peer == peer] if peer in self._per_client else []
 
+    def number(self, peer: Peer) -> int:
+        """The client's number, given now if it has no request in the daemon yet."""
+        number = self._numbers.get(peer)
+        if number is None:
+            number = self._numbers[peer] = self._next_number
+            self._next_number += 1
+        return number
+
     def add(self, rid: int, record: Pending) -> None:
+        self.number(record.peer)
         self._by_id[rid] = record
         self._per_client[record.peer] = self._per_client.get(record.peer, 0) + 1
 
@@ -101,6 +118,7 @@ class Ledger:
                 self._per_client[record.peer] = left
             else:
                 del self._per_client[record.peer]
+                self._numbers.pop(record.peer, None)
         return record
 
     def end_all(self) -> list[tuple[int, Pending]]:
@@ -108,6 +126,7 @@ class Ledger:
         ended = list(self._by_id.items())
         self._by_id.clear()
         self._per_client.clear()
+        self._numbers.clear()
         return ended
 
 

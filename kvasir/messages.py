@@ -28,9 +28,18 @@ decode pool's. Their heads and stages add:
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
 
 from kvasir.plan import Plan
+
+# Size limits of a client's submission, checked while decoding (msgspec reads a list's
+# length before its items, so an oversized list is refused without being walked). The
+# model's own limits (max_seq_len, vocabulary) are checked after, in kvasir/validation.py.
+MAX_PROMPT_TOKENS = 1 << 20  # token ids in one prompt (max_seq_len is the real bound)
+MAX_PROMPT_CHARS = 1 << 22  # characters of one prompt text
+MAX_STOP_TOKEN_IDS = 256  # stop token ids of one request
 
 
 class _Wire(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -107,6 +116,7 @@ class Enqueue(_Tagged):
     request_id: int
     token_ids: tuple[int, ...]
     sampling: SamplingParams
+    client: int = 0  # the bridge's number for the submitting client (fair admission across clients)
 
 
 class CancelRequest(_Tagged):
@@ -259,15 +269,15 @@ class _Client(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field
 
 class Submit(_Client, tag="submit"):
     key: int  # the client's own handle for the request, echoed in Accepted
-    prompt: str | None = None
-    token_ids: list[int] | None = None
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
     chat: bool = False
     max_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop_token_ids: list[int] = []
+    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
 
 
@@ -352,6 +362,9 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     last_failure: str | None = None  # what the last failure was (a child's exit, a missed heartbeat)
     last_failure_age_s: float | None = None  # seconds since it
     handoff: HandoffSummary | None = None  # disaggregated plans: KV hand-offs since start
+    client_bytes_waiting: int = 0  # events queued in the bridge for clients that read slower than they are sent
+    clients_lost: int = 0  # clients the bridge gave up on (gone, or not reading): their requests cancelled, events dropped
+    malformed: int = 0  # internal messages the bridge dropped because they did not decode
 
 
 class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -473,11 +486,14 @@ class Heartbeat(_Tagged):
 ControlMessage = Ready | Drained | Heartbeat | EdgeHandles
 
 
+CommandKind = Literal["serve", "ring_down", "attach", "drain", "stop"]
+
+
 class Command(_Wire):
     # "serve" (bridge: every stage is ready; bind the client endpoints, or after a restart
     # take requests again) | "ring_down" (bridge: the stages failed and are restarting) |
     # "attach" (stage: CUDA IPC handles of its edges' other sides) | "drain" | "stop"
-    kind: str
+    kind: CommandKind
     code: str = "shutting_down"  # with "stop": the error code for requests still running
     message: str = ""  # with "ring_down": what failed; with "serve": the last failure ("" for none)
     restarts: int = 0  # with "serve": ring restarts so far

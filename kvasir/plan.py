@@ -46,7 +46,10 @@ class BridgeSpec(_Section):
     max_waiting: int = 1024  # requests in the daemon before new ones are refused "overloaded"
     max_per_client: int = 256  # requests one client connection may have in the daemon at once
     max_client_queue: int = 100_000  # events waiting for one client; beyond, it is not reading: its requests are cancelled
-    tcp: str | None = None  # also serve remote clients at "tcp://HOST:PORT" (keys required unless HOST is loopback)
+    max_client_bytes: int = 32 << 20  # bytes of events waiting for one client; beyond, as max_client_queue
+    max_tokens_per_request: int | None = None  # a request asking for more is refused (None: no ceiling; max_seq_len caps)
+    tcp: str | None = None  # also serve remote clients at "tcp://HOST:PORT" (CURVE keys required)
+    tcp_allow_local_unauthenticated: bool = False  # a loopback tcp without keys: every local user may connect
     server_key: str | None = None  # the daemon's CURVE secret key file (`kvasir keys generate`)
     client_keys: str | None = None  # folder of the CURVE public keys (*.key) of the clients let in
 
@@ -191,6 +194,9 @@ def _check_values(plan: Plan) -> None:
     _positive("bridge.max_waiting", plan.bridge.max_waiting)
     _positive("bridge.max_per_client", plan.bridge.max_per_client)
     _positive("bridge.max_client_queue", plan.bridge.max_client_queue)
+    _positive("bridge.max_client_bytes", plan.bridge.max_client_bytes)
+    if plan.bridge.max_tokens_per_request is not None:
+        _positive("bridge.max_tokens_per_request", plan.bridge.max_tokens_per_request)
     _check_tcp(plan.bridge)
     sup = plan.supervise
     if sup.max_restarts < 0:
@@ -279,10 +285,20 @@ def _check_tcp(bridge: BridgeSpec) -> None:
     host = tcp_host(bridge.tcp)
     if host is None:
         raise PlanError(f"bridge.tcp = {bridge.tcp!r} is not an endpoint of the form tcp://HOST:PORT (port 1-65535)")
-    if bridge.server_key is None and not is_loopback(host):
+    if bridge.server_key is not None:
+        if bridge.tcp_allow_local_unauthenticated:
+            raise PlanError("bridge.tcp_allow_local_unauthenticated is set, but bridge.tcp has keys: leave it out")
+        return
+    if not is_loopback(host):
         raise PlanError(
             f"bridge.tcp = {bridge.tcp!r} is reachable from other hosts: it needs bridge.server_key and "
             "bridge.client_keys (make them with `kvasir keys generate DIR`), or a loopback address"
+        )
+    if not bridge.tcp_allow_local_unauthenticated:
+        raise PlanError(
+            f"bridge.tcp = {bridge.tcp!r} has no keys: every local user could connect (the runtime dir is the "
+            "daemon user's alone): give bridge.server_key and bridge.client_keys, or write "
+            "bridge.tcp_allow_local_unauthenticated = true"
         )
 
 
@@ -356,6 +372,8 @@ def plan_toml(plan: Plan) -> str:
     """The plan as TOML text that ``parse_plan`` reads back into an equal Plan."""
 
     def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
         if isinstance(v, str):
             return json.dumps(v)  # a JSON string is a TOML basic string
         if isinstance(v, (tuple, list)):

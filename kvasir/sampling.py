@@ -31,12 +31,23 @@ class RequestSampler:
         self.draws = new.generated  # the index of the token the next pick chooses
 
     def pick(self, logits: torch.Tensor) -> int:
-        """Choose the next token from one row's logits [vocab] (float32, CPU)."""
+        """Choose the next token from one row's logits [vocab] (float32, CPU).
+
+        Any temperature validation lets through is computable: the logits are shifted so
+        the best is 0 and divided in float64, so a tiny temperature sends every other
+        token to -inf (never NaN: 0 / t is 0 for any t > 0) and softmax stays a
+        distribution; a huge one flattens it. Logits that are themselves not finite (a
+        float16 overflow upstream) fall back to the best finite token.
+        """
         params = self.params
         if params.temperature == 0:
             self.draws += 1
-            return int(torch.argmax(logits))
-        scores = logits / params.temperature
+            return _argmax(logits)
+        best = logits.max()
+        if not torch.isfinite(best):
+            self.draws += 1
+            return _argmax(logits)
+        scores = (logits - best).double() / params.temperature
         if 0 < params.top_k < scores.shape[-1]:
             kth = torch.topk(scores, params.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -60,6 +71,11 @@ class RequestSampler:
         if self.generated >= self.params.max_tokens or length >= self.max_seq_len:
             return "length"
         return None
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """The best token, NaN logits ignored (NaN compares false, so it is never chosen)."""
+    return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
 
 
 class Sampler:

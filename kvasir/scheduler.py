@@ -5,6 +5,11 @@ before newly admitted ones) until ``max_rows`` or ``max_tokens`` is reached. At 
 ``inflight`` batches are outstanding and a request is never in two of them. Admission
 reserves a request's whole KV need (prompt + max output, capped at ``max_seq_len``), so
 a running request never runs out of cache.
+
+Admission is fair across clients (the bridge numbers them): the next request admitted
+is the oldest waiting one of the client whose running requests hold the fewest KV
+blocks, so one client's many long requests cannot keep everyone else waiting; within a
+client, requests go in arrival order.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +45,8 @@ class RequestState:
     announced: bool = False  # its NewRequest has travelled in a descriptor
     cancelled: bool = False
     parked: bool = False  # holds its blocks but is not scheduled (KV being handed between pools)
+    client: int = 0  # the bridge's number for the client that submitted it
+    arrival: int = 0  # admission order among waiting requests
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -84,6 +92,9 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.blocks = BlockAllocator(plan.kv.num_blocks)
         self.waiting: dict[int, RequestState] = {}  # by request id, in arrival order
+        self.queues: dict[int, deque[int]] = {}  # per client: its waiting request ids, oldest first (stale ids skipped)
+        self.held: dict[int, int] = {}  # per client: KV blocks its running requests hold
+        self._arrivals = itertools.count()
         self.running: dict[int, RequestState] = {}
         self.inflight: dict[int, tuple[int, ...]] = {}  # batch id -> request ids
         self._release: list[int] = []
@@ -91,7 +102,7 @@ class Scheduler:
         self._next_batch = 1
 
     # -- entry points -------------------------------------------------------------
-    def submit(self, prompt: list[int], sampling: SamplingParams, request_id: int | None = None) -> int:
+    def submit(self, prompt: list[int], sampling: SamplingParams, request_id: int | None = None, client: int = 0) -> int:
         """Queue a validated request and return its id; raise RequestError if refused.
 
         ``request_id`` is the id the bridge gave the request; without one the
@@ -108,7 +119,8 @@ class Scheduler:
         elif request_id in self.running or request_id in self.waiting:
             raise RequestError("invalid_request", f"request id {request_id} is already in use")
         rid = request_id
-        self.waiting[rid] = RequestState(rid, ids, sampling, seed, need)
+        self.waiting[rid] = RequestState(rid, ids, sampling, seed, need, client=client, arrival=next(self._arrivals))
+        self.queues.setdefault(client, deque()).append(rid)
         return rid
 
     def cancel(self, request_id: int) -> Emitted | None:
@@ -184,16 +196,40 @@ class Scheduler:
         return descriptor
 
     def _admit(self):
-        """Admit waiting requests in arrival order while their KV reservation fits."""
+        """Admit waiting requests, fairest client first, while their KV reservation fits.
+        When the fairest client's next request does not fit, nobody overtakes it."""
         while self.waiting:
-            first = next(iter(self.waiting.values()))
+            first = self._fairest()
+            if first is None:
+                return
             blocks = self.blocks.allocate(first.need_blocks)
             if blocks is None:
                 return
             state = self.waiting.pop(first.request_id)
+            queue = self.queues[state.client]
+            queue.popleft()
+            if not queue:
+                del self.queues[state.client]
             state.blocks = blocks
+            self.held[state.client] = self.held.get(state.client, 0) + len(blocks)
             self.running[state.request_id] = state
             yield state
+
+    def _fairest(self) -> RequestState | None:
+        """The oldest waiting request of the client holding the fewest blocks (ties: the
+        older request). Ids of requests cancelled while waiting are dropped here."""
+        best: RequestState | None = None
+        for client in list(self.queues):
+            queue = self.queues[client]
+            while queue and queue[0] not in self.waiting:
+                queue.popleft()
+            if not queue:
+                del self.queues[client]
+                continue
+            state = self.waiting[queue[0]]
+            if best is None or (self.held.get(client, 0), state.arrival) < (self.held.get(best.client, 0), best.arrival):
+                best = state
+        return best
 
     def _row(self, state: RequestState, budget: int, tokens: list[int], new: list[NewRequest]) -> Row:
         start = state.computed
@@ -216,8 +252,12 @@ class Scheduler:
         members = self.inflight.pop(result.batch_id, None)
         if members is None:
             raise BatchError(f"result for batch {result.batch_id}, which is not in flight")
-        events: list[Emitted] = []
         sampled = {tok.request_id: tok for tok in result.tokens}
+        strangers = set(sampled).difference(members)
+        if strangers:
+            self.inflight[result.batch_id] = members
+            raise BatchError(f"batch {result.batch_id}: tokens for requests not in it: {sorted(strangers)}")
+        events: list[Emitted] = []
         for rid in members:
             state = self.running[rid]
             state.in_flight = False
@@ -230,8 +270,6 @@ class Scheduler:
                 events.append(Emitted(rid, token.token_id, len(state.output) - 1, token.finish))
                 if token.finish is not None:
                     self._retire(state)
-        if sampled:
-            raise BatchError(f"batch {result.batch_id}: tokens for requests not in it: {sorted(sampled)}")
         return events
 
     # -- hand-off between pools (disaggregated plans) ---------------------------------
@@ -264,6 +302,7 @@ class Scheduler:
         state.computed = prompt_len
         state.parked = True
         self.running[request_id] = state
+        self.held[state.client] = self.held.get(state.client, 0) + need
         return blocks
 
     def unpark(self, request_id: int) -> None:
@@ -272,6 +311,11 @@ class Scheduler:
     def _retire(self, state: RequestState) -> None:
         self.running.pop(state.request_id, None)
         self.blocks.release(state.blocks)
+        left = self.held.get(state.client, 0) - len(state.blocks)
+        if left > 0:
+            self.held[state.client] = left
+        else:
+            self.held.pop(state.client, None)
         state.blocks = []
         if state.announced:
             self._release.append(state.request_id)

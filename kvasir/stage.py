@@ -44,7 +44,7 @@ from kvasir.messages import (
 from kvasir.model.source import resolve_source
 from kvasir.sampling import Sampler
 from kvasir.scheduler import Scheduler
-from kvasir.slots import KvSegmentMap, SlotCredits, SlotRing, attach_ring
+from kvasir.slots import KvSegmentMap, SlotCredits, SlotError, SlotRing, attach_ring
 from kvasir.transport import Endpoints, PullChannel, PushChannel, make_socket
 
 POLL_MS = 50
@@ -128,8 +128,21 @@ class UpstreamIntake:
         started = time.perf_counter_ns()
         arrived = self.descriptors.drain()
         if arrived:
-            self._queue.extend(arrived)
+            self._queue.extend(d for d in arrived if self._fits(d))
             self.hop_ns += time.perf_counter_ns() - started
+
+    def _fits(self, descriptor: BatchDescriptor) -> bool:
+        """A descriptor whose slot and token counts fit this edge (anything else cannot
+        have come from the upstream stage: dropped, and the ring keeps its own order)."""
+        spec = self.ring.spec
+        total = sum(row.num_tokens for row in descriptor.rows)
+        if descriptor.rows:
+            fits = 0 <= descriptor.slot < spec.slots and 0 < total == descriptor.num_tokens <= spec.max_tokens
+        else:
+            fits = descriptor.num_tokens == 0
+        if not fits:
+            self.descriptors.drop(f"descriptor of batch {descriptor.batch_id} does not fit the edge (slot {descriptor.slot}, {descriptor.num_tokens} tokens)")
+        return fits
 
     def take(self, room: bool) -> Work | None:
         if not self._queue:
@@ -178,7 +191,10 @@ class DownstreamOutlet:
         started = time.perf_counter_ns()
         credits = self.credit_channel.drain()
         for credit in credits:
-            self.credits.give_back(credit.slot)
+            try:
+                self.credits.give_back(credit.slot)
+            except SlotError as exc:  # not from the consumer, which returns each slot once
+                self.credit_channel.drop(str(exc))
         if credits:
             self.hop_ns += time.perf_counter_ns() - started
         self._flush()
@@ -391,6 +407,7 @@ class Wiring:
     settings: WorkerSettings
     ctx: zmq.Context
     ends: Endpoints
+    log: object = None
 
     @property
     def local(self) -> int:
@@ -408,14 +425,14 @@ class Wiring:
         return PushChannel[kind](make_socket(self.ctx, zmq.PUSH, connect=endpoint))
 
     def pull(self, kind, endpoint: str) -> PullChannel:
-        return PullChannel[kind](make_socket(self.ctx, zmq.PULL, bind=endpoint), kind)
+        return PullChannel[kind](make_socket(self.ctx, zmq.PULL, bind=endpoint), kind, self.log)
 
 
 def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageAgent, list]:
     """Wire one stage: its engine, its intake and outlet (chosen by position and pool),
     its hand-off role, its sockets. Returns the agent and what to close at the end."""
     plan = settings.plan  # a disaggregated plan's workers get their pool's view
-    w = Wiring(settings, ctx, Endpoints(settings.runtime_dir))
+    w = Wiring(settings, ctx, Endpoints(settings.runtime_dir), log)
     index, ends = settings.index, w.ends
     source = resolve_source(plan.model.source)
     segment = None

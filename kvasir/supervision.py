@@ -38,12 +38,22 @@ class RestartPolicy:
         return min(self.backoff_max_s, self.backoff_s * 2 ** (recent - 2))
 
 
+PAUSE_S = 1.0  # a gap this long between two looks means the launcher itself was not running
+
+
 @dataclass
 class Heartbeats:
-    """When each watched child was last heard from; a child silent for ``timeout_s`` is hung."""
+    """When each watched child was last heard from; a child silent for ``timeout_s`` is hung.
+
+    Silence only counts while the launcher is there to hear: when the launcher's own
+    looks are more than ``PAUSE_S`` apart (the whole process group was stopped with
+    Ctrl-Z or frozen by a cgroup, or the machine starved it), the gap is forgiven for
+    every child, so a group resumed after a long pause is not killed as hung.
+    """
 
     timeout_s: float
     last: dict[str, float] = field(default_factory=dict)
+    looked: float | None = None  # when the launcher last checked
 
     def watch(self, name: str, now: float) -> None:
         self.last[name] = now
@@ -57,6 +67,11 @@ class Heartbeats:
 
     def silent(self, now: float) -> tuple[str, float] | None:
         """The first watched child silent for longer than the timeout, and for how long."""
+        gap = now - self.looked if self.looked is not None else 0.0
+        self.looked = now
+        if gap > PAUSE_S:
+            for name in self.last:
+                self.last[name] += gap
         for name, seen in self.last.items():
             if now - seen > self.timeout_s:
                 return name, now - seen

@@ -71,16 +71,23 @@ class Endpoints:
         return self._ipc(f"command-{name}.sock")
 
     def socket_files(self) -> list[Path]:
-        return sorted(self.dir.glob("*.sock"))
+        """The daemon's own socket files in the runtime dir (never another program's)."""
+        from kvasir.rundir import is_ours
+
+        return sorted(path for path in self.dir.glob("*.sock") if is_ours(path.name))
 
     def bridge_files(self) -> list[Path]:
         """The socket files the bridge binds (a killed bridge leaves them behind)."""
         return [Path(url.removeprefix("ipc://")) for url in (self.client, self.events, self.bridge_in, self.command("bridge"))]
 
 
+MAX_INTERNAL_MESSAGE = 64 * 1024 * 1024  # internal messages are small; a larger frame drops its connection
+
+
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_INTERNAL_MESSAGE)
     if bind is not None:
         sock.bind(bind)
     if connect is not None:
@@ -100,14 +107,26 @@ class PushChannel(Generic[T]):
 
 
 class PullChannel(Generic[T]):
-    """Receives one message type (or tagged union) from a PULL socket, typed-decoded."""
+    """Receives one message type (or tagged union) from a PULL socket, typed-decoded.
 
-    def __init__(self, sock: zmq.Socket, message_type: Any) -> None:
+    A frame that does not decode (a bug, a version mix after an upgrade, a stray process
+    of the daemon's user writing to the runtime dir) is dropped, counted and logged: it
+    never takes the receiving process down.
+    """
+
+    def __init__(self, sock: zmq.Socket, message_type: Any, log=None) -> None:
         self.socket = sock
         self._decoder = msgspec.msgpack.Decoder(message_type)
+        self.log = log
+        self.dropped = 0
 
     def recv(self) -> T:
-        return self._decoder.decode(self.socket.recv())
+        """The next message that decodes (waits; malformed frames are dropped on the way)."""
+        while True:
+            try:
+                return self._decoder.decode(self.socket.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.drop(f"{exc}")
 
     def drain(self) -> list[T]:
         """Every message already waiting, without blocking (messages are small: copying
@@ -116,8 +135,20 @@ class PullChannel(Generic[T]):
         out = []
         sock, decode = self.socket, self._decoder.decode
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            out.append(decode(sock.recv(zmq.NOBLOCK)))
+            frame = sock.recv(zmq.NOBLOCK)
+            try:
+                out.append(decode(frame))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.drop(f"{exc}")
         return out
+
+    def drop(self, why: str) -> None:
+        """Count and log a message that was dropped (it did not decode, or contradicts the
+        receiver's state in a way only a stray or hostile sender explains)."""
+        self.dropped += 1
+        if self.log is not None:
+            self.log.warning("dropped a malformed internal message", socket=self.socket.get(zmq.LAST_ENDPOINT).decode(),
+                             error=why, dropped=self.dropped)
 
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: combining pyzmq's flag enums costs more than the send

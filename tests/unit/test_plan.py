@@ -277,8 +277,25 @@ def test_a_reachable_tcp_endpoint_needs_keys(endpoint):
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:7070", "tcp://localhost:7070", "tcp://[::1]:7070"])
-def test_loopback_tcp_may_go_without_keys(endpoint):
-    assert parse_plan(f'[bridge]\ntcp = "{endpoint}"\n' + TWO).bridge.server_key is None
+def test_loopback_tcp_goes_without_keys_only_when_the_plan_says_so(endpoint):
+    message = refused(f'[bridge]\ntcp = "{endpoint}"\n' + TWO)
+    assert "has no keys: every local user could connect" in message
+    assert "bridge.tcp_allow_local_unauthenticated = true" in message
+    allowed = f'[bridge]\ntcp = "{endpoint}"\ntcp_allow_local_unauthenticated = true\n' + TWO
+    assert parse_plan(allowed).bridge.server_key is None
+    keyed = f'[bridge]\ntcp = "{endpoint}"\nserver_key = "s"\nclient_keys = "c"\ntcp_allow_local_unauthenticated = true\n'
+    assert "has keys: leave it out" in refused(keyed + TWO)
+    far = '[bridge]\ntcp = "tcp://0.0.0.0:1"\ntcp_allow_local_unauthenticated = true\n' + TWO
+    assert "is reachable from other hosts" in refused(far)
+
+
+def test_max_tokens_per_request_is_a_positive_ceiling():
+    assert parse_plan(TWO).bridge.max_tokens_per_request is None
+    assert parse_plan("[bridge]\nmax_tokens_per_request = 64\n" + TWO).bridge.max_tokens_per_request == 64
+    for bad in (0, -3):
+        assert "bridge.max_tokens_per_request must be a positive integer" in refused(
+            f"[bridge]\nmax_tokens_per_request = {bad}\n" + TWO
+        )
 
 
 def test_malformed_tcp_and_half_given_keys():

@@ -30,3 +30,18 @@ def test_heartbeats_find_only_watched_silent_children():
     beats.forget("stage-0")
     assert beats.silent(4.0) is None
     assert beats.silent(4.6)[0] == "bridge"
+
+
+def test_a_pause_of_the_launcher_itself_is_not_counted_as_silence():
+    beats = Heartbeats(timeout_s=2.0)
+    beats.watch("stage-0", 0.0)
+    for now in (0.1, 0.2, 0.3):
+        assert beats.silent(now) is None
+    # the whole group was stopped for 60 s: on resume the launcher looks before any beat
+    assert beats.silent(60.3) is None
+    for now in (60.8, 61.3, 61.8):
+        assert beats.silent(now) is None
+    name, quiet = beats.silent(62.2)  # silent for 2.2 s of the launcher's own watching: hung
+    assert name == "stage-0" and abs(quiet - 2.2) < 1e-9
+    beats.beat("stage-0", 62.5)
+    assert beats.silent(62.6) is None

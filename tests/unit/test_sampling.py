@@ -93,3 +93,27 @@ def test_sampler_uses_emitting_rows_and_forgets_finished(logits):
         sampler.sample(descriptor([Row(2, 3, 1, (), True)]), torch.stack([logits, logits]))
     sampler.sample(descriptor([Row(3, 0, 1, (), False)], release=(2,)), torch.empty(0, VOCAB))
     assert len(sampler) == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 5e-324, 1e-300, 1e-12])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 1e-300), (3, 0.5)])
+def test_tiny_temperatures_pick_the_best_token_instead_of_crashing(logits, temperature, top_k, top_p):
+    # logits / 1e-38 overflows float32 to inf and softmax gives NaN: multinomial raised
+    picked = draws(3, logits, 10, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert picked == [int(logits.argmax())] * 10
+
+
+@pytest.mark.parametrize("temperature", [1e300, 1.7976931348623157e308])
+def test_huge_temperatures_draw_from_a_flat_distribution(logits, temperature):
+    picked = draws(3, logits, 200, temperature=temperature)
+    assert all(0 <= t < VOCAB for t in picked) and len(set(picked)) > 20
+
+
+def test_non_finite_logits_fall_back_to_the_best_finite_token():
+    bad = torch.zeros(VOCAB)
+    bad[7] = 3.0
+    bad[2] = float("nan")
+    for params in ({"temperature": 0}, {"temperature": 0.7}, {"temperature": 1e-38, "top_p": 0.5}):
+        assert sampler_for(**params).pick(bad) == 7
+    bad[9] = float("inf")
+    assert sampler_for(temperature=0.7).pick(bad) == 9

@@ -169,3 +169,65 @@ def test_bad_sampling_parameters_are_refused(params, fragment):
     with pytest.raises(RequestError) as info:
         s.submit([1, 2, 3], SamplingParams(**params))
     assert info.value.code == "invalid_request" and fragment in info.value.message
+
+
+def step(s, batch):
+    """Complete a batch as a tail would: token 7, finished once max_tokens are out."""
+    tokens = []
+    for row in batch.descriptor.rows:
+        if row.emit:
+            state = s.running[row.request_id]
+            done = len(state.output) + 1 >= state.sampling.max_tokens
+            tokens.append(SampledToken(row.request_id, 7, len(state.output), "length" if done else None))
+    return s.complete(BatchResult(batch.descriptor.batch_id, tuple(tokens)))
+
+
+def run_to_end(s, rounds=500):
+    """Run batches until idle; the order in which requests were first scheduled."""
+    order = []
+    for _ in range(rounds):
+        batch = s.next_batch()
+        if batch is None:
+            break
+        order += [n.request_id for n in batch.descriptor.new_requests]
+        step(s, batch)
+    return order
+
+
+def test_admission_is_fair_across_clients():
+    """Client 1's long requests fill the cache; when one ends, client 2's request (which
+    fits) is admitted, where first-come-first-served would wait for client 1's next."""
+    s = scheduler(max_rows=8, max_tokens=64, inflight=1, block_size=4, num_blocks=60, max_seq_len=128)
+    short = s.submit(prompt(4), SamplingParams(max_tokens=10), client=1)  # 4 blocks
+    hogs = [s.submit(prompt(4), SamplingParams(max_tokens=60), client=1) for _ in range(7)]  # 16 blocks each
+    first = s.next_batch()
+    assert [n.request_id for n in first.descriptor.new_requests] == [short, *hogs[:3]]
+    polite = s.submit(prompt(4), SamplingParams(max_tokens=44), client=2)  # 12 blocks: not yet
+    step(s, first)
+    for _ in range(9):
+        batch = s.next_batch()
+        assert not batch.descriptor.new_requests
+        step(s, batch)  # the last of these finishes the short one
+    assert s.held == {1: 48}
+    batch = s.next_batch()
+    assert [n.request_id for n in batch.descriptor.new_requests] == [polite]
+    assert s.held == {1: 48, 2: 12}
+
+
+def test_fair_admission_keeps_each_clients_order_and_skips_cancelled():
+    s = scheduler(max_rows=1, max_tokens=8, inflight=1, block_size=4, num_blocks=64, max_seq_len=64)
+    a = [s.submit(prompt(2), SamplingParams(max_tokens=1), client=1) for _ in range(3)]
+    b = [s.submit(prompt(2), SamplingParams(max_tokens=1), client=2) for _ in range(3)]
+    s.cancel(a[1])
+    assert run_to_end(s) == [a[0], a[2], b[0], b[1], b[2]]  # nobody holds blocks at each admission: oldest first
+    assert s.idle and not s.queues and not s.held
+
+
+def test_a_result_naming_strangers_changes_nothing():
+    s = scheduler(inflight=1)
+    s.submit(prompt(3), SamplingParams(max_tokens=3))
+    batch = s.next_batch()
+    stranger = BatchResult(batch.descriptor.batch_id, (SampledToken(999, 7, 0, None),))
+    with pytest.raises(BatchError, match="not in it"):
+        s.complete(stranger)
+    assert finish_batch(s, batch)[0].token_id == 7  # the real result still lands

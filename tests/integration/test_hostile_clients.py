@@ -1,0 +1,196 @@
+"""Clients that hurt others by leaving, not reading, flooding or hogging: the daemon's
+work and memory return to idle, everyone else's requests finish, nobody is killed as hung."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from kvasir.client import AsyncClient, Client
+from kvasir.messages import ClientEvent, ErrorEvent, Finished
+from models import hf_greedy, random_prompts, reference_model
+from daemon import settled
+
+enc = msgspec.msgpack.encode
+
+
+def dealer(ctx: zmq.Context, runtime_dir: Path, reading: bool = True) -> zmq.Socket:
+    """A raw client socket; one that is not ``reading`` takes in almost nothing."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, -1)
+    if not reading:
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 1024)
+    sock.connect(f"ipc://{runtime_dir / 'client.sock'}")
+    return sock
+
+
+def submit(key: int, ids: list[int], max_tokens: int, **extra) -> bytes:
+    return enc({"type": "submit", "key": key, "token_ids": ids, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, **extra})
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def bridge_pid(daemon) -> int:
+    children = Path(f"/proc/{daemon.process.pid}/task/{daemon.process.pid}/children").read_text().split()
+    stages = set(daemon.child_pids())
+    (pid,) = [int(p) for p in children if int(p) not in stages]
+    return pid
+
+
+async def polite(runtime_dir: Path, prompts: list[list[int]], n: int) -> list:
+    async with await AsyncClient.connect(runtime_dir) as client:
+        streams = [await client.submit(token_ids=ids, max_tokens=n, temperature=0) for ids in prompts]
+        return [await stream.result() for stream in streams]
+
+
+def idle(runtime_dir: Path):
+    """Stats once nothing is in the daemon: no request at the bridge or queued at the
+    head, no KV held anywhere (or whatever there is after 30 s)."""
+    stats = settled(runtime_dir)
+    assert stats.in_flight == 0 and all(s.waiting == 0 and s.kv_blocks == 0 for s in stats.stages), stats
+    return stats
+
+
+def test_clients_that_vanish_or_stop_reading_leave_nothing_running(tiny_models, start_daemon):
+    source = tiny_models["llama"]
+    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, num_blocks=800, max_waiting=5000,
+                          max_client_bytes=65536, heartbeat_timeout_s=5).wait_ready()
+    prompts = random_prompts(320, [5, 11, 16, 7], seed=9)
+    model = reference_model(source)
+    ctx = zmq.Context()
+    try:
+        # 2,000 long submissions, then gone: none may stay queued at the head, outside every limit
+        vanisher = dealer(ctx, daemon.runtime_dir)
+        for key in range(2000):
+            vanisher.send(submit(key, [7] * 20, 40))
+        vanisher.close()  # linger -1: every submission goes out first
+        # 400 submissions from a client that reads nothing: cancelled once its events pass 64 KiB
+        stuck = dealer(ctx, daemon.runtime_dir, reading=False)
+        for key in range(400):
+            stuck.send(submit(key, [9] * 10, 40))
+        finals = asyncio.run(polite(daemon.runtime_dir, prompts, 6))
+        assert [f.token_ids for f in finals] == [hf_greedy(model, ids, 6) for ids in prompts]
+        stats = idle(daemon.runtime_dir)
+        assert stats.clients_lost >= 2 and stats.client_bytes_waiting == 0
+        assert stats.restarts == 0 and stats.state == "serving"
+        assert "client lost: its requests are cancelled" in daemon.log()
+        stuck.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_stats_flood_without_reading_is_bounded_and_starves_nobody(tiny_models, start_daemon):
+    """Timeline stats replies are hundreds of times the query's size. A client sending
+    them as fast as it can and reading none must not grow the bridge's memory without
+    bound, nor keep its loop from beating its heartbeat (2 s here) or serving others."""
+    source = tiny_models["llama"]
+    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, num_blocks=800, max_waiting=5000,
+                          max_client_bytes=1 << 20, heartbeat_timeout_s=2).wait_ready()
+    prompts = random_prompts(320, [6] * 40, seed=3)
+    asyncio.run(polite(daemon.runtime_dir, prompts, 20))  # timelines to send: a few thousand batch spans
+    bridge = bridge_pid(daemon)
+    before = rss_kib(bridge)
+    ctx = zmq.Context()
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        sock = dealer(ctx, daemon.runtime_dir, reading=False)
+        query = enc({"type": "stats", "key": 1, "timeline": True})
+        while not stop.is_set():
+            sock.send(query)
+            sent[0] += 1
+        sock.close(linger=0)
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    try:
+        time.sleep(1.0)
+        model = reference_model(source)
+        for _ in range(3):  # other clients are served all through the flood
+            finals = asyncio.run(polite(daemon.runtime_dir, prompts[:4], 8))
+            assert [f.token_ids for f in finals] == [hf_greedy(model, ids, 8) for ids in prompts[:4]]
+        time.sleep(3.0)  # past the heartbeat timeout, still flooding
+        grown = rss_kib(bridge) - before
+    finally:
+        stop.set()
+        flooder.join()
+        ctx.destroy(linger=0)
+    with Client(daemon.runtime_dir) as client:
+        stats = client.stats(timeline=True)
+    reply = len(enc(stats))
+    assert sent[0] * reply > 512 << 20, (sent[0], reply)  # unbounded, the bridge would have held all this
+    assert grown < 200 * 1024, f"bridge grew by {grown} KiB"
+    assert stats.restarts == 0 and stats.clients_lost >= 1, stats
+    assert bridge_pid(daemon) == bridge  # never killed as hung
+
+
+def test_oversized_lists_and_texts_are_refused_before_any_walk(tiny_models, start_daemon):
+    source = tiny_models["llama-tokenizer"]
+    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, max_waiting=100).wait_ready()
+    cases = {
+        "stop list of 2,000,000": (submit(1, [5, 6], 4, stop_token_ids=[0] * 2_000_000), "invalid_request", "<= 256"),
+        "prompt of 2,000,000 ids": (submit(2, [5] * 2_000_000, 4), "invalid_request", "<= 1048576"),
+        "prompt of 1,000,000 ids": (submit(3, [5] * 1_000_000, 4), "too_long", "prompt of 1000000 tokens"),
+        "15 MiB of text": (enc({"type": "submit", "key": 4, "prompt": "a" * (15 << 20)}), "invalid_request", "<= 4194304"),
+        "3 MiB of text": (enc({"type": "submit", "key": 5, "prompt": "ab " * (1 << 20)}), "too_long", "before tokenizing"),
+    }
+    ctx = zmq.Context()
+    decoder = msgspec.msgpack.Decoder(ClientEvent)
+    try:
+        sock = dealer(ctx, daemon.runtime_dir)
+        for name, (frame, code, fragment) in cases.items():
+            assert len(frame) < 16 << 20, name
+            sock.send(frame)
+            assert sock.poll(20_000), name
+            reply = decoder.decode(sock.recv())
+            assert isinstance(reply, ErrorEvent) and reply.code == code and fragment in reply.message, (name, reply)
+            assert reply.key is not None, name  # the client's stream for it ends
+        sock.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+    with Client(daemon.runtime_dir) as client:
+        final = client.generate("hello ring", max_tokens=4, temperature=0)
+        assert isinstance(final, Finished)
+        assert client.stats().restarts == 0
+
+
+def test_one_clients_long_requests_do_not_keep_others_waiting(tiny_models, start_daemon):
+    """The cache holds four of the hog's requests at a time and 20 more wait. Admission
+    is fair across clients, so another client's request goes in as soon as one of the
+    hog's ends, not after all twenty; a request over the ceiling is refused."""
+    source = tiny_models["llama"]
+    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, block_size=4, num_blocks=36, max_rows=4,
+                          max_waiting=1000, max_tokens_per_request=30).wait_ready()
+
+    async def main():
+        async with await AsyncClient.connect(daemon.runtime_dir) as hog, \
+                await AsyncClient.connect(daemon.runtime_dir) as other:
+            hogs = [asyncio.create_task((await hog.submit(token_ids=[5, 6, 7, 8], max_tokens=30, ignore_eos=True,
+                                                           temperature=0)).result()) for _ in range(24)]
+            too_many = await (await other.submit(token_ids=[5], max_tokens=31)).result()
+            while (await other.stats()).stages[0].waiting < 16:
+                await asyncio.sleep(0.05)
+            mine = await (await other.submit(token_ids=[9, 9, 9], max_tokens=4, temperature=0)).result()
+            done_before = sum(1 for task in hogs if task.done())
+            finals = [await task for task in hogs]
+            return too_many, mine, done_before, finals
+
+    too_many, mine, done_before, finals = asyncio.run(main())
+    assert isinstance(too_many, ErrorEvent) and too_many.code == "invalid_request"
+    assert "bridge.max_tokens_per_request" in too_many.message
+    assert isinstance(mine, Finished) and len(mine.token_ids) == 4
+    assert done_before <= 8, f"the other client waited for {done_before} of the hog's requests"
+    assert all(isinstance(f, Finished) and len(f.token_ids) == 30 for f in finals)
