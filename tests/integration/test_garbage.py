@@ -1,0 +1,132 @@
+"""Garbage on every socket in the runtime dir: random frames, messages of the wrong type,
+truncated messages, oversized frames and bytes that are not even ZMTP. The launcher
+never exits, nothing restarts, and the daemon answers a normal request exactly after.
+
+The plan is disaggregated, so the runtime dir holds every kind of socket there is:
+clients, events, the bridge's inbox, the launcher's control socket, every child's command
+socket, each stage's inbox (heads: requests and results; others: descriptors), the
+credit sockets and the decode stages' KV hand-off sockets.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import msgspec
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvasir.client import Client
+from kvasir.messages import (
+    Adopted,
+    BatchDescriptor,
+    BatchResult,
+    CancelRequest,
+    Credit,
+    Drained,
+    Heartbeat,
+    KvDrop,
+    KvHeld,
+    KvPlaced,
+    Placement,
+    Ready,
+    RequestEnded,
+    Row,
+    SampledToken,
+    TokenEvents,
+)
+from models import hf_greedy, reference_model
+
+NOBODY = 10**9  # a request id nothing in the daemon has
+# every internal message type, with values no real sender would use (a slot out of
+# range, a batch not in flight, a pid that is not a child): whichever socket gets one
+# either cannot decode it or recognises it as a stray
+SAMPLES = [
+    Credit(99),
+    BatchResult(999_999, (SampledToken(NOBODY, 5, 0, None),)),
+    CancelRequest(NOBODY),
+    Ready("stage", 0, 1),
+    Heartbeat("bridge", 0, 1),
+    Drained(),
+    KvDrop(NOBODY),
+    KvHeld(NOBODY, 3, 10, 10, 10),
+    KvPlaced(NOBODY),
+    Adopted(NOBODY),
+    Placement(NOBODY, ()),
+    TokenEvents((SampledToken(NOBODY, 5, 0, "stop"),)),
+    RequestEnded(NOBODY, "cancelled"),
+    BatchDescriptor(7, 99, 1, (Row(NOBODY, 0, 1, (0,), True),), (), (), 0),
+]
+ENCODED = [msgspec.msgpack.encode(m) for m in SAMPLES] + [
+    msgspec.msgpack.encode({"type": "submit", "key": 1, "token_ids": [1]}),  # a client message inside
+    msgspec.msgpack.encode(["Enqueue", "not an id"]),
+]
+frames = st.one_of(
+    st.binary(max_size=80),
+    st.sampled_from(ENCODED),
+    st.sampled_from(ENCODED).flatmap(lambda e: st.integers(0, len(e) - 1).map(lambda n: e[:n])),  # truncated
+    st.sampled_from(ENCODED).flatmap(lambda e: st.binary(min_size=1, max_size=8).map(lambda tail: e + tail)),
+)
+messages = st.lists(frames, min_size=1, max_size=3)
+
+
+def garbage_socket(ctx: zmq.Context, name: str):
+    kind = {"client.sock": zmq.DEALER, "events.sock": zmq.XSUB}.get(name, zmq.PUSH)
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.SNDTIMEO, 5000)  # a daemon that died fails the test instead of hanging it
+    return sock
+
+
+def raw_bytes(path, data: bytes) -> None:
+    """Bytes straight onto the unix socket: not a ZMQ peer at all."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(str(path))
+        try:
+            raw.sendall(data)
+        except OSError:
+            pass  # ZMQ hung up on us: fine
+
+
+def test_garbage_on_every_socket_of_the_runtime_dir(tiny_models, start_daemon):
+    source = tiny_models["llama"]
+    pools = {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}
+    daemon = start_daemon(source, pools, max_seq_len=64, num_blocks=200).wait_ready()
+    names = sorted(path.name for path in daemon.runtime_dir.glob("*.sock"))
+    for expected in ("client.sock", "events.sock", "bridge-in.sock", "control.sock", "command-bridge.sock",
+                     "command-stage-0.sock", "stage-0.sock", "stage-1.sock", "stage-2.sock", "credits-0.sock",
+                     "kv-2.sock", "kv-3.sock"):
+        assert expected in names, names
+    ctx = zmq.Context()
+    sockets = {}
+    for name in names:
+        sockets[name] = garbage_socket(ctx, name)
+        sockets[name].connect(f"ipc://{daemon.runtime_dir / name}")
+    sent = [0]
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(messages, min_size=len(names), max_size=len(names)))
+    def spray(batch):
+        for name, parts in zip(names, batch):
+            sockets[name].send_multipart(parts)
+            sent[0] += 1
+
+    try:
+        spray()
+        sockets["control.sock"].send(b"\x00" * (65 << 20))  # past the internal frame limit: that connection goes
+        for name in names:
+            raw_bytes(daemon.runtime_dir / name, b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)))
+    finally:
+        ctx.destroy(linger=2000)  # what was sent is delivered first
+    assert sent[0] >= 150 * len(names)
+    time.sleep(2.0)  # past a few heartbeats and stats reports
+    assert daemon.process.poll() is None, daemon.log()
+    with Client(daemon.runtime_dir) as client:
+        final = client.generate(token_ids=[4, 8, 15], max_tokens=6, temperature=0)
+        stats = client.stats()
+    assert final.token_ids == hf_greedy(reference_model(source), [4, 8, 15], 6)
+    assert stats.state == "serving" and stats.restarts == 0 and stats.last_failure is None, stats
+    assert stats.malformed > 0  # the bridge counted what it dropped
+    assert "dropped a malformed internal message" in daemon.log()
