@@ -40,7 +40,6 @@ from kvasir.messages import (
     Ready,
     RequestEnded,
     SampledToken,
-    SamplingParams,
     StageStats,
     StatsQuery,
     StatsReply,
@@ -55,19 +54,12 @@ from kvasir.model.source import resolve_source
 from kvasir.outbox import ZMQ_QUEUE, Outbox
 from kvasir.plan import BridgeSpec
 from kvasir.transport import BatchedSocket, Endpoints, make_socket
-from kvasir.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling
+from kvasir.submissions import Submissions
 
 
 MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
-
-
-class _Envelope(msgspec.Struct):
-    """Just enough of a client message to answer one that does not decode: its key."""
-
-    type: str = ""
-    key: int | None = None
 
 
 class Bridge:
@@ -80,8 +72,9 @@ class Bridge:
         self.max_seq_len = plan.model.max_seq_len
         self.max_waiting = plan.bridge.max_waiting
         self.max_per_client = plan.bridge.max_per_client
-        self.max_tokens = plan.bridge.max_tokens_per_request  # None: any (model.max_seq_len caps a request)
         self.tokenizer = load_tokenizer(source.weights_dir)
+        self.submissions = Submissions(self.tokenizer, source.vocab_size, plan.model.max_seq_len,
+                                       plan.bridge.max_tokens_per_request)
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
         self.outbox = Outbox(plan.bridge.max_client_queue, plan.bridge.max_client_bytes, self._lost)
@@ -103,7 +96,6 @@ class Bridge:
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
-        self.envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
         self.malformed = 0  # internal messages that did not decode (dropped)
         self.clients_lost = 0
         self.requests = Ledger()
@@ -158,7 +150,7 @@ class Bridge:
         try:
             message = self.client_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}", key=self._key_of(body)))
+            await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}", key=self.submissions.key_of(body)))
             return
         match message:
             case Submit():
@@ -183,19 +175,7 @@ class Bridge:
                 raise RequestError(
                     "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
                 )
-            if self.max_tokens is not None:
-                check_max_tokens(msg.max_tokens, self.max_tokens)
-            ids = self._prompt_ids(msg)
-            sampling = SamplingParams(
-                temperature=msg.temperature,
-                top_p=msg.top_p,
-                top_k=msg.top_k,
-                seed=msg.seed,
-                max_tokens=msg.max_tokens,
-                stop_token_ids=tuple(msg.stop_token_ids),
-                ignore_eos=msg.ignore_eos,
-            )
-            check_sampling(sampling, self.vocab_size)
+            ids, sampling = self.submissions.read(msg)
         except RequestError as exc:
             await self._send(peer, ErrorEvent(code=exc.code, message=exc.message, key=msg.key))
             return
@@ -209,33 +189,6 @@ class Bridge:
         if self.requests.get(rid) is None:
             return  # the client could not be told (gone, or not reading): nothing runs for nobody
         await self.head_io.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling, client)))
-
-    def _key_of(self, body: bytes) -> int | None:
-        """The key of a submission or stats query that did not decode, when it has one."""
-        try:
-            envelope = self.envelope_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
-        return envelope.key if envelope.type in ("submit", "stats") else None
-
-    def _prompt_ids(self, msg: Submit) -> list[int]:
-        if (msg.prompt is None) == (msg.token_ids is None):
-            raise RequestError("invalid_request", "give exactly one of prompt (text) or token_ids")
-        if msg.token_ids is not None:
-            return check_prompt(msg.token_ids, self.vocab_size, self.max_seq_len)
-        if self.tokenizer is None:
-            raise RequestError("invalid_request", "this model has no tokenizer: submit token ids instead of text")
-        check_prompt_text(msg.prompt, self.max_seq_len)
-        if msg.chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise RequestError("invalid_request", "this model has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": msg.prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        else:
-            ids = self.tokenizer.encode(msg.prompt, add_special_tokens=True)
-        return check_prompt(ids, self.vocab_size, self.max_seq_len)
 
     async def _cancel(self, peer: Peer, rid: int) -> None:
         record = self.requests.get(rid)

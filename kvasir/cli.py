@@ -512,6 +512,11 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
     )
     if body["last_failure"] is not None:
         click.echo(f"last failure {body['last_failure_age_s']:.0f} s ago: {body['last_failure']}")
+    if body["clients_lost"] or body["client_bytes_waiting"] or body["malformed"]:
+        click.echo(
+            f"clients given up on {body['clients_lost']} (gone or not reading), events waiting for slow "
+            f"clients {_size(body['client_bytes_waiting'])}, malformed internal messages dropped {body['malformed']}"
+        )
     if body["handoff"] is not None:
         h = body["handoff"]
         click.echo(

@@ -11,7 +11,9 @@ max_tokens up to 2**64 - 1, prompts up to max_seq_len - 1 tokens.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import subprocess
 import sys
 
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 
 from kvasir.client import AsyncClient
 from kvasir.messages import MAX_STOP_TOKEN_IDS, ErrorEvent, Finished
+from daemon import BIN
 from models import hf_greedy, random_prompts, reference_model
 
 VOCAB = 320
@@ -85,6 +88,13 @@ def test_legal_values_are_served_and_nothing_restarts(tiny_models, start_daemon)
 
     exchange()
     assert seen["legal"] >= 300 and seen["illegal"] >= 72
+    # the command-line recipe that used to crash the tail, six times (past max_restarts before)
+    for _ in range(6):
+        run = subprocess.run([str(BIN / "kvasir"), "generate", "--ids", "5,6,7", "--temperature", "1e-38",
+                              "--max-tokens", "4", "--json", "--runtime-dir", str(daemon.runtime_dir)],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert json.loads(run.stdout.splitlines()[-1])["type"] == "finished"
     with daemon.client() as client:
         stats = client.stats()
     assert stats.restarts == 0 and stats.state == "serving" and stats.last_failure is None

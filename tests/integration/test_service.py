@@ -59,7 +59,7 @@ def test_unit_file_verifies_and_keeps_its_promises(tmp_path):
     unit = (ROOT / "systemd" / "kvasird.service").read_text()
     for line in ("Type=notify", "ExecStart=/opt/kvasir/bin/kvasird start --plan /etc/kvasir/plan.toml",
                  "RuntimeDirectory=kvasir", "Restart=on-failure", "NoNewPrivileges=yes", "ProtectSystem=strict",
-                 "ProtectHome=yes", "PrivateTmp=yes", "WatchdogSec="):
+                 "ProtectHome=yes", "PrivateTmp=yes", "WatchdogSec=", "MemoryMax=", "PrivateDevices=yes"):
         assert line in unit, line
     stop = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1))
     drain = int(re.search(r"--drain-timeout (\d+)", unit).group(1))
