@@ -28,6 +28,7 @@ from kvasir.errors import KvasirError
 from kvasir.messages import EdgeSpec, KvSegment
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import DTYPES
+from kvasir.pids import alive
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_NAME = re.compile(r"kvasir-(?P<pid>[0-9]+)-[0-9a-f]{8}-[a-z]+[0-9]*")  # segment_prefix() + "-edge3", "-kv0", "-hop"
@@ -37,16 +38,6 @@ def segment_prefix() -> str:
     """The start of every shared-memory segment this process creates: it names the
     creator's pid, so a later daemon can tell segments whose creator is gone."""
     return f"kvasir-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def sweep_stale_segments(directory: Path = SHM_DIR) -> list[tuple[Path, int]]:
@@ -61,7 +52,7 @@ def sweep_stale_segments(directory: Path = SHM_DIR) -> list[tuple[Path, int]]:
         return removed
     for path in entries:
         match = SEGMENT_NAME.fullmatch(path.name)
-        if match is None or _alive(int(match["pid"])):
+        if match is None or alive(int(match["pid"])):
             continue
         try:
             info = path.lstat()

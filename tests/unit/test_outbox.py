@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import zmq
 import zmq.asyncio
@@ -30,57 +31,66 @@ async def pair(ctx, endpoint: str, reading_hwm: int = 4):
     return router, dealer, Peer(BatchedSocket(router), identity)
 
 
-def test_a_client_that_stops_reading_is_lost_at_the_byte_bound(tmp_path):
-    async def main():
-        ctx = zmq.asyncio.Context()
-        router, dealer, peer = await pair(ctx, f"ipc://{tmp_path / 'c.sock'}")
-        lost = []
-        outbox = Outbox(max_events=100_000, max_bytes=1 << 20, on_lost=lambda p, why: lost.append(why))
-        runner = asyncio.create_task(outbox.run())
-        big = b"x" * (200 << 10)  # a stats reply with a timeline
-        sent = 0
-        while not lost and sent < 10_000:
-            outbox.deliver(peer, big)
-            sent += 1
-            await asyncio.sleep(0)
-        assert lost and "stopped reading" in lost[0]
-        # what waited is bounded: ZMQ's short queue, the kernel's buffers and at most 1 MiB here
-        assert sent * len(big) < 64 << 20
-        assert outbox.waiting_bytes == 0
-        for _ in range(100):  # once lost, its events are dropped at once, not queued
-            outbox.deliver(peer, big)
-        assert outbox.waiting_bytes == 0 and outbox.dropped >= 100 and len(lost) == 1
+@contextlib.asynccontextmanager
+async def outbox_to(tmp_path, max_events: int, max_bytes: int):
+    """An Outbox running against a connected client: (outbox, its DEALER, its peer, what was lost)."""
+    ctx = zmq.asyncio.Context()
+    router, dealer, peer = await pair(ctx, f"ipc://{tmp_path / 'c.sock'}")
+    lost: list[str] = []
+    outbox = Outbox(max_events=max_events, max_bytes=max_bytes, on_lost=lambda p, why: lost.append(why))
+    runner = asyncio.create_task(outbox.run())
+    try:
+        yield outbox, dealer, peer, lost
+    finally:
         runner.cancel()
         router.close(linger=0)
         dealer.close(linger=0)
         ctx.term()
 
+
+def test_a_client_that_stops_reading_is_lost_at_the_byte_bound(tmp_path):
+    async def main():
+        async with outbox_to(tmp_path, 100_000, 1 << 20) as (outbox, dealer, peer, lost):
+            await send_until_lost(outbox, peer, lost)
+
     asyncio.run(main())
+
+
+async def send_until_lost(outbox, peer, lost):
+    big = b"x" * (200 << 10)  # a stats reply with a timeline
+    sent = 0
+    while not lost and sent < 10_000:
+        outbox.deliver(peer, big)
+        sent += 1
+        await asyncio.sleep(0)
+    assert lost and "stopped reading" in lost[0]
+    # what waited is bounded: ZMQ's short queue, the kernel's buffers and at most 1 MiB here
+    assert sent * len(big) < 64 << 20
+    assert outbox.waiting_bytes == 0
+    for _ in range(100):  # once lost, its events are dropped at once, not queued
+        outbox.deliver(peer, big)
+    assert outbox.waiting_bytes == 0 and outbox.dropped >= 100 and len(lost) == 1
 
 
 def test_a_slow_reader_gets_every_event_in_order(tmp_path):
     async def main():
-        ctx = zmq.asyncio.Context()
-        router, dealer, peer = await pair(ctx, f"ipc://{tmp_path / 'c.sock'}")
-        lost = []
-        outbox = Outbox(max_events=100_000, max_bytes=64 << 20, on_lost=lambda p, why: lost.append(why))
-        runner = asyncio.create_task(outbox.run())
-        events = [f"event {i} ".encode() * 200 for i in range(3000)]
-        for event in events:  # far more than ZMQ's queue holds: most wait in the outbox
-            outbox.deliver(peer, event)
-        assert outbox.waiting_bytes > 0
-        got = []
-        while len(got) < len(events):
-            got.append(await asyncio.wait_for(dealer.recv(), 10))
-            if len(got) % 100 == 0:
-                await asyncio.sleep(0.001)  # a reader slower than the writer
-        assert got == events and not lost and outbox.waiting_bytes == 0
-        runner.cancel()
-        router.close(linger=0)
-        dealer.close(linger=0)
-        ctx.term()
+        async with outbox_to(tmp_path, 100_000, 64 << 20) as (outbox, dealer, peer, lost):
+            await read_slowly(outbox, dealer, peer, lost)
 
     asyncio.run(main())
+
+
+async def read_slowly(outbox, dealer, peer, lost):
+    events = [f"event {i} ".encode() * 200 for i in range(3000)]
+    for event in events:  # far more than ZMQ's queue holds: most wait in the outbox
+        outbox.deliver(peer, event)
+    assert outbox.waiting_bytes > 0
+    got = []
+    while len(got) < len(events):
+        got.append(await asyncio.wait_for(dealer.recv(), 10))
+        if len(got) % 100 == 0:
+            await asyncio.sleep(0.001)  # a reader slower than the writer
+    assert got == events and not lost and outbox.waiting_bytes == 0
 
 
 def test_a_client_that_is_gone_is_lost_at_once(tmp_path):
