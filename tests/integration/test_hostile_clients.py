@@ -76,9 +76,9 @@ def test_clients_that_vanish_or_stop_reading_leave_nothing_running(tiny_models, 
         for key in range(2000):
             vanisher.send(submit(key, [7] * 20, 40))
         vanisher.close()  # linger -1: every submission goes out first
-        # 400 submissions from a client that reads nothing: cancelled once its events pass 64 KiB
+        # 600 submissions from a client that reads nothing: cancelled once its events pass 64 KiB
         stuck = dealer(ctx, daemon.runtime_dir, reading=False)
-        for key in range(400):
+        for key in range(600):
             stuck.send(submit(key, [9] * 10, 40))
         finals = asyncio.run(polite(daemon.runtime_dir, prompts, 6))
         assert [f.token_ids for f in finals] == [hf_greedy(model, ids, 6) for ids in prompts]
@@ -96,10 +96,10 @@ def test_a_stats_flood_without_reading_is_bounded_and_starves_nobody(tiny_models
     them as fast as it can and reading none must not grow the bridge's memory without
     bound, nor keep its loop from beating its heartbeat (2 s here) or serving others."""
     source = tiny_models["llama"]
-    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, num_blocks=800, max_waiting=5000,
+    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, num_blocks=800, max_waiting=5000, max_rows=2,
                           max_client_bytes=1 << 20, heartbeat_timeout_s=2).wait_ready()
     prompts = random_prompts(320, [6] * 40, seed=3)
-    asyncio.run(polite(daemon.runtime_dir, prompts, 20))  # timelines to send: a few thousand batch spans
+    asyncio.run(polite(daemon.runtime_dir, prompts, 20))  # timelines to send: hundreds of batch spans per stage
     bridge = bridge_pid(daemon)
     before = rss_kib(bridge)
     ctx = zmq.Context()
@@ -130,9 +130,8 @@ def test_a_stats_flood_without_reading_is_bounded_and_starves_nobody(tiny_models
         ctx.destroy(linger=0)
     with Client(daemon.runtime_dir) as client:
         stats = client.stats(timeline=True)
-    reply = len(enc(stats))
-    assert sent[0] * reply > 512 << 20, (sent[0], reply)  # unbounded, the bridge would have held all this
-    assert grown < 200 * 1024, f"bridge grew by {grown} KiB"
+    offered = sent[0] * len(enc(stats)) // 1024  # KiB of replies: unbounded, the bridge would have held them all
+    assert offered > 256 * 1024 and grown < min(200 * 1024, offered // 4), f"bridge grew by {grown} KiB of {offered}"
     assert stats.restarts == 0 and stats.clients_lost >= 1, stats
     assert bridge_pid(daemon) == bridge  # never killed as hung
 

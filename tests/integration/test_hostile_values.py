@@ -72,7 +72,7 @@ def test_legal_values_are_served_and_nothing_restarts(tiny_models, start_daemon)
     expected = [hf_greedy(model, ids, 8) for ids in normal]
     seen = {"legal": 0, "illegal": 0}
 
-    @settings(max_examples=12, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=8, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(legal, min_size=25, max_size=25), st.lists(illegal, min_size=6, max_size=6))
     def exchange(legal_batch, illegal_batch):
         served, refused, normals = asyncio.run(run_batch(daemon.runtime_dir, legal_batch, illegal_batch, normal))
@@ -87,7 +87,7 @@ def test_legal_values_are_served_and_nothing_restarts(tiny_models, start_daemon)
         seen["illegal"] += len(refused)
 
     exchange()
-    assert seen["legal"] >= 300 and seen["illegal"] >= 72
+    assert seen["legal"] >= 200 and seen["illegal"] >= 48
     # the command-line recipe that used to crash the tail, six times (past max_restarts before)
     for _ in range(6):
         run = subprocess.run([str(BIN / "kvasir"), "generate", "--ids", "5,6,7", "--temperature", "1e-38",
