@@ -301,7 +301,9 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     """Serve a plan in the foreground until SIGTERM or SIGINT (then drain and exit 0).
 
     Validates the plan first (exit 2 on a bad plan, before anything is spawned), makes
-    the runtime dir (mode 0700), spawns one worker per stage and the bridge, waits for
+    the runtime dir (mode 0700; an existing one must be a real directory of this user
+    holding only Kvasir's lock and sockets, else exit 1), spawns one worker per stage
+    and the bridge, waits for
     each to report ready, and serves. A worker that dies or hangs ends every request in
     the daemon with stage_failed and the workers are restarted (the plan's [supervise]
     section bounds how often); past that bound the daemon exits 1.
