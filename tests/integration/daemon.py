@@ -100,6 +100,14 @@ def alive(pid: int) -> bool:
     return True
 
 
+def exited(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (it no longer runs either way)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class TailReader:
     """``kvasir tail --json`` in a subprocess, its lines read on a thread."""
 

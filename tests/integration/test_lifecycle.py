@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from daemon import BIN, alive, wait_serving, write_plan
+from daemon import BIN, alive, exited, wait_serving, write_plan
 from kvasir.client import AsyncClient
 from kvasir.messages import Cancelled, ErrorEvent, Finished, TokenOut
 from models import hf_greedy, reference_model
@@ -99,14 +99,6 @@ def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):
     assert not any(p.exists() for p in leftovers)
     assert "removed stale shared memory" in again.log() and leftovers[0].name in again.log()
     assert list(Path("/dev/shm").glob(f"kvasir-{again.process.pid}-*-edge0"))
-
-
-def exited(pid: int) -> bool:
-    """Gone, or a zombie nobody has reaped yet (it no longer runs either way)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def test_stop_with_parent_drains_and_cleans_up_when_the_starter_is_killed(tiny_models, tmp_path):
