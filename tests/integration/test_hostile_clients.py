@@ -168,8 +168,11 @@ def test_oversized_lists_and_texts_are_refused_before_any_walk(tiny_models, star
 
 def test_one_clients_long_requests_do_not_keep_others_waiting(tiny_models, start_daemon):
     """The cache holds four of the hog's requests at a time and 20 more wait. Admission
-    is fair across clients, so another client's request goes in as soon as one of the
-    hog's ends, not after all twenty; a request over the ceiling is refused."""
+    is fair across clients, so another client's request, enqueued after all of the hog's,
+    goes in as soon as one of the hog's ends, not after all twenty (first-in-first-out
+    admission would finish at least twenty of them first); a request over the ceiling is
+    refused. No wait on a stats figure: a fast machine may drain the queue between two
+    stats samples."""
     source = tiny_models["llama"]
     daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, block_size=4, num_blocks=36, max_rows=4,
                           max_waiting=1000, max_tokens_per_request=30).wait_ready()
@@ -180,8 +183,7 @@ def test_one_clients_long_requests_do_not_keep_others_waiting(tiny_models, start
             hogs = [asyncio.create_task((await hog.submit(token_ids=[5, 6, 7, 8], max_tokens=30, ignore_eos=True,
                                                            temperature=0)).result()) for _ in range(24)]
             too_many = await (await other.submit(token_ids=[5], max_tokens=31)).result()
-            while (await other.stats()).stages[0].waiting < 16:
-                await asyncio.sleep(0.05)
+            # Every hog request was accepted, so the bridge enqueued them all before this one.
             mine = await (await other.submit(token_ids=[9, 9, 9], max_tokens=4, temperature=0)).result()
             done_before = sum(1 for task in hogs if task.done())
             finals = [await task for task in hogs]
