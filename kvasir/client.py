@@ -26,22 +26,10 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvasir.errors import KvasirError
-from kvasir.keys import load_pair, load_public
-from kvasir.messages import (
-    Accepted,
-    Cancel,
-    Cancelled,
-    ClientEvent,
-    DaemonStats,
-    ErrorEvent,
-    Finished,
-    StatsQuery,
-    StatsReply,
-    Submit,
-    TokenOut,
-)
-from kvasir.rundir import RuntimeDirError, check_client_dir
-from kvasir.transport import BatchedSocket, Endpoints, default_runtime_dir
+from kvasir.config.keys import load_pair, load_public
+from kvasir.wire.client import Accepted, Cancel, Cancelled, ClientEvent, DaemonStats, ErrorEvent, Finished, StatsQuery, StatsReply, Submit, TokenOut
+from kvasir.wire.rundir import RuntimeDirError, check_client_dir
+from kvasir.wire.transport import BatchedSocket, Endpoints, default_runtime_dir
 
 __all__ = ["AsyncClient", "Client", "NoDaemon", "NotAuthorised", "Remote", "RuntimeDirError"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from kvasir.plan import parse_plan
+from kvasir.config.plan import parse_plan
 
 TINY = dict(
     vocab_size=320,

@@ -25,7 +25,7 @@ from kvasir.bench.runner import LoadResult, ring_report, run_load
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.errors import KvasirError
-from kvasir.plan import Plan, plan_toml
+from kvasir.config.plan import Plan, plan_toml
 
 CONTENDERS = ("ring", "drained", "hf-static", "hf-continuous")
 RING_KINDS = ("ring", "drained")
@@ -105,7 +105,7 @@ def run_compare(
     its daemon still answers (the plot fetches stage timelines there).
     """
     from kvasir.model.convert import prepare
-    from kvasir.resolve import resolve_plan
+    from kvasir.daemon.resolve import resolve_plan
 
     unknown = set(contenders) - set(CONTENDERS)
     if unknown or not contenders:

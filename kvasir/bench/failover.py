@@ -18,7 +18,7 @@ import time
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.errors import KvasirError
-from kvasir.messages import ErrorEvent, Finished, TokenOut
+from kvasir.wire.client import ErrorEvent, Finished, TokenOut
 
 
 async def _serving(client: AsyncClient, restarts: int, stages: int, timeout_s: float = 600.0):

@@ -27,10 +27,12 @@ import msgspec
 import torch
 import zmq
 
-from kvasir.messages import BatchDescriptor, Credit, EdgeHandles, EdgeSpec, Row
-from kvasir.slots import attach_ring, create_ring, segment_prefix
-from kvasir.stage import DownstreamOutlet, UpstreamIntake
-from kvasir.transport import PullChannel, PushChannel, make_socket
+from kvasir.wire.batch import BatchDescriptor, Credit, Row
+from kvasir.wire.control import EdgeHandles, EdgeSpec
+from kvasir.ring.attach import attach_ring, create_ring
+from kvasir.ring.shm import segment_prefix
+from kvasir.stage.agent import DownstreamOutlet, UpstreamIntake
+from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 SIZES = (1, 16, 128, 512)  # boundary tokens
 HIDDEN = 576  # SmolLM2-135M's hidden size

@@ -23,7 +23,7 @@ from kvasir.bench.runner import LoadResult, run_load, stage_fractions, summary_d
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.errors import KvasirError
-from kvasir.plan import plan_toml
+from kvasir.config.plan import plan_toml
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Load:
 def prepare_plans(paths: list[Path], folder: Path) -> list[PlanRun]:
     """Resolve each plan and its model (both must serve the same model), write runnable copies."""
     from kvasir.model.convert import prepare
-    from kvasir.resolve import resolve_plan
+    from kvasir.daemon.resolve import resolve_plan
 
     runs, models = [], set()
     for k, path in enumerate(paths):

@@ -13,7 +13,7 @@ import msgspec
 from kvasir.bench.metrics import RequestRecord, summarise
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
-from kvasir.messages import DaemonStats, Finished, TokenOut
+from kvasir.wire.client import DaemonStats, Finished, TokenOut
 
 
 @dataclass
@@ -168,7 +168,7 @@ async def submit_only(client: AsyncClient, count: int) -> dict:
     Every submission must get either ``Accepted`` or an immediate ``overloaded`` error:
     ``lost`` counts those that got neither (it must be 0).
     """
-    from kvasir.messages import Accepted, ErrorEvent
+    from kvasir.wire.client import Accepted, ErrorEvent
 
     started = time.perf_counter()
     streams = [await client.submit(token_ids=[5, 6, 7], max_tokens=1, temperature=0) for _ in range(count)]

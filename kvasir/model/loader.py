@@ -19,8 +19,7 @@ from transformers import AutoModelForCausalLM
 from kvasir.errors import ModelSourceError
 from kvasir.model.attention import ATTENTION_NAME, register_attention
 from kvasir.model.source import ModelSource
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kvasir.config.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -134,3 +133,13 @@ def _tensor_index(folder: Path) -> dict[str, str]:
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise ModelSourceError(f"model folder {folder}: {name} is not a readable safetensors file: {exc}") from None
     return index
+
+
+def head_dim(config) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def slice_spec(plan: Plan, index: int) -> SliceSpec:
+    return SliceSpec(
+        layers=plan.stages[index].layers, is_head=index == 0, is_tail=index == len(plan.stages) - 1
+    )

@@ -126,7 +126,7 @@ def _builtin(name: str) -> ModelSource:
 
 
 def _gguf(path: Path) -> ModelSource:
-    from kvasir.model.convert import SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, gguf_cache_name
+    from kvasir.model.gguf import SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, gguf_cache_name
 
     architecture = gguf_architecture(path)
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvasir.chain import Chain
-from kvasir.messages import SamplingParams
+from kvasir.stage.chain import Chain
+from kvasir.wire.batch import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

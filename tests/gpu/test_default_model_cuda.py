@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from daemon import Daemon
 from kvasir.client import AsyncClient
 from kvasir.errors import KvasirError
-from kvasir.messages import Finished
+from kvasir.wire.client import Finished
 from kvasir.model.convert import prepare
 from kvasir.model.source import resolve_source
-from kvasir.plan import load_plan, plan_toml
+from kvasir.config.plan import load_plan, plan_toml
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from daemon import settled
 from kvasir.client import AsyncClient
-from kvasir.messages import Finished, TokenOut
+from kvasir.wire.client import Finished, TokenOut
 from models import random_prompts
 
 pytestmark = [

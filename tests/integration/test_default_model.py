@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from daemon import Daemon
 from kvasir.client import AsyncClient
-from kvasir.messages import Finished
+from kvasir.wire.client import Finished
 from kvasir.model.convert import prepare
 from kvasir.model.source import resolve_source
 

@@ -13,7 +13,7 @@ import pytest
 
 from daemon import BIN, alive, settled
 from kvasir.client import Client
-from kvasir.messages import ErrorEvent, Finished
+from kvasir.wire.client import ErrorEvent, Finished
 from models import hf_greedy, random_prompts, reference_model
 from test_ring import check_events, run_all
 from test_supervision import load_then, one_greedy, terminal_codes, wait_serving_again

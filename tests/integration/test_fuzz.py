@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvasir.client import Client
 from kvasir.errors import PlanError
-from kvasir.plan import parse_plan
+from kvasir.config.plan import parse_plan
 from models import hf_greedy, reference_model
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True),

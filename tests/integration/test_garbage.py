@@ -19,24 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvasir.client import Client
-from kvasir.messages import (
-    Adopted,
-    BatchDescriptor,
-    BatchResult,
-    CancelRequest,
-    Credit,
-    Drained,
-    Heartbeat,
-    KvDrop,
-    KvHeld,
-    KvPlaced,
-    Placement,
-    Ready,
-    RequestEnded,
-    Row,
-    SampledToken,
-    TokenEvents,
-)
+from kvasir.wire.head import Adopted, BatchResult, CancelRequest, KvDrop, KvHeld, KvPlaced
+from kvasir.wire.batch import BatchDescriptor, Credit, Row, SampledToken
+from kvasir.wire.control import Drained, Heartbeat, Ready
+from kvasir.wire.kv import Placement
+from kvasir.wire.bridge import RequestEnded, TokenEvents
 from models import hf_greedy, reference_model
 
 NOBODY = 10**9  # a request id nothing in the daemon has

@@ -12,7 +12,7 @@ import msgspec
 import zmq
 
 from kvasir.client import AsyncClient, Client
-from kvasir.messages import ClientEvent, ErrorEvent, Finished
+from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
 from models import hf_greedy, random_prompts, reference_model
 from daemon import settled
 

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvasir.client import AsyncClient
-from kvasir.messages import MAX_STOP_TOKEN_IDS, ErrorEvent, Finished
+from kvasir.wire.base import MAX_STOP_TOKEN_IDS
+from kvasir.wire.client import ErrorEvent, Finished
 from daemon import BIN
 from models import hf_greedy, random_prompts, reference_model
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from daemon import BIN, alive, exited, wait_serving, write_plan
 from kvasir.client import AsyncClient
-from kvasir.messages import Cancelled, ErrorEvent, Finished, TokenOut
+from kvasir.wire.client import Cancelled, ErrorEvent, Finished, TokenOut
 from models import hf_greedy, reference_model
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)

@@ -12,9 +12,9 @@ from pathlib import Path
 from daemon import BIN, exited, wait_serving, write_plan
 from kvasir.bench.daemon import stop_gracefully
 from kvasir.client import Client
-from kvasir.launcher import Launcher
+from kvasir.daemon.launcher import Launcher
 from kvasir.logs import setup_logging
-from kvasir.resolve import resolve_plan
+from kvasir.daemon.resolve import resolve_plan
 from models import hf_greedy, reference_model
 
 

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from kvasir.client import AsyncClient
-from kvasir.messages import ErrorEvent, Finished
+from kvasir.wire.client import ErrorEvent, Finished
 from test_lifecycle import children_of
 
 
@@ -87,7 +87,7 @@ def raw_dealer(runtime_dir: Path):
 def submit_raw(sock, count: int, max_tokens: int) -> None:
     import msgspec
 
-    from kvasir.messages import Submit
+    from kvasir.wire.client import Submit
 
     for key in range(count):
         sock.send(msgspec.msgpack.encode(Submit(key=key, token_ids=[5, 6, 7], max_tokens=max_tokens, temperature=0,

@@ -13,8 +13,8 @@ import zmq.asyncio
 
 from daemon import BIN, alive, write_plan
 from kvasir.client import AsyncClient
-from kvasir.messages import Accepted, Cancelled, ClientEvent, ErrorEvent, Finished, TokenOut
-from kvasir.transport import Endpoints
+from kvasir.wire.client import Accepted, Cancelled, ClientEvent, ErrorEvent, Finished, TokenOut
+from kvasir.wire.transport import Endpoints
 from models import hf_greedy, reference_model
 
 

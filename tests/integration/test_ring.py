@@ -8,7 +8,7 @@ import pytest
 
 from daemon import TailReader
 from kvasir.client import AsyncClient
-from kvasir.messages import Accepted, Cancelled, ErrorEvent, Finished, TokenOut
+from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, TokenOut
 from models import hf_greedy, random_prompts, reference_model
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 48, 64, 90, 120, 2, 5, 17, 26, 40, 75, 101, 9]

@@ -11,8 +11,8 @@ import pytest
 
 from daemon import BIN
 from kvasir.client import AsyncClient, NotAuthorised, Remote
-from kvasir.keys import generate
-from kvasir.messages import Finished
+from kvasir.config.keys import generate
+from kvasir.wire.client import Finished
 from models import hf_greedy, reference_model
 
 

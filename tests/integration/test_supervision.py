@@ -16,7 +16,7 @@ import pytest
 
 from daemon import BIN, alive
 from kvasir.client import AsyncClient, Client, NoDaemon
-from kvasir.messages import Cancelled, ErrorEvent, Finished
+from kvasir.wire.client import Cancelled, ErrorEvent, Finished
 from models import hf_greedy, reference_model
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)

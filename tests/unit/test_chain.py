@@ -7,8 +7,8 @@ import torch
 from models import hf_greedy, random_prompts
 from models import reference_model as reference
 
-from kvasir.chain import Chain, record
-from kvasir.messages import SamplingParams
+from kvasir.stage.chain import Chain, record
+from kvasir.wire.batch import SamplingParams
 
 SPLITS = {2: [(0, 3), (3, 6)], 3: [(0, 1), (1, 4), (4, 6)]}
 LENGTHS = [1, 7, 33, 120, 2, 64, 15, 101, 5, 48]

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvasir.cli import kvasir
+from kvasir.cli.main import kvasir
 from kvasir.errors import ModelSourceError
-from kvasir.model.convert import SMOLLM2_INSTALL, smollm2_gguf
+from kvasir.model.gguf import SMOLLM2_INSTALL, smollm2_gguf
 from kvasir.model.source import resolve_source
 
 

@@ -4,7 +4,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from kvasir.detokenizer import IncrementalDetokenizer
+from kvasir.bridge.detokenizer import IncrementalDetokenizer
 from models import CORPUS
 
 

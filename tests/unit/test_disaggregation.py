@@ -9,14 +9,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvasir.cli import kvasir
+from kvasir.cli.main import kvasir
 from kvasir.errors import PlanError
-from kvasir.footprint import MIB, break_even_gibps, handoff_ms
-from kvasir.ledger import HandoffLog, Pending
-from kvasir.messages import BatchResult, NewRequest, SampledToken, SamplingParams
-from kvasir.plan import parse_plan, plan_toml
-from kvasir.sampling import RequestSampler
-from kvasir.scheduler import Scheduler
+from kvasir.daemon.footprint import MIB, break_even_gibps, handoff_ms
+from kvasir.bridge.ledger import HandoffLog, Pending
+from kvasir.wire.head import BatchResult
+from kvasir.wire.batch import NewRequest, SampledToken, SamplingParams
+from kvasir.config.plan import parse_plan, plan_toml
+from kvasir.stage.sampling import RequestSampler
+from kvasir.sched.scheduler import Scheduler
 from models import make_plan
 
 POOLS = """
@@ -155,11 +156,13 @@ def test_a_decode_stage_copies_its_layers_out_of_differently_split_prefill_stage
 
     import zmq
 
-    from kvasir.handoff import KvReceiver
-    from kvasir.messages import HandoffWiring, HeadMessage, KvMessage, KvReady, KvSegment, Placement
+    from kvasir.stage.handoff import KvReceiver
+    from kvasir.wire.control import HandoffWiring, KvSegment
+    from kvasir.wire.head import HeadMessage
+    from kvasir.wire.kv import KvMessage, KvReady, Placement
     from kvasir.model.kv_cache import PagedKVCache
-    from kvasir.slots import KvSegmentMap
-    from kvasir.transport import PullChannel, PushChannel
+    from kvasir.stage.kv_segment import KvSegmentMap
+    from kvasir.wire.transport import PullChannel, PushChannel
 
     tag = f"kvasir-test-{os.getpid()}-{secrets.token_hex(3)}"
     segments = [

@@ -12,14 +12,17 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from kvasir.cli import kvasir
-from kvasir.edges import EdgeChoice, choose_edge, cuda_ordinal, pool_edges
+from kvasir.cli.main import kvasir
+from kvasir.ring.edges import EdgeChoice, choose_edge, pool_edges
+from kvasir.config.devices import cuda_ordinal
 from kvasir.errors import PlanError
-from kvasir.handshake import HandleExchange, HandshakeError, exchange_handles
-from kvasir.messages import Command, ControlMessage, CudaMemoryHandle, EdgeHandles, EdgeSpec, WorkerSettings
-from kvasir.plan import parse_plan
-from kvasir.slots import SHM_DIR, SlotError, attach_ring, create_ring
-from kvasir.transport import PullChannel, PushChannel, make_socket
+from kvasir.ring.handshake import HandleExchange, HandshakeError, exchange_handles
+from kvasir.wire.control import Command, ControlMessage, CudaMemoryHandle, EdgeHandles, EdgeSpec, WorkerSettings
+from kvasir.config.plan import parse_plan
+from kvasir.ring.shm import SHM_DIR
+from kvasir.ring.slots import SlotError
+from kvasir.ring.attach import attach_ring, create_ring
+from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 
 def stages_text(*stages: str) -> str:
@@ -35,7 +38,7 @@ def refused(text: str) -> str:
 
 # -- the plan's edge key ----------------------------------------------------------------------
 def test_edge_key_defaults_to_auto_and_reads_back():
-    from kvasir.plan import plan_toml
+    from kvasir.config.plan import plan_toml
 
     plan = parse_plan(stages_text('device = "cuda:0"\nedge = "pinned"', 'device = "cuda:1"'))
     assert plan.stages[0].edge == "pinned" and plan.stages[1].edge is None
@@ -267,10 +270,10 @@ def test_the_launcher_makes_shared_memory_edges_only():
 def test_launcher_prepares_each_edge_by_kind(tmp_path, tiny_models):
     """A plan's edges as the launcher wires them: shared memory made for shm and pinned
     edges, nothing made but a pairing for CUDA IPC ones (the stages make those)."""
-    from kvasir.launcher import Launcher
+    from kvasir.daemon.launcher import Launcher
     from kvasir.logs import setup_logging
     from kvasir.model.source import resolve_source
-    from kvasir.plan import load_plan
+    from kvasir.config.plan import load_plan
 
     path = write_plan(tmp_path, tiny_models["llama"], 'device = "cpu"', 'device = "cuda:0"', 'device = "cuda:0"')
     plan = load_plan(path)
@@ -294,7 +297,7 @@ def check_the_launcher_passes_halves_between_its_children(launcher, edge: str, t
     child is paired and each side gets the other's; one from a replaced child is ignored."""
     import subprocess
 
-    from kvasir.launcher import Child
+    from kvasir.daemon.launcher import Child
 
     inboxes = []
     for k in range(3):
@@ -319,7 +322,7 @@ def test_pinned_slots_on_a_cpu_side_are_plain_shared_memory():
     registers the same file and copies asynchronously: tests/gpu)."""
     import torch
 
-    from kvasir.gpu_slots import CudaIpcSlotRing, PinnedSlotRing
+    from kvasir.ring.gpu_slots import CudaIpcSlotRing, PinnedSlotRing
 
     spec = EdgeSpec(kind="pinned", name=f"kvasir-test-pinned-{os.getpid()}", slots=2, max_tokens=4, hidden=8,
                     dtype="float32", producer="cpu", consumer="cpu")

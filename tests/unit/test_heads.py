@@ -6,10 +6,12 @@ import msgspec
 import pytest
 import zmq
 
-from kvasir.heads import RecentIds, SchedulerIntake
-from kvasir.messages import BatchResult, BridgeMessage, CancelRequest, Enqueue, HeadMessage, RequestEnded, SamplingParams
-from kvasir.scheduler import Scheduler
-from kvasir.transport import PullChannel, PushChannel
+from kvasir.stage.heads import RecentIds, SchedulerIntake
+from kvasir.wire.head import BatchResult, CancelRequest, Enqueue, HeadMessage
+from kvasir.wire.bridge import BridgeMessage, RequestEnded
+from kvasir.wire.batch import SamplingParams
+from kvasir.sched.scheduler import Scheduler
+from kvasir.wire.transport import PullChannel, PushChannel
 from models import make_plan
 
 

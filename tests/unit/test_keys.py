@@ -4,8 +4,8 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from kvasir.cli import kvasir
-from kvasir.keys import KeyFileError, allowed_keys, load_pair, load_public
+from kvasir.cli.main import kvasir
+from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_public
 
 
 def mode(path) -> int:

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvasir.engine import StageEngine
+from kvasir.stage.engine import StageEngine
 from kvasir.errors import BatchError
-from kvasir.messages import BatchDescriptor, Row
+from kvasir.wire.batch import BatchDescriptor, Row
 from kvasir.model.kv_cache import PagedKVCache
 
 

@@ -1,4 +1,4 @@
-from kvasir.ledger import Ledger, Peer, Pending
+from kvasir.bridge.ledger import Ledger, Peer, Pending
 
 
 def record(peer: Peer) -> Pending:

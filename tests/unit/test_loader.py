@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvasir.engine import StageEngine
+from kvasir.stage.engine import StageEngine
 from kvasir.errors import ModelSourceError
 from kvasir.model.loader import SliceSpec, build_skeleton, load_slice
 from kvasir.model.source import resolve_source

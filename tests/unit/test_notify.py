@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvasir.notify import ServiceNotifier
+from kvasir.daemon.notify import ServiceNotifier
 
 
 @pytest.fixture

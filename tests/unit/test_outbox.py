@@ -8,9 +8,9 @@ import contextlib
 import zmq
 import zmq.asyncio
 
-from kvasir.ledger import Peer
-from kvasir.outbox import ZMQ_QUEUE, Outbox
-from kvasir.transport import BatchedSocket
+from kvasir.bridge.ledger import Peer
+from kvasir.bridge.outbox import ZMQ_QUEUE, Outbox
+from kvasir.wire.transport import BatchedSocket
 
 
 async def pair(ctx, endpoint: str, reading_hwm: int = 4):

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from kvasir.cli import kvasir
+from kvasir.cli.main import kvasir
 from kvasir.errors import PlanError
-from kvasir.plan import check_model_fit, load_plan, parse_plan
+from kvasir.config.plan import check_model_fit, load_plan, parse_plan
 
 TWO = """
 [[stages]]
@@ -239,7 +239,7 @@ def test_every_example_plan_checks(path):
 
 
 def test_default_plan_is_packaged():
-    from kvasir.cli import default_plan_path
+    from kvasir.config.plan import default_plan_path
 
     assert default_plan_path().is_file()
     assert load_plan(default_plan_path()) == load_plan(Path(__file__).parents[2] / "plans" / "smollm2-2stage.toml")
@@ -247,7 +247,7 @@ def test_default_plan_is_packaged():
 
 @pytest.mark.parametrize("name", ["smollm2-2stage.toml", "smollm2-3stage.toml", "tiny-2stage.toml"])
 def test_plan_toml_reads_back_equal(name):
-    from kvasir.plan import plan_toml
+    from kvasir.config.plan import plan_toml
 
     plan = load_plan(Path(__file__).parents[2] / "plans" / name)
     assert parse_plan(plan_toml(plan)) == plan
@@ -306,8 +306,8 @@ def test_malformed_tcp_and_half_given_keys():
 
 
 def test_key_files_are_resolved_from_the_plan_folder_and_must_load(tmp_path, tiny_models):
-    from kvasir.keys import generate
-    from kvasir.resolve import resolve_plan
+    from kvasir.config.keys import generate
+    from kvasir.daemon.resolve import resolve_plan
 
     generate(tmp_path / "k", ["alice"])
     text = f'[model]\nsource = "{tiny_models["llama"]}"\nmax_seq_len = 256\n[bridge]\ntcp = "tcp://*:7070"\nserver_key = "k/server.key_secret"\nclient_keys = "k/clients"\n'

@@ -1,4 +1,4 @@
-from kvasir.supervision import Heartbeats, RestartPolicy
+from kvasir.daemon.supervision import Heartbeats, RestartPolicy
 
 
 def test_first_failure_restarts_at_once_then_backs_off_doubling():

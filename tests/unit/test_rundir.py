@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from kvasir.client import Client, NoDaemon
-from kvasir.rundir import RuntimeDirError, check_client_dir, is_ours, make_runtime_dir
+from kvasir.wire.rundir import RuntimeDirError, check_client_dir, is_ours, make_runtime_dir
 
 STRANGER = 12345  # a uid nobody on this machine has
 NOBODY = 65534

@@ -6,8 +6,9 @@ import pytest
 
 from models import make_plan
 from kvasir.errors import BatchError, RequestError
-from kvasir.messages import BatchResult, SampledToken, SamplingParams
-from kvasir.scheduler import Scheduler
+from kvasir.wire.head import BatchResult
+from kvasir.wire.batch import SampledToken, SamplingParams
+from kvasir.sched.scheduler import Scheduler
 
 VOCAB = 100
 

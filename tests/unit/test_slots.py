@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from kvasir.slots import SEGMENT_NAME, segment_prefix, sweep_stale_segments
+from kvasir.ring.shm import SEGMENT_NAME, segment_prefix, sweep_stale_segments
 
 
 def _dead_pid() -> int:

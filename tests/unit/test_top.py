@@ -3,8 +3,9 @@ tests/integration/test_stats.py)."""
 
 from __future__ import annotations
 
-from kvasir.messages import DaemonStats, StageStats
-from kvasir.top import bar, frame
+from kvasir.wire.client import DaemonStats
+from kvasir.wire.bridge import StageStats
+from kvasir.cli.top import bar, frame
 
 
 def stage(index, layers, wall_s, busy_s, batches, **kw) -> StageStats:

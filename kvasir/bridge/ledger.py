@@ -1,0 +1,164 @@
+"""The bridge's book of requests: accepted and not yet ended, counted per client."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvasir.bridge.detokenizer import IncrementalDetokenizer
+from kvasir.wire.client import Finished, HandoffSummary, HandoffTimings, Timings, Usage
+from kvasir.wire.batch import SampledToken
+
+from kvasir.wire.transport import BatchedSocket
+
+GIB = 1 << 30
+RECENT_HANDOFFS = 4096  # hand-offs the percentiles are taken over
+
+
+class Peer(NamedTuple):
+    """A client: the socket it came in on (local ipc, or remote TCP) and its ZMQ identity."""
+
+    io: BatchedSocket
+    identity: bytes
+
+
+@dataclass
+class Pending:
+    """A request the bridge has accepted and not yet ended."""
+
+    peer: Peer
+    key: int
+    prompt_tokens: int
+    submitted_ns: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    scheduled_ns: int = 0
+    first_ns: int = 0
+    second_ns: int = 0
+    last_ns: int = 0
+    handoff: HandoffTimings | None = None
+    early: dict[int, SampledToken] = field(default_factory=dict)  # tokens that overtook an earlier one
+
+    def in_order(self, token: SampledToken) -> list[SampledToken]:
+        """The tokens to stream now, in output order. In a disaggregated plan the first
+        token comes from the prefill pool's tail and the rest from the decode pool's, on
+        different sockets: a later one may arrive first and waits here."""
+        if token.index != len(self.token_ids):
+            self.early[token.index] = token
+            return []
+        ready = [token]
+        while len(self.token_ids) + len(ready) in self.early:
+            ready.append(self.early.pop(len(self.token_ids) + len(ready)))
+        return ready
+
+    def finished(self, rid: int, reason: str) -> Finished:
+        n = len(self.token_ids)
+        return Finished(
+            request_id=rid,
+            reason=reason,
+            token_ids=self.token_ids,
+            usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=n),
+            timings=Timings(
+                queued_s=max(0, self.scheduled_ns - self.submitted_ns) / 1e9,
+                first_token_s=(self.first_ns - self.submitted_ns) / 1e9,
+                per_token_s=(self.last_ns - self.first_ns) / 1e9 / (n - 1) if n > 1 else 0.0,
+                total_s=(self.last_ns - self.submitted_ns) / 1e9,
+                second_token_s=(self.second_ns - self.first_ns) / 1e9 if n > 1 else None,
+            ),
+            handoff=self.handoff,
+        )
+
+
+class Ledger:
+    """Requests in the daemon by id, and how many each client has.
+
+    A client with requests in the daemon has a number (the head's fair admission tells
+    clients apart by it); it is given with the client's first request and forgotten with
+    its last, so clients that come and go leave nothing behind.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Pending] = {}
+        self._per_client: dict[Peer, int] = {}
+        self._numbers: dict[Peer, int] = {}
+        self._next_number = 1
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, rid: int) -> Pending | None:
+        return self._by_id.get(rid)
+
+    def held_by(self, peer: Peer) -> int:
+        return self._per_client.get(peer, 0)
+
+    def of(self, peer: Peer) -> list[int]:
+        """The ids of one client's requests (a scan: only for a client that is gone)."""
+        return [rid for rid, record in self._by_id.items() if record.peer == peer] if peer in self._per_client else []
+
+    def number(self, peer: Peer) -> int:
+        """The client's number, given now if it has no request in the daemon yet."""
+        number = self._numbers.get(peer)
+        if number is None:
+            number = self._numbers[peer] = self._next_number
+            self._next_number += 1
+        return number
+
+    def add(self, rid: int, record: Pending) -> None:
+        self.number(record.peer)
+        self._by_id[rid] = record
+        self._per_client[record.peer] = self._per_client.get(record.peer, 0) + 1
+
+    def end(self, rid: int) -> Pending | None:
+        """Forget an ended request; its record, or None when it had already ended."""
+        record = self._by_id.pop(rid, None)
+        if record is not None:
+            left = self._per_client[record.peer] - 1
+            if left:
+                self._per_client[record.peer] = left
+            else:
+                del self._per_client[record.peer]
+                self._numbers.pop(record.peer, None)
+        return record
+
+    def end_all(self) -> list[tuple[int, Pending]]:
+        """Forget every request; what they were."""
+        ended = list(self._by_id.items())
+        self._by_id.clear()
+        self._per_client.clear()
+        self._numbers.clear()
+        return ended
+
+
+class HandoffLog:
+    """KV hand-offs between pools since start: totals, and the recent ones for percentiles."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.kv_bytes = 0
+        self.recent: deque[tuple[int, float, float]] = deque(maxlen=RECENT_HANDOFFS)  # (bytes, seconds, copy seconds)
+
+    def add(self, nbytes: int, seconds: float, copy_s: float) -> HandoffTimings:
+        self.count += 1
+        self.kv_bytes += nbytes
+        self.recent.append((nbytes, seconds, copy_s))
+        return HandoffTimings(kv_bytes=nbytes, seconds=seconds, copy_s=copy_s, gibps=_gibps(nbytes, copy_s))
+
+    def summary(self) -> HandoffSummary | None:
+        if not self.count:
+            return None
+        times = sorted(seconds for _, seconds, _ in self.recent)
+        copying = sum(copy_s for _, _, copy_s in self.recent)
+        moved = sum(nbytes for nbytes, _, _ in self.recent)
+        return HandoffSummary(
+            count=self.count,
+            kv_bytes=self.kv_bytes,
+            p50_s=times[len(times) // 2],
+            p99_s=times[min(len(times) - 1, int(len(times) * 0.99))],
+            gibps=_gibps(moved, copying),
+        )
+
+
+def _gibps(nbytes: int, seconds: float) -> float:
+    return nbytes / GIB / seconds if seconds > 0 else 0.0

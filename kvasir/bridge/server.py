@@ -1,0 +1,424 @@
+"""The bridge: clients' front door (asyncio on uvloop).
+
+It tokenizes and validates submissions, hands them to the head, turns the tail's token
+events into per-request events (text deltas, exactly one terminal event each) and
+republishes every token on the PUB endpoint. It is never on the boundary path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import deque
+
+import msgspec
+import uvloop
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+
+from kvasir.bridge.detokenizer import IncrementalDetokenizer, load_tokenizer
+from kvasir.errors import RequestError
+from kvasir.logs import setup_logging
+from kvasir.wire.client import Accepted, Cancel, Cancelled, ClientMessage, DaemonStats, ErrorEvent, StatsQuery, StatsReply, Submit, TokenOut
+from kvasir.wire.bridge import BridgeMessage, BatchSpan, HandoffReport, RequestEnded, StageStats, TokenEvents
+from kvasir.wire.head import CancelRequest, Enqueue
+from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.batch import SampledToken
+from kvasir.config.keys import load_pair
+from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
+from kvasir.model.source import resolve_source
+from kvasir.bridge.outbox import ZMQ_QUEUE, Outbox
+from kvasir.config.plan import BridgeSpec
+from kvasir.wire.transport import BatchedSocket, Endpoints, make_socket
+from kvasir.bridge.submissions import Submissions
+
+
+MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
+TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
+PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
+
+
+class Bridge:
+    def __init__(self, settings: WorkerSettings, ctx: zmq.asyncio.Context, log) -> None:
+        plan = settings.plan
+        ends = Endpoints(settings.runtime_dir)
+        source = resolve_source(plan.model.source)
+        self.log = log
+        self.vocab_size = source.vocab_size
+        self.max_seq_len = plan.model.max_seq_len
+        self.max_waiting = plan.bridge.max_waiting
+        self.max_per_client = plan.bridge.max_per_client
+        self.tokenizer = load_tokenizer(source.weights_dir)
+        self.submissions = Submissions(self.tokenizer, source.vocab_size, plan.model.max_seq_len,
+                                       plan.bridge.max_tokens_per_request)
+        # the client endpoints are bound on "serve", once every stage is ready: a
+        # client.sock in the runtime dir means the daemon is serving
+        self.outbox = Outbox(plan.bridge.max_client_queue, plan.bridge.max_client_bytes, self._lost)
+        self.clients = self._client_router(ctx)
+        self.publisher = make_socket(ctx, zmq.PUB)
+        self.publisher.setsockopt(zmq.SNDHWM, PUB_QUEUE)
+        self.ends = ends
+        self.inbox = make_socket(ctx, zmq.PULL, bind=ends.bridge_in)
+        self.commands = make_socket(ctx, zmq.PULL, bind=ends.command("bridge"))
+        self.control = make_socket(ctx, zmq.PUSH, connect=ends.control)
+        self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
+        self.tcp = plan.bridge.tcp
+        self.authenticator = None
+        self.remote_io = self._remote(ctx, plan.bridge) if self.tcp is not None else None
+        self.inbox_io = BatchedSocket(self.inbox)
+        self.ctx = ctx
+        self.head, self.head_io = self._connect_head()
+        self.stats_interval_s = settings.stats_interval_s
+        self.encoder = msgspec.msgpack.Encoder()
+        self.client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
+        self.malformed = 0  # internal messages that did not decode (dropped)
+        self.clients_lost = 0
+        self.requests = Ledger()
+        self.handoffs = HandoffLog()
+        self.stage_stats: dict[int, StageStats] = {}
+        self.timelines: dict[int, deque[BatchSpan]] = {}
+        self.started = time.monotonic()
+        self.accepted = 0
+        self.tokens_out = 0
+        self.next_id = 1
+        self.draining = False
+        self.drained_sent = False
+        self.bound = False
+        self.restarting: str | None = None  # what failed, while the ring restarts
+        self.ring_pids: frozenset[int] = frozenset()  # the serving stages (stats from others are stale)
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self.last_failure_at = 0.0
+        self.stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- serving -----------------------------------------------------------------------
+    async def serve(self) -> None:
+        await self.control.send(self.encoder.encode(Ready("bridge", 0, os.getpid())))
+        self._tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands(), self._heartbeat(), self.outbox.run())]
+        stopped = asyncio.create_task(self.stopped.wait())
+        try:
+            while not self.stopped.is_set():
+                done, _ = await asyncio.wait([*self._tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not stopped and not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # a broken loop is fatal: the launcher sees us exit
+        finally:
+            for task in [*self._tasks, stopped]:
+                task.cancel()
+            await asyncio.gather(*self._tasks, stopped, return_exceptions=True)
+
+    async def _clients(self, io: BatchedSocket) -> None:
+        while True:
+            for frames in await io.recv_batch(multipart=True):
+                await self._client_message(io, frames)
+            await asyncio.sleep(0)  # a client that never pauses must not starve heartbeats, tokens, CURVE
+
+    async def _client_message(self, io: BatchedSocket, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            if frames:
+                error = ErrorEvent(code="invalid_request", message=f"expected one frame, got {len(frames) - 1}")
+                await self._send(Peer(io, frames[0]), error)
+            return
+        identity, body = frames
+        peer = Peer(io, identity)
+        try:
+            message = self.client_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}", key=self.submissions.key_of(body)))
+            return
+        match message:
+            case Submit():
+                await self._submit(peer, message)
+            case Cancel(request_id=rid):
+                await self._cancel(peer, rid)
+            case StatsQuery(key=key, timeline=timeline):
+                await self._send(peer, StatsReply(key=key, stats=self.daemon_stats(timeline)))
+
+    async def _submit(self, peer: Peer, msg: Submit) -> None:
+        try:
+            if self.draining:
+                raise RequestError("shutting_down", "the daemon is shutting down and takes no new requests")
+            if self.restarting is not None:
+                raise RequestError(
+                    "restarting", f"the ring is restarting after a failure ({self.restarting}): retry in a few seconds"
+                )
+            if len(self.requests) >= self.max_waiting:
+                raise RequestError("overloaded", f"{len(self.requests)} requests are already waiting or running")
+            mine = self.requests.held_by(peer)
+            if mine >= self.max_per_client:
+                raise RequestError(
+                    "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
+                )
+            ids, sampling = self.submissions.read(msg)
+        except RequestError as exc:
+            await self._send(peer, ErrorEvent(code=exc.code, message=exc.message, key=msg.key))
+            return
+        rid = self.next_id
+        self.next_id += 1
+        self.accepted += 1
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.requests.add(rid, Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok))
+        client = self.requests.number(peer)
+        await self._send(peer, Accepted(key=msg.key, request_id=rid))
+        if self.requests.get(rid) is None:
+            return  # the client could not be told (gone, or not reading): nothing runs for nobody
+        await self.head_io.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling, client)))
+
+    async def _cancel(self, peer: Peer, rid: int) -> None:
+        record = self.requests.get(rid)
+        if record is None or record.peer != peer:
+            await self._send(
+                peer, ErrorEvent(code="unknown_request", message=f"no running request {rid} of yours", request_id=rid)
+            )
+            return
+        await self.head_io.send(self.encoder.encode(CancelRequest(rid)))
+
+    async def _stages(self) -> None:
+        while True:
+            for body in await self.inbox_io.recv_batch():
+                try:
+                    message = self.inbox_decoder.decode(body)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    self._malformed("bridge-in", exc)
+                    continue
+                await self._stage_message(message)
+            await self._maybe_drained()
+            await asyncio.sleep(0)
+
+    def _malformed(self, socket: str, exc: Exception) -> None:
+        """An internal message that does not decode: a bug, a version mix or a stray
+        process of the daemon's user. Dropped and logged; the bridge keeps serving."""
+        self.malformed += 1
+        self.log.warning("dropped a malformed internal message", socket=socket, error=str(exc), dropped=self.malformed)
+
+    async def _stage_message(self, message: BridgeMessage) -> None:
+        match message:
+            case TokenEvents(tokens=tokens):
+                for token in tokens:
+                    await self._token(token)
+            case RequestEnded(request_id=rid, code=code, message=text):
+                record = self.requests.end(rid)
+                if record is not None:
+                    event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
+                    await self._send(record.peer, event)
+            case HandoffReport(request_id=rid, nbytes=nbytes, seconds=seconds, copy_s=copy_s):
+                timings = self.handoffs.add(nbytes, seconds, copy_s)
+                record = self.requests.get(rid)
+                if record is not None:
+                    record.handoff = timings
+            case StageStats() as stats if stats.pid in self.ring_pids:
+                self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
+                self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
+
+    async def _token(self, arrived: SampledToken) -> None:
+        record = self.requests.get(arrived.request_id)
+        if record is None:
+            return
+        for token in record.in_order(arrived):
+            await self._stream(record, token)
+
+    async def _stream(self, record: Pending, token: SampledToken) -> None:
+        now = time.monotonic_ns()
+        if not record.token_ids:
+            record.first_ns = now
+            record.scheduled_ns = token.scheduled_ns
+        elif len(record.token_ids) == 1:
+            record.second_ns = now
+        record.last_ns = now
+        record.token_ids.append(token.token_id)
+        self.tokens_out += 1
+        text = ""
+        if record.detokenizer is not None:
+            text = record.detokenizer.push(token.token_id)
+            if token.finish is not None:
+                text += record.detokenizer.flush()
+        event = TokenOut(request_id=token.request_id, index=token.index, token_id=token.token_id, text=text)
+        encoded = self.encoder.encode(event)
+        await self.publisher_io.send(encoded)
+        self._deliver(record.peer, encoded)
+        if token.finish is not None:
+            self.requests.end(token.request_id)
+            await self._send(record.peer, record.finished(token.request_id, token.finish))
+
+    async def _commands(self) -> None:
+        decoder = msgspec.msgpack.Decoder(Command)
+        while True:
+            try:
+                command = decoder.decode(await self.commands.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._malformed("command-bridge", exc)
+                continue
+            if command.kind == "serve":
+                self._serve(command)
+            elif command.kind == "ring_down":
+                await self._ring_down(command.message)
+            elif command.kind == "drain":
+                self.draining = True
+                self.log.info("draining", requests=len(self.requests))
+                await self._maybe_drained()
+            elif command.kind == "stop":
+                reason = "a stage failed" if command.code == "stage_failed" else "the daemon stopped"
+                await self._end_all(command.code, f"{reason} before the request finished")
+                self.clients.setsockopt(zmq.LINGER, 2000)  # let those last events reach their clients
+                self.stopped.set()
+
+    def _serve(self, command: Command) -> None:
+        """Every stage is ready: bind the client endpoints (first time), take requests."""
+        if not self.bound:
+            self.publisher.bind(self.ends.events)
+            self.clients.bind(self.ends.client)
+            self._tasks.append(asyncio.create_task(self._clients(self.client_io)))
+            if self.remote_io is not None:
+                try:
+                    self.remote_io.socket.bind(self.tcp)
+                except zmq.ZMQError as exc:
+                    raise RuntimeError(f"cannot bind bridge.tcp = {self.tcp}: {exc}") from None
+                self._tasks.append(asyncio.create_task(self._clients(self.remote_io)))
+                self.log.info("accepting remote clients", endpoint=self.tcp, curve=self.authenticator is not None)
+            self.bound = True
+        if command.message and command.message != self.last_failure:  # a bridge started after a failure
+            self.last_failure, self.last_failure_at = command.message, time.monotonic()
+        self.restarts = command.restarts
+        self.ring_pids = frozenset(command.pids)
+        self.restarting = None
+        self.log.info("accepting clients", restarts=self.restarts)
+
+    async def _ring_down(self, reason: str) -> None:
+        """The stages failed and are being restarted: end every request now, refuse new
+        ones until "serve", and drop whatever was queued for the dead head."""
+        self.restarting = reason
+        self.last_failure, self.last_failure_at = reason, time.monotonic()
+        self.log.warning("ring down", reason=reason, requests=len(self.requests))
+        await self._end_all("stage_failed", f"{reason}; the request was lost and the ring is restarting")
+        self.head.close(linger=0)
+        self.head, self.head_io = self._connect_head()
+        self.stage_stats.clear()
+        self.timelines.clear()
+
+    def _remote(self, ctx: zmq.asyncio.Context, spec: BridgeSpec) -> BatchedSocket:
+        """The ROUTER for remote clients over TCP. With keys it is a CURVE server and ZAP
+        lets in only the clients whose public keys are in ``client_keys``."""
+        sock = self._client_router(ctx)
+        if spec.server_key is not None:
+            self.authenticator = AsyncioAuthenticator(ctx)
+            self.authenticator.start()
+            self.authenticator.configure_curve(domain="*", location=spec.client_keys)
+            sock.curve_publickey, sock.curve_secretkey = load_pair(spec.server_key)
+            sock.curve_server = True
+        return BatchedSocket(sock)
+
+    def _client_router(self, ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+        """A ROUTER for clients. A plain ROUTER silently drops events for a client whose
+        queue is full or that is gone; with ROUTER_MANDATORY the send fails instead, and
+        the bridge cancels that client's requests (see _deliver), so no event is lost
+        unnoticed and no queue grows without bound."""
+        sock = make_socket(ctx, zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
+        sock.setsockopt(zmq.SNDHWM, ZMQ_QUEUE)  # the rest waits in the outbox, counted in bytes
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        return sock
+
+    def _connect_head(self):
+        # unbounded: accepted requests are bounded by bridge.max_waiting, and a send that
+        # waited for a dead head would stall every client
+        head = make_socket(self.ctx, zmq.PUSH)
+        head.setsockopt(zmq.SNDHWM, 0)
+        head.connect(self.ends.stage_in(0))
+        return head, BatchedSocket(head)
+
+    async def _heartbeat(self) -> None:
+        beat = self.encoder.encode(Heartbeat("bridge", 0, os.getpid()))
+        while True:
+            await self.control.send(beat)
+            await asyncio.sleep(self.stats_interval_s)
+
+    async def _maybe_drained(self) -> None:
+        if self.draining and not self.requests and not self.drained_sent:
+            self.drained_sent = True
+            await self.control.send(self.encoder.encode(Drained()))
+
+    async def _end_all(self, code: str, message: str) -> None:
+        for rid, record in self.requests.end_all():
+            await self._send(record.peer, ErrorEvent(code=code, message=message, request_id=rid))
+
+    async def _send(self, peer: Peer, event) -> None:
+        self._deliver(peer, self.encoder.encode(event))
+
+    def _deliver(self, peer: Peer, payload: bytes) -> None:
+        """Queue one event for a client; a client that is gone, or has not read its last
+        ``bridge.max_client_queue`` events or ``bridge.max_client_bytes`` bytes, loses its
+        requests instead (see kvasir/bridge/outbox.py)."""
+        self.outbox.deliver(peer, payload)
+
+    def _lost(self, peer: Peer, why: str) -> None:
+        """Cancel every request of a client that cannot be told anything any more."""
+        self.clients_lost += 1
+        rids = self.requests.of(peer)
+        for rid in rids:
+            self.requests.end(rid)
+            self.head_io.send_now([self.encoder.encode(CancelRequest(rid))])
+        if rids:
+            self.log.warning("client lost: its requests are cancelled", why=why, requests=len(rids))
+
+    def daemon_stats(self, timeline: bool = False) -> DaemonStats:
+        order = sorted(self.stage_stats)
+        return DaemonStats(
+            uptime_s=time.monotonic() - self.started,
+            requests=self.accepted,
+            in_flight=len(self.requests),
+            tokens_out=self.tokens_out,
+            waiting_limit=self.max_waiting,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            stages=[self.stage_stats[k] for k in order],
+            timeline=[list(self.timelines.get(k, ())) for k in order] if timeline else [],
+            state="draining" if self.draining else "restarting" if self.restarting is not None else "serving",
+            restarts=self.restarts,
+            last_failure=self.last_failure,
+            last_failure_age_s=time.monotonic() - self.last_failure_at if self.last_failure is not None else None,
+            handoff=self.handoffs.summary(),
+            client_bytes_waiting=self.outbox.waiting_bytes,
+            clients_lost=self.clients_lost,
+            malformed=self.malformed,
+        )
+
+
+def run_bridge(encoded: bytes) -> None:
+    """Entry point of the bridge process (spawned by the launcher)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
+    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
+    log = setup_logging(settings.log_level, role="bridge", pid=os.getpid())
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        bridge = None
+        try:
+            bridge = Bridge(settings, ctx, log)
+            watch = asyncio.create_task(_watch_launcher(settings.launcher_pid, bridge, log))
+            log.info("bridge ready")
+            await bridge.serve()
+            watch.cancel()
+        finally:
+            if bridge is not None and bridge.authenticator is not None:
+                bridge.authenticator.stop()
+            ctx.destroy()
+
+    try:
+        uvloop.run(main())
+    except Exception:
+        log.exception("bridge failed")
+        raise SystemExit(1)
+    log.info("bridge stopped")
+
+
+async def _watch_launcher(launcher_pid: int, bridge: Bridge, log) -> None:
+    while os.getppid() == launcher_pid:
+        await asyncio.sleep(0.2)
+    log.warning("launcher is gone; stopping")
+    bridge.stopped.set()

@@ -1,0 +1,72 @@
+"""What the bridge makes of a client's submission: a prompt's token ids and its sampling
+parameters, or a RequestError saying what is wrong. Policy only: no sockets, no state
+beyond the tokenizer and the plan's limits (kvasir/wire/validation.py holds the checks)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvasir.errors import RequestError
+from kvasir.wire.batch import SamplingParams
+from kvasir.wire.client import Submit
+from kvasir.wire.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling
+
+
+class _Envelope(msgspec.Struct):
+    """Just enough of a client message to answer one that does not decode: its key."""
+
+    type: str = ""
+    key: int | None = None
+
+
+class Submissions:
+    def __init__(self, tokenizer, vocab_size: int, max_seq_len: int, max_tokens: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.max_tokens = max_tokens  # bridge.max_tokens_per_request (None: no ceiling)
+        self._envelope = msgspec.msgpack.Decoder(_Envelope)
+
+    def read(self, msg: Submit) -> tuple[list[int], SamplingParams]:
+        """The prompt's ids and the sampling parameters; RequestError when refused."""
+        if self.max_tokens is not None:
+            check_max_tokens(msg.max_tokens, self.max_tokens)
+        ids = self._prompt_ids(msg)
+        sampling = SamplingParams(
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            top_k=msg.top_k,
+            seed=msg.seed,
+            max_tokens=msg.max_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+        )
+        check_sampling(sampling, self.vocab_size)
+        return ids, sampling
+
+    def key_of(self, body: bytes) -> int | None:
+        """The key of a submission or stats query that did not decode, when it has one."""
+        try:
+            envelope = self._envelope.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return envelope.key if envelope.type in ("submit", "stats") else None
+
+    def _prompt_ids(self, msg: Submit) -> list[int]:
+        if (msg.prompt is None) == (msg.token_ids is None):
+            raise RequestError("invalid_request", "give exactly one of prompt (text) or token_ids")
+        if msg.token_ids is not None:
+            return check_prompt(msg.token_ids, self.vocab_size, self.max_seq_len)
+        if self.tokenizer is None:
+            raise RequestError("invalid_request", "this model has no tokenizer: submit token ids instead of text")
+        check_prompt_text(msg.prompt, self.max_seq_len)
+        if msg.chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError("invalid_request", "this model has no chat template")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": msg.prompt}], add_generation_prompt=True, tokenize=True
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            ids = self.tokenizer.encode(msg.prompt, add_special_tokens=True)
+        return check_prompt(ids, self.vocab_size, self.max_seq_len)

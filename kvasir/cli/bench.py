@@ -1,0 +1,333 @@
+"""``kvasir bench``: load a daemon and report throughput, latency, goodput and stage use."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from kvasir.errors import KvasirError
+from kvasir.wire.transport import default_runtime_dir
+
+
+@click.command()
+@click.option("--concurrency", type=int, default=None, help="Closed loop: requests kept in flight (default 32).")
+@click.option("--rate", type=float, default=None, help="Open loop: requests per second (Poisson, seeded).")
+@click.option("--requests", "count", type=int, default=64, show_default=True, help="Measured requests (per rate).")
+@click.option("--warmup", type=int, default=8, show_default=True, help="Requests run first and left out of the figures.")
+@click.option("--prompt-len", default="128", show_default=True,
+              help="Prompt tokens: N, LOW:HIGH (uniform) or N,N,... (drawn from the list: 1000,40,40,40 mixes long prompts into chats).")
+@click.option("--output-len", default="64", show_default=True, help="Output tokens: N, LOW:HIGH or N,N,...")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help='JSONL file, one {"prompt": ...} or {"token_ids": [...]} per line (instead of random ids).')
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Every request produces exactly its output length.")
+@click.option("--slo-ttft", type=float, default=None, help="Target time to first token, seconds.")
+@click.option("--slo-tpot", type=float, default=None, help="Target time per output token, seconds.")
+@click.option("--slo-attain", type=float, default=0.9, show_default=True,
+              help="Share of requests that must meet both targets for a rate to count as goodput.")
+@click.option("--rate-sweep", is_flag=True,
+              help="Search the goodput: open-loop runs from --rate (default 1), doubling, then bisecting.")
+@click.option("--sweep-steps", type=int, default=3, show_default=True, help="Bisection steps of --rate-sweep.")
+@click.option("--plan", "plan_paths", type=click.Path(dir_okay=False, exists=True), multiple=True,
+              help="Start a daemon from this plan for the run (private runtime dir) and stop it after. "
+                   "Twice with --compare: the two plans side by side.")
+@click.option("--compare", is_flag=True,
+              help="Run the workload on the ring, the drained ring (inflight = 1), transformers generate "
+                   "(static batches) and generate_batch, alternating; print ratios. Uses --plan (default plan if absent). "
+                   "With two --plan: both plans (e.g. colocated and disaggregated) on the same jobs and cores, with "
+                   "TTFT, ITL, SLO attainment (goodput with --rate-sweep), pool use and hand-off cost.")
+@click.option("--contenders", default="ring,drained,hf-static,hf-continuous", show_default=True,
+              help="With --compare: which contenders, comma-separated.")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="With --compare: alternating rounds. With --failover: stages killed, one per round.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
+              help="Write timeline.png, stages.png and latency.png into this folder.")
+@click.option("--hop", is_flag=True, help="Measure one stage-to-stage hand-off next to memcpy and ZMQ round trips.")
+@click.option("--hop-device", default="cpu", show_default=True,
+              help="With --hop: 'cpu' (shared-memory slots) or 'cuda:N' (both processes on that GPU, CUDA IPC slots).")
+@click.option("--submit-only", is_flag=True,
+              help="Measure submission line rate: --requests one-token requests as fast as one client can.")
+@click.option("--failover", is_flag=True,
+              help="Kill a stage (SIGKILL) under --concurrency requests, --rounds times, and time how long until "
+                   "every client is told and until the daemon serves again (the daemon must run on this host).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--runtime-dir", type=click.Path(file_okay=False), default=None,
+              help="The daemon's runtime dir (default as for every command; ignored with --plan).")
+def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, ignore_eos, slo_ttft, slo_tpot,
+          slo_attain, rate_sweep, sweep_steps, plan_paths, compare, contenders, rounds, plot_dir, hop, hop_device,
+          submit_only, failover, as_json, runtime_dir):
+    """Load a daemon and report requests/s, tokens/s, TTFT / ITL / end-to-end latency
+    percentiles, goodput under SLOs and each stage's busy/starved/blocked share.
+
+    Drives the daemon at --runtime-dir, or one started from --plan. --compare runs the
+    same workload on the ring and its baselines; --hop measures the hand-off alone.
+
+    Exit code: 0 done, 1 a daemon it started failed, 2 bad arguments, 3 no daemon answers.
+    """
+    from kvasir.bench.workload import LengthSpec
+    from kvasir.client import NoDaemon
+
+    # SIGTERM unwinds like Ctrl-C, so a daemon this run started is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if concurrency is not None and rate is not None:
+        raise click.UsageError("give --concurrency or --rate, not both")
+    if len(plan_paths) > 2 or (len(plan_paths) == 2 and not compare):
+        raise click.UsageError("--plan twice goes with --compare (two plans side by side); at most two plans")
+    two_plans = len(plan_paths) == 2
+    plan_path = plan_paths[0] if plan_paths else None
+    if two_plans and (submit_only or hop or failover or plot_dir is not None):
+        raise click.UsageError("two plans compare load runs: no --submit-only, --hop, --failover or --plot")
+    if compare and not two_plans and (rate is not None or rate_sweep or submit_only):
+        raise click.UsageError("--compare runs a closed loop: give --concurrency, not --rate, --rate-sweep or --submit-only")
+    if rate_sweep and concurrency is not None:
+        raise click.UsageError("--rate-sweep runs open loop: give --rate (its first rate), not --concurrency")
+    if (slo_ttft is None) != (slo_tpot is None):
+        raise click.UsageError("give both --slo-ttft and --slo-tpot, or neither")
+    if plot_dir is not None and (submit_only or hop or failover):
+        raise click.UsageError("--plot draws load runs: it does not go with --submit-only, --hop or --failover")
+    if failover and (compare or rate is not None or rate_sweep or submit_only or hop):
+        raise click.UsageError("--failover runs a closed loop on its own: give --concurrency and --rounds only")
+    if rate_sweep and slo_ttft is None:
+        raise click.UsageError("--rate-sweep needs --slo-ttft and --slo-tpot")
+    if count < 1 or warmup < 0 or (concurrency is not None and concurrency < 1) or (rate is not None and rate <= 0):
+        raise click.UsageError("--requests, --concurrency and --rate must be positive, --warmup >= 0")
+    if rounds < 1 or sweep_steps < 0 or not 0 < slo_attain <= 1:
+        raise click.UsageError("--rounds must be >= 1, --sweep-steps >= 0, --slo-attain in (0, 1]")
+    if concurrency is None and rate is None and not rate_sweep:
+        concurrency = 32
+    if rate_sweep and rate is None:
+        rate = 1.0
+    try:
+        lengths = (LengthSpec.parse(prompt_len), LengthSpec.parse(output_len))
+    except KvasirError as exc:
+        raise click.UsageError(str(exc)) from None
+    slo = (slo_ttft, slo_tpot) if slo_ttft is not None else None
+    say = _progress_line if not as_json else (lambda line: None)
+    try:
+        if hop:
+            from kvasir.bench.hop import hop_report, print_hop
+
+            report = hop_report(device=_hop_device(hop_device))
+            click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
+            return
+        if failover:
+            report = _failover(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say)
+            if as_json:
+                click.echo(json.dumps(report))
+            else:
+                from kvasir.bench.failover import print_failover
+
+                print_failover(report["failover"], click.echo)
+            return
+        if two_plans:
+            report, pictures = _plans(plan_paths, concurrency, rate, count, warmup, lengths, prompts_file, seed, rounds,
+                                      slo, slo_attain, (rate, sweep_steps) if rate_sweep else None, say), []
+        elif compare:
+            report, pictures = _compare(plan_path, concurrency or 32, count, warmup, lengths, prompts_file, seed,
+                                        contenders, rounds, slo, plot_dir, say)
+        else:
+            with _daemon(plan_path, runtime_dir) as rt:
+                report, pictures = _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed,
+                                            ignore_eos, slo, slo_attain, rate_sweep, sweep_steps, submit_only,
+                                            plot_dir, say)
+        if plot_dir is not None:
+            from kvasir.bench.plot import plot_run
+
+            if not pictures:
+                raise KvasirError("--plot: no ring run to draw (add ring or drained to --contenders)")
+
+            report["plots"] = [str(p) for p in plot_run(pictures, Path(plot_dir))]
+    except NoDaemon as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(3)
+    except KvasirError as exc:
+        from kvasir.bench.daemon import BenchDaemonError
+
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1 if isinstance(exc, BenchDaemonError) else 2)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    from kvasir.bench.report import print_report
+
+    print_report(report, click.echo)
+
+
+def _progress_line(line: str) -> None:
+    click.echo(line, err=True)
+
+
+@contextlib.contextmanager
+def _daemon(plan_path: str | None, runtime_dir: str | None):
+    """The runtime dir to drive: a daemon started from ``plan_path``, or the given one."""
+    if plan_path is None:
+        yield Path(runtime_dir) if runtime_dir else default_runtime_dir()
+        return
+    from kvasir.bench.daemon import ManagedDaemon
+    from kvasir.config.plan import load_plan
+
+    stages = len(load_plan(plan_path).all_stages)
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp:
+        with ManagedDaemon(Path(plan_path), Path(tmp), stages) as daemon:
+            yield daemon.runtime_dir
+
+
+def _jobs(total, lengths, prompts_file, seed, vocab_size):
+    from kvasir.bench.workload import file_jobs, synthetic_jobs
+
+    prompts, outputs = lengths
+    if prompts_file:
+        return file_jobs(Path(prompts_file), total, outputs, seed)
+    return synthetic_jobs(total, prompts, outputs, vocab_size, seed)
+
+
+def _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed, ignore_eos, slo, slo_attain,
+             rate_sweep, sweep_steps, submit_only, plot_dir, say):
+    """Runs against one daemon: a load run, a goodput sweep, or the submission line rate."""
+    from kvasir.bench.metrics import attainment, search_goodput
+    from kvasir.bench.plot import RunPicture
+    from kvasir.bench.runner import ring_report, run_load
+    from kvasir.bench.runner import submit_only as line_rate
+    from kvasir.client import AsyncClient
+
+    async def load(mode_concurrency, mode_rate, timeline):
+        async with await AsyncClient.connect(rt) as client:
+            info = await client.stats()
+            jobs = _jobs(count + warmup, lengths, prompts_file, seed, info.vocab_size)
+            result = await run_load(client, jobs, warmup=warmup, concurrency=mode_concurrency, rate=mode_rate,
+                                    seed=seed, ignore_eos=ignore_eos, progress=_bar(count, say))
+            spans = (await client.stats(timeline=True)).timeline if timeline else []
+            return result, spans
+
+    if submit_only:
+        async def submit():
+            async with await AsyncClient.connect(rt) as client:
+                return await line_rate(client, count)
+
+        return {"submit_only": asyncio.run(submit())}, []
+    mode = {"concurrency": concurrency} if concurrency is not None else {"rate": rate}
+    workload = {"requests": count, "warmup": warmup, "prompt_len": str(lengths[0]),
+                "output_len": str(lengths[1]), "seed": seed, "ignore_eos": ignore_eos}
+    if rate_sweep:
+        runs = []
+
+        def measure(point):
+            say(f"rate {point:.3g} requests/s")
+            result, spans = asyncio.run(load(None, point, plot_dir is not None))
+            runs.append((point, result, spans))
+            return attainment(result.records, *slo)
+
+        best, points = search_goodput(measure, slo_attain, rate or 1.0, sweep_steps)
+        sweep = []
+        for point, result, _ in runs:
+            report = ring_report(result, slo)
+            sweep.append({"rate": point, "attainment": report["summary"]["slo_attainment"], **report})
+        report = {"mode": {"rate_sweep": True}, "workload": workload, "slo": _slo(slo, slo_attain),
+                  "goodput": best, "sweep": sweep}
+        shown = max(range(len(runs)), key=lambda i: runs[i][0] if runs[i][0] <= best else -1)
+        point, result, spans = runs[shown]
+        return report, [RunPicture(f"{point:.3g} req/s", result.records, sweep[shown]["stages"], spans)]
+    result, spans = asyncio.run(load(concurrency, rate, plot_dir is not None))
+    report = {"mode": mode, "workload": workload, **ring_report(result, slo)}
+    if slo is not None:
+        report["slo"] = _slo(slo, slo_attain)
+    return report, [RunPicture("ring", result.records, report["stages"], spans)]
+
+
+def _failover(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say) -> dict:
+    from kvasir.bench.failover import run_failover
+    from kvasir.client import AsyncClient
+
+    async def run(rt):
+        async with await AsyncClient.connect(rt) as client:
+            info = await client.stats()
+            jobs = _jobs(concurrency * rounds, lengths, prompts_file, seed, info.vocab_size)
+            return await run_failover(client, jobs, concurrency, rounds, say)
+
+    with _daemon(plan_path, runtime_dir) as rt:
+        return {"failover": asyncio.run(run(rt))}
+
+
+def _plans(paths, concurrency, rate, count, warmup, lengths, prompts_file, seed, rounds, slo, attain, sweep, say) -> dict:
+    from kvasir.bench.plans import Load, run_plans
+    from kvasir.daemon.resolve import resolve_plan
+
+    _, source = resolve_plan(paths[0])
+    jobs = _jobs(count + warmup, lengths, prompts_file, seed, source.vocab_size)
+    load = Load(jobs, warmup, concurrency if sweep is None else None, rate if concurrency is None else None, seed)
+    report = run_plans([Path(p) for p in paths], load, rounds, slo, attain, sweep, say)
+    report["workload"] = {"requests": count, "warmup": warmup, "prompt_len": str(lengths[0]),
+                          "output_len": str(lengths[1]), "seed": seed,
+                          **({"concurrency": concurrency} if concurrency is not None else {"rate": rate})}
+    if slo is not None:
+        report["slo"] = _slo(slo, attain)
+    return {"plans": report}
+
+
+def _slo(slo, attain) -> dict:
+    return {"ttft_s": slo[0], "tpot_s": slo[1], "attain": attain}
+
+
+def _compare(plan_path, concurrency, count, warmup, lengths, prompts_file, seed, contenders, rounds, slo, plot_dir, say):
+    from kvasir.bench.compare import Workload, run_compare
+    from kvasir.bench.plot import RunPicture
+    from kvasir.bench.runner import stage_fractions
+    from kvasir.config.plan import default_plan_path
+    from kvasir.daemon.resolve import resolve_plan
+
+    path = Path(plan_path) if plan_path else default_plan_path()
+    _, source = resolve_plan(path)
+    jobs = _jobs(count + warmup, lengths, prompts_file, seed, source.vocab_size)
+    pictures: dict[str, RunPicture] = {}
+
+    async def keep(kind, client, result):
+        if plot_dir is not None:
+            spans = (await client.stats(timeline=True)).timeline
+            pictures[kind] = RunPicture(kind, result.records, stage_fractions(result.stats_before, result.stats_after), spans)
+
+    names = tuple(name.strip() for name in contenders.split(",") if name.strip())
+    report = run_compare(path, Workload(jobs, warmup, concurrency), names, rounds, slo, keep, say)
+    report["workload"].update(prompt_len=str(lengths[0]), output_len=str(lengths[1]), seed=seed)
+    return {"compare": report}, list(pictures.values())
+
+
+def _bar(total: int, say):
+    """A progress callback: a bar on a terminal's stderr, nothing otherwise."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int) -> None:
+        filled = 30 * done // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def _hop_device(device: str) -> str:
+    """--hop-device checked: "cpu", or a CUDA device that is here."""
+    if device == "cpu":
+        return device
+    import re
+
+    import torch
+
+    from kvasir.config.devices import cuda_ordinal
+
+    if not re.fullmatch(r"cuda(:[0-9]+)?", device):
+        raise click.BadParameter(f"{device!r} is not 'cpu' or 'cuda:N'", param_hint="--hop-device")
+    if not torch.cuda.is_available():
+        raise click.BadParameter(f"{device}: CUDA is not available here", param_hint="--hop-device")
+    ordinal = cuda_ordinal(device)
+    if ordinal >= torch.cuda.device_count():
+        raise click.BadParameter(f"{device}: this machine has {torch.cuda.device_count()} CUDA devices", param_hint="--hop-device")
+    return f"cuda:{ordinal}"

@@ -1,0 +1,71 @@
+"""``kvasir generate``: one request, its tokens streamed to stdout."""
+
+from __future__ import annotations
+
+import sys
+import click
+from kvasir.cli.common import RUNTIME_DIR, connect, event_json, remote_options
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@click.option("--ids", help="Submit these comma-separated token ids instead of PROMPT text.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Output tokens at most.")
+@click.option("--temperature", type=float, default=0.7, show_default=True, help="0 means greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 means off.")
+@click.option("--seed", type=int, default=None, help="Same seed, same output.")
+@click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per event line (token ids included).")
+@RUNTIME_DIR
+@remote_options
+def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_json, runtime_dir, remote) -> None:
+    """Generate from PROMPT (or --ids) and stream the text as it arrives.
+
+    Exit code: 0 finished, 1 error or cancelled, 2 bad arguments, 3 no daemon.
+    """
+    from kvasir.wire.client import Cancelled, ErrorEvent, Finished, TokenOut
+
+    if (prompt is None) == (ids is None):
+        raise click.UsageError("give PROMPT text or --ids, not both and not neither")
+    token_ids = None
+    if ids is not None:
+        try:
+            token_ids = [int(part) for part in ids.split(",") if part.strip()]
+        except ValueError:
+            raise click.UsageError(f"--ids must be comma-separated integers, got {ids!r}") from None
+    client = connect(runtime_dir, remote=remote)
+    code = 1
+    printed = False
+    stream = None
+    try:
+        stream = client.submit(
+            prompt, token_ids=token_ids, chat=chat, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        )
+        for event in client.events(stream):
+            if as_json:
+                click.echo(event_json(event))
+            elif isinstance(event, TokenOut):
+                click.echo(event.text if token_ids is None else f"{event.token_id} ", nl=False)
+                printed = True
+            elif isinstance(event, Finished):
+                click.echo("")
+            elif isinstance(event, (ErrorEvent, Cancelled)):
+                if printed:
+                    click.echo("")
+                label = f"{event.code}: {event.message}" if isinstance(event, ErrorEvent) else "cancelled"
+                click.echo(f"error: {label}", err=True)
+            if isinstance(event, Finished):
+                code = 0
+    except KeyboardInterrupt:
+        if stream is not None and stream.request_id is not None:
+            try:
+                client.cancel(stream.request_id)
+            except Exception:
+                pass  # the daemon may be going away too
+        click.echo("", err=True)
+        code = 130
+    finally:
+        client.close()
+    sys.exit(code)

@@ -1,0 +1,32 @@
+"""``kvasir keys generate``: CURVE key pairs for the TCP endpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+import click
+from kvasir.errors import KvasirError
+from kvasir.cli.common import fail
+
+
+@click.group()
+def keys() -> None:
+    """CURVE keys for the daemon's TCP endpoint."""
+
+
+@keys.command("generate")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--client", "clients", multiple=True, default=None, metavar="NAME",
+              help="Make a client key pair called NAME (repeatable; default: one called 'client').")
+def keys_generate(folder: str, clients: tuple[str, ...]) -> None:
+    """Make key pairs in FOLDER: the daemon's (server.key, server.key_secret; kept if it
+    exists) and each client's (NAME.key, NAME.key_secret, with NAME.key also copied into
+    FOLDER/clients/, the allow-list a plan names as bridge.client_keys). Secret files are
+    mode 0600. Never overwrites a key."""
+    from kvasir.config.keys import generate as generate_keys
+
+    try:
+        made = generate_keys(Path(folder), list(clients) or ["client"])
+    except KvasirError as exc:
+        fail(exc)
+    for path in made:
+        click.echo(str(path))

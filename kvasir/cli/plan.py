@@ -1,0 +1,163 @@
+"""``kvasir plan check``: a plan resolved against its model, with its memory and hand-off costs."""
+
+from __future__ import annotations
+
+import json
+import click
+import msgspec
+from kvasir.errors import KvasirError
+from kvasir.cli.common import RUNTIME_DIR, fail
+from kvasir.units import format_bytes
+
+
+@click.group()
+def plan() -> None:
+    """Inspect plan files (the TOML that says how a model is split into stages)."""
+
+
+@plan.command("check")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the resolved plan as one JSON object.")
+@click.option("--link-gibps", type=float, default=1.0, show_default=True,
+              help="Effective bandwidth (GiB/s) to price the KV hand-off between pools at.")
+@click.option("--interference-ms", type=float, default=20.0, show_default=True,
+              help="Interference a disaggregated plan would avoid, per hand-off: the break-even bandwidth is priced against it.")
+@click.option("--prompt-tokens", default="128,512,1024,2048", show_default=True,
+              help="Prompt lengths to price the hand-off for (comma-separated).")
+@click.option("--handoff-mib", type=float, multiple=True,
+              help="Also price a hand-off of this many MiB (repeatable; e.g. 64 for MISSION.md's worked balance).")
+@RUNTIME_DIR
+def plan_check(path: str, as_json: bool, link_gibps: float, interference_ms: float, prompt_tokens: str,
+               handoff_mib: tuple[float, ...], runtime_dir: str | None) -> None:
+    """Validate PATH and print the resolved plan, or exit 2 with the first problem.
+
+    Per stage it shows the pool (in a disaggregated plan), layer range, parameter count
+    and bytes, KV cache bytes and the boundary slots on the edge into the stage; then
+    each edge's slot kind (shm, pinned or cuda-ipc: a stage's `edge` key, "auto" by
+    default, picks CUDA IPC between GPU stages, pinned memory between a GPU and a CPU
+    stage, shared memory between CPU stages) and why. Then
+    the price of handing a prompt's KV from a prefill pool to a decode pool: KV bytes
+    per prompt token, the hand-off size for a few prompt lengths, its time at
+    --link-gibps and the break-even bandwidth against --interference-ms.
+    (--runtime-dir is accepted like everywhere else; checking a plan needs no daemon.)
+    """
+    from kvasir.daemon.footprint import plan_footprint
+    from kvasir.daemon.resolve import resolve_plan
+
+    try:
+        lengths = [int(n) for n in prompt_tokens.split(",") if n.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{prompt_tokens!r} is not a comma-separated list of integers", param_hint="--prompt-tokens")
+    if link_gibps <= 0 or interference_ms <= 0 or any(n <= 0 for n in lengths) or any(m <= 0 for m in handoff_mib):
+        raise click.UsageError("--link-gibps, --interference-ms, --prompt-tokens and --handoff-mib must be positive")
+    try:
+        resolved, source = resolve_plan(path)
+        stages = plan_footprint(resolved, source)
+    except KvasirError as exc:
+        fail(exc)
+    costs = _handoff_costs(resolved, source, link_gibps, interference_ms, lengths, handoff_mib)
+    if as_json:
+        body = {
+            "plan": msgspec.to_builtins(resolved),
+            "model": {
+                "name": source.name,
+                "architecture": source.config.model_type,
+                "layers": source.num_layers,
+                "hidden_size": int(source.config.hidden_size),
+                "vocab_size": source.vocab_size,
+                "weights": str(source.weights_dir) if source.weights_dir else None,
+            },
+            "stages": [msgspec.to_builtins(s.__dict__) for s in stages],
+            "handoff": costs,
+        }
+        click.echo(json.dumps(body))
+        return
+    _print_plan(path, resolved, source, stages)
+    _print_costs(costs)
+
+
+def _handoff_costs(plan, source, link_gibps, interference_ms, lengths, sizes_mib) -> dict:
+    from kvasir.daemon.footprint import MIB, break_even_gibps, handoff_ms, kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(plan, source)
+    rows = [{"prompt_tokens": n, "kv_bytes": n * per_token} for n in lengths]
+    rows += [{"prompt_tokens": None, "kv_bytes": int(m * MIB)} for m in sizes_mib]
+    for row in rows:
+        row["handoff_ms"] = handoff_ms(row["kv_bytes"], link_gibps)
+        row["break_even_gibps"] = break_even_gibps(row["kv_bytes"], interference_ms)
+    return {"kv_bytes_per_token": per_token, "link_gibps": link_gibps, "interference_ms": interference_ms, "sizes": rows}
+
+
+def _print_costs(costs: dict) -> None:
+    click.echo(
+        f"hand-off {format_bytes(costs['kv_bytes_per_token'])} of KV per prompt token; at {costs['link_gibps']:g} GiB/s, "
+        f"against {costs['interference_ms']:g} ms of interference avoided:"
+    )
+    header = ("prompt", "kv", "hand-off", "break-even")
+    rows = [header]
+    for row in costs["sizes"]:
+        mib = row["kv_bytes"] / (1 << 20)
+        rows.append((
+            f"{row['prompt_tokens']} tokens" if row["prompt_tokens"] else "-",
+            f"{mib:g} MiB" if row["prompt_tokens"] is None else format_bytes(row["kv_bytes"]),
+            f"{row['handoff_ms']:.4g} ms",
+            f"{row['break_even_gibps']:.4g} GiB/s",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
+def _print_plan(path, resolved, source, stages) -> None:
+    m = resolved.model
+    config = source.config
+    click.echo(f"plan     {path}")
+    click.echo(
+        f"model    {source.name} ({config.model_type}, {source.num_layers} layers, hidden "
+        f"{config.hidden_size}, vocab {source.vocab_size}), {m.dtype}, max_seq_len {m.max_seq_len}"
+    )
+    if source.weights_dir is None:
+        click.echo("weights  not prepared yet (no converted weights in the cache)")
+    for pool, view in resolved.pools():
+        b, kv = view.batch, view.kv
+        name = f" ({pool} pool)" if pool else ""
+        click.echo(f"batch    max_rows {b.max_rows}, max_tokens {b.max_tokens}, inflight {b.inflight}{name}")
+        click.echo(
+            f"kv       {kv.num_blocks} blocks x {kv.block_size} tokens = "
+            f"{kv.num_blocks * kv.block_size} tokens per stage{name}"
+        )
+    if resolved.disaggregated:
+        click.echo(f"handoff  prefill KV not taken by the decode pool within {resolved.handoff.lease_s:g} s is freed")
+    br = resolved.bridge
+    click.echo(
+        f"bridge   max_waiting {br.max_waiting}, max_per_client {br.max_per_client}, max_client_queue {br.max_client_queue}"
+        + (f", tcp {br.tcp} ({'CURVE' if br.server_key else 'no keys: loopback only'})" if br.tcp else "")
+    )
+    sup = resolved.supervise
+    click.echo(
+        f"restarts at most {sup.max_restarts} in {sup.restart_window_s:g} s, "
+        f"hung after {sup.heartbeat_timeout_s:g} s without a heartbeat"
+    )
+    header = ("stage", "role", "layers", "device", "threads", "params", "param bytes", "kv bytes", "boundary in")
+    rows = [header]
+    for s in stages:
+        slots = f"{s.slots} x {format_bytes(s.slot_bytes)} {s.edge}" if s.slots else "-"
+        rows.append(
+            (
+                str(s.index),
+                f"{s.pool} {s.role}" if s.pool else s.role,
+                f"[{s.layers[0]}, {s.layers[1]})",
+                s.device,
+                str(s.threads),
+                f"{s.parameters:,}",
+                format_bytes(s.parameter_bytes),
+                format_bytes(s.kv_bytes),
+                slots,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for s in stages:
+        if s.edge:
+            click.echo(f"edge     {s.index - 1} -> {s.index}: {s.edge} ({s.edge_reason})")

@@ -1,0 +1,93 @@
+"""``kvasir stats``: the daemon's and each stage's figures, once."""
+
+from __future__ import annotations
+
+import json
+import click
+import msgspec
+from kvasir.cli.common import RUNTIME_DIR, connect, remote_options
+from kvasir.units import format_bytes
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: daemon-wide fields and \"stages\".")
+@click.option("--wait", "wait_s", type=float, default=0.0, metavar="SECONDS",
+              help="Wait up to SECONDS for the daemon to answer (e.g. right after starting it).")
+@RUNTIME_DIR
+@remote_options
+def stats(as_json, wait_s, runtime_dir, remote) -> None:
+    """Per-stage busy / starved / blocked time, batches, rows, tokens; the daemon's state,
+    restarts and last failure. CUDA stages also show their device and GPU memory (held
+    by tensors / reserved by the allocator)."""
+    client = connect(runtime_dir, wait_s, remote)
+    try:
+        daemon = client.stats()
+    finally:
+        client.close()
+    body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f not in ("stages", "timeline")}
+    body["stages"] = [msgspec.structs.asdict(stage) for stage in daemon.stages]
+    body = msgspec.to_builtins(body)
+    for stage in body["stages"]:
+        wall = stage["wall_s"] or 1.0
+        for part in ("busy", "starved", "blocked"):
+            stage[f"{part}_fraction"] = stage[f"{part}_s"] / wall
+    if any(stage["pool"] for stage in body["stages"]):
+        body["pools"] = _pool_totals(body["stages"])
+    if as_json:
+        click.echo(json.dumps(body))
+        return
+    click.echo(
+        f"{body['state']}, uptime {body['uptime_s']:.1f} s, requests {body['requests']}, "
+        f"in flight {body['in_flight']}, restarts {body['restarts']}"
+    )
+    if body["last_failure"] is not None:
+        click.echo(f"last failure {body['last_failure_age_s']:.0f} s ago: {body['last_failure']}")
+    if body["clients_lost"] or body["client_bytes_waiting"] or body["malformed"]:
+        click.echo(
+            f"clients given up on {body['clients_lost']} (gone or not reading), events waiting for slow "
+            f"clients {format_bytes(body['client_bytes_waiting'])}, malformed internal messages dropped {body['malformed']}"
+        )
+    if body["handoff"] is not None:
+        h = body["handoff"]
+        click.echo(
+            f"hand-offs {h['count']}, {format_bytes(h['kv_bytes'])} of KV; time p50 {h['p50_s'] * 1000:.2f} ms, "
+            f"p99 {h['p99_s'] * 1000:.2f} ms; copies at {h['gibps']:.2f} GiB/s"
+        )
+    header = ("stage", "layers", "pid", "busy", "starved", "blocked", "batches", "rows", "tokens", "inflight", "kv reqs")
+    rows = [header]
+    for s in body["stages"]:
+        rows.append((
+            f"{s['index']} {s['pool']}".rstrip(), f"[{s['layers'][0]}, {s['layers'][1]})", str(s["pid"]),
+            f"{s['busy_s']:.1f}s {s['busy_fraction']:.0%}", f"{s['starved_s']:.1f}s {s['starved_fraction']:.0%}",
+            f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}", str(s["batches"]), str(s["rows"]),
+            str(s["tokens"]), str(s["inflight"]), str(s["kv_requests"]),
+        ))
+    if any(s["device"] != "cpu" for s in body["stages"]):  # CUDA stages: where, and device memory in use / reserved
+        header += ("device", "gpu mem")
+        rows = [header] + [
+            row + (s["device"], f"{format_bytes(s['gpu_bytes'])} / {format_bytes(s['gpu_reserved_bytes'])}" if s["device"] != "cpu" else "-")
+            for row, s in zip(rows[1:], body["stages"])
+        ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for name, pool in body.get("pools", {}).items():
+        click.echo(
+            f"{name} pool ({pool['stages']} stages): busy {pool['busy_fraction']:.0%}, "
+            f"starved {pool['starved_fraction']:.0%}, blocked {pool['blocked_fraction']:.0%}"
+        )
+
+
+def _pool_totals(stages: list[dict]) -> dict:
+    """Busy / starved / blocked per pool: seconds summed over its stages, fractions of their wall time."""
+    pools: dict[str, dict] = {}
+    for stage in stages:
+        pool = pools.setdefault(stage["pool"], {"stages": 0, "wall_s": 0.0, "busy_s": 0.0, "starved_s": 0.0, "blocked_s": 0.0})
+        pool["stages"] += 1
+        for key in ("wall_s", "busy_s", "starved_s", "blocked_s"):
+            pool[key] += stage[key]
+    for pool in pools.values():
+        wall = pool["wall_s"] or 1.0
+        for part in ("busy", "starved", "blocked"):
+            pool[f"{part}_fraction"] = pool[f"{part}_s"] / wall
+    return pools

@@ -1,0 +1,149 @@
+"""``kvasir top``: a live terminal view of a running daemon, refreshed about once a second.
+
+Each frame compares two stats snapshots: per stage the busy / starved / blocked shares
+of the interval as bars, batches and tokens per second, KV held (and, where stages run
+on GPUs, each stage's device and the device memory it holds); daemon-wide the requests
+in flight, the head's queue and batches in flight (in a disaggregated plan: each pool's
+head, and the requests being handed from prefill to decode), and output tokens/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import sys
+import termios
+import time
+import tty
+from collections.abc import Callable
+
+import click
+
+from kvasir.wire.client import DaemonStats
+from kvasir.wire.bridge import StageStats
+from kvasir.cli.common import RUNTIME_DIR, connect
+from kvasir.errors import KvasirError
+
+BAR = 24
+HEADER = f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks"
+
+
+def bar(busy: float, starved: float, blocked: float, width: int = BAR) -> str:
+    """``#`` busy, ``-`` starved, ``x`` blocked, spaces for the rest (unaccounted)."""
+    cells = [round(busy * width), round(starved * width), round(blocked * width)]
+    while sum(cells) > width:
+        cells[cells.index(max(cells))] -= 1
+    return "#" * cells[0] + "-" * cells[1] + "x" * cells[2] + " " * (width - sum(cells))
+
+
+def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
+    """The lines of one frame: what changed between two snapshots."""
+    seconds = max(after.uptime_s - before.uptime_s, 1e-9)
+    pooled = any(s.pool for s in after.stages)
+    gpus = any(s.device != "cpu" for s in after.stages)
+    lines = [
+        f"kvasir  up {after.uptime_s:7.0f} s   requests {after.requests}   in flight {after.in_flight}"
+        + _queues(after.stages, pooled)
+        + f"   {(after.tokens_out - before.tokens_out) / seconds:7.1f} tokens/s out"
+        + (f"   restarts {after.restarts}" if after.restarts else "")
+        + (f"   {after.state.upper()}" if after.state != "serving" else ""),
+        ("pool     " if pooled else "") + HEADER + ("  device   GPU memory" if gpus else ""),
+    ]
+    old = {s.index: s for s in before.stages}
+    for s in after.stages:
+        line = _stage_line(old.get(s.index), s)
+        if gpus and s.device != "cpu":
+            line = f"{line:<{len(HEADER)}}  {s.device:<8} {s.gpu_bytes / 2**30:6.2f} GiB"  # under the header's column
+        lines.append((f"{s.pool:<9}" if pooled else "") + line)
+    return lines
+
+
+def _queues(stages: list[StageStats], pooled: bool) -> str:
+    """The head's queue and batches in flight; in a disaggregated plan, each pool's head."""
+    heads = {}
+    for s in sorted(stages, key=lambda s: s.index):
+        heads.setdefault(s.pool, s)  # a pool's head is its first stage
+
+    def counts(pool: str, sep: str) -> str:
+        head = heads.get(pool)
+        return f"queued {head.waiting if head else 0}{sep}batches in flight {head.inflight if head else 0}"
+
+    if not pooled:
+        return "   " + counts("", "   ")
+    prefill = heads.get("prefill")
+    handing_off = prefill.handing_off if prefill else 0
+    return f"   prefill: {counts('prefill', ', ')}, handing off {handing_off}   decode: {counts('decode', ', ')}"
+
+
+def _stage_line(b: StageStats | None, s: StageStats) -> str:
+    if b is None or b.pid != s.pid or s.wall_s <= b.wall_s:
+        return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  (waiting for the stage's next report)"
+    wall = s.wall_s - b.wall_s
+    busy, starved, blocked = ((s.busy_s - b.busy_s) / wall, (s.starved_s - b.starved_s) / wall, (s.blocked_s - b.blocked_s) / wall)
+    return (
+        f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  [{bar(busy, starved, blocked)}]  {busy:4.0%} {starved:5.0%} {blocked:5.0%}"
+        f"  {(s.batches - b.batches) / wall:9.1f}  {(s.tokens - b.tokens) / wall:8.1f}   {s.kv_blocks:9d}"
+    )
+
+
+@contextlib.contextmanager
+def _keys():
+    """Single keypresses from a terminal's stdin (cbreak mode, restored on exit); a
+    function that waits up to some seconds and returns the key pressed, or ''."""
+    if not sys.stdin.isatty():
+        yield lambda seconds: time.sleep(seconds) or ""
+        return
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    try:
+        def wait(seconds: float) -> str:
+            ready, _, _ = select.select([fd], [], [], seconds)
+            return os.read(fd, 1).decode(errors="replace") if ready else ""
+
+        yield wait
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def run_top(stats: Callable[[], DaemonStats], interval_s: float, count: int | None, echo=click.echo) -> None:
+    """Draw frames until q, Ctrl-C, ``count`` frames, or the daemon going away."""
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    before = stats()
+    shown = 0
+    with _keys() as wait:
+        try:
+            while count is None or shown < count:
+                if wait(interval_s).lower() == "q":
+                    return
+                after = stats()
+                echo(clear + "\n".join(frame(before, after)) + ("\n(q to quit)" if clear else ""))
+                before = after
+                shown += 1
+        except KeyboardInterrupt:
+            return
+
+
+@click.command()
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between frames.")
+@click.option("--count", type=int, default=None, help="Stop after this many frames (default: until q or Ctrl-C).")
+@RUNTIME_DIR
+def top(interval, count, runtime_dir) -> None:
+    """Live view: per-stage busy / starved / blocked bars, batches in flight, queue, tokens/s.
+
+    Press q (or Ctrl-C) to quit. Exit code 3 when no daemon answers (or it stops answering).
+    """
+    from kvasir.client import NoDaemon
+    from kvasir.cli.top import run_top
+
+    if interval <= 0 or (count is not None and count < 1):
+        raise click.UsageError("--interval must be > 0 and --count >= 1")
+    client = connect(runtime_dir)
+    try:
+        run_top(lambda: client.stats(timeout_s=max(5.0, 3 * interval)), interval, count)
+    except (NoDaemon, KvasirError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(3)
+    finally:
+        client.close()

@@ -1,0 +1,46 @@
+"""Devices, dtypes and edge kinds a plan may name: the tables every layer shares.
+
+Nothing here imports the model loader or transformers."""
+
+from __future__ import annotations
+
+import torch
+from kvasir.errors import PlanError
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+EDGE_KINDS = ("auto", "cuda-ipc", "pinned", "shm")
+
+
+IPC = "cuda-ipc"
+
+
+def cuda_ordinal(device: str) -> int | None:
+    """The CUDA device number of "cuda" / "cuda:N" (plain "cuda" is device 0); None for "cpu"."""
+    if not device.startswith("cuda"):
+        return None
+    return int(device.partition(":")[2] or 0)
+
+
+def check_edge_request(key: str, requested: str | None, producer: str, consumer: str | None) -> None:
+    """Model- and host-independent checks of a stage's ``edge`` key (PlanError, one line).
+
+    ``consumer`` is the next stage's device, None on a pool's last stage.
+    """
+    if requested is None:
+        return
+    if requested not in EDGE_KINDS:
+        raise PlanError(f"{key}.edge = {requested!r} is not an edge kind (use {', '.join(EDGE_KINDS)})")
+    if consumer is None:
+        raise PlanError(f"{key}.edge: the last stage of a pipeline has no edge to a next stage (leave the key out)")
+    gpus = sum(cuda_ordinal(d) is not None for d in (producer, consumer))
+    if requested == IPC and gpus < 2:
+        raise PlanError(
+            f"{key}.edge = 'cuda-ipc' needs CUDA devices on both sides (this stage is on {producer}, the next on {consumer})"
+        )
+    if requested == "pinned" and gpus == 0:
+        raise PlanError(
+            f"{key}.edge = 'pinned' needs a CUDA device on at least one side (both stages are on cpu): use 'shm'"
+        )

@@ -1,0 +1,404 @@
+"""The plan file: TOML decoded strictly into frozen msgspec Structs.
+
+``load_plan`` checks everything that can be checked without the model (types, unknown
+keys, widths, devices, stage count, KV capacity); ``check_layers`` checks the stage
+split against the model's layer count once the model's config is known.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import msgspec
+
+from kvasir.config.devices import check_edge_request
+from kvasir.errors import PlanError
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:(0|[1-9][0-9]*))?)$")
+_TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.*-]+):(?P<port>[0-9]{1,5})$")
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class ModelSpec(_Section):
+    source: str = "smollm2-135m"
+    dtype: str = "float32"
+    max_seq_len: int = 2048
+
+
+class BatchSpec(_Section):
+    max_rows: int = 32
+    max_tokens: int = 256
+    inflight: int = 3
+
+
+class KvSpec(_Section):
+    block_size: int = 16
+    num_blocks: int = 1024
+
+
+class BridgeSpec(_Section):
+    max_waiting: int = 1024  # requests in the daemon before new ones are refused "overloaded"
+    max_per_client: int = 256  # requests one client connection may have in the daemon at once
+    max_client_queue: int = 100_000  # events waiting for one client; beyond, it is not reading: its requests are cancelled
+    max_client_bytes: int = 32 << 20  # bytes of events waiting for one client; beyond, as max_client_queue
+    max_tokens_per_request: int | None = None  # a request asking for more is refused (None: no ceiling; max_seq_len caps)
+    tcp: str | None = None  # also serve remote clients at "tcp://HOST:PORT" (CURVE keys required)
+    tcp_allow_local_unauthenticated: bool = False  # a loopback tcp without keys: every local user may connect
+    server_key: str | None = None  # the daemon's CURVE secret key file (`kvasir keys generate`)
+    client_keys: str | None = None  # folder of the CURVE public keys (*.key) of the clients let in
+
+
+class SuperviseSpec(_Section):
+    max_restarts: int = 5  # ring restarts allowed within restart_window_s before the daemon gives up
+    restart_window_s: float = 600.0
+    heartbeat_timeout_s: float = 30.0  # a child silent this long is hung: killed and restarted
+
+
+class StageSpec(_Section):
+    layers: tuple[int, int]
+    device: str = "cpu"
+    threads: int = 1
+    cpus: tuple[int, ...] | None = None
+    edge: str | None = None  # slot kind of the edge to the next stage: auto (default) | cuda-ipc | pinned | shm
+
+
+class PoolSpec(_Section):
+    """One pool of a disaggregated plan: its own pipeline, optionally its own widths and cache."""
+
+    stages: tuple[StageSpec, ...] = ()
+    batch: BatchSpec | None = None  # default: the plan's [batch]
+    kv: KvSpec | None = None  # default: the plan's [kv]
+
+
+class HandoffSpec(_Section):
+    lease_s: float = 60.0  # prefill KV not confirmed by the decode pool within this is freed (request failed)
+
+
+POOLS = ("prefill", "decode")
+
+
+class Plan(_Section):
+    model: ModelSpec = ModelSpec()
+    batch: BatchSpec = BatchSpec()
+    kv: KvSpec = KvSpec()
+    bridge: BridgeSpec = BridgeSpec()
+    supervise: SuperviseSpec = SuperviseSpec()
+    handoff: HandoffSpec = HandoffSpec()
+    stages: tuple[StageSpec, ...] = ()
+    prefill: PoolSpec | None = None  # a disaggregated plan has both pools and no [[stages]]
+    decode: PoolSpec | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+    @property
+    def num_layers(self) -> int:
+        return self.all_stages[-1].layers[1]
+
+    @property
+    def all_stages(self) -> tuple[StageSpec, ...]:
+        """Every stage process, in global order: the prefill pool's, then the decode pool's."""
+        return tuple(stage for _, view in self.pools() for stage in view.stages)
+
+    def pools(self) -> list[tuple[str, Plan]]:
+        """Each pool as a plan of its own (one ring: its stages, widths and cache); a
+        colocated plan is one pool named ""."""
+        if not self.disaggregated:
+            return [("", self)]
+        return [(name, pool_view(self, name)) for name in POOLS]
+
+
+def pool_view(plan: Plan, name: str) -> Plan:
+    """The ring plan of one pool of a disaggregated plan."""
+    pool = getattr(plan, name)
+    return msgspec.structs.replace(
+        plan,
+        stages=pool.stages,
+        batch=pool.batch or plan.batch,
+        kv=pool.kv or plan.kv,
+        prefill=None,
+        decode=None,
+    )
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read, decode and check a plan file; raise PlanError with one clear line."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise PlanError(f"plan file not found: {path}") from None
+    except IsADirectoryError:
+        raise PlanError(f"plan path is a directory, not a file: {path}") from None
+    except OSError as exc:
+        raise PlanError(f"cannot read plan file {path}: {exc.strerror}") from None
+    return parse_plan(raw, origin=str(path))
+
+
+def parse_plan(raw: bytes | str, origin: str = "<plan>") -> Plan:
+    """Decode plan TOML text and run every model-independent check."""
+    try:
+        plan = msgspec.toml.decode(raw, type=Plan)
+    except msgspec.ValidationError as exc:
+        raise PlanError(f"{origin}: {_describe_validation(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise PlanError(f"{origin}: malformed TOML: {_strip_prefix(str(exc))}") from None
+    try:
+        _check_values(plan)
+    except PlanError as exc:
+        raise PlanError(f"{origin}: {exc}") from None
+    return plan
+
+
+def _strip_prefix(message: str) -> str:
+    return message.removeprefix("Invalid TOML: ").removeprefix("Invalid TOML").strip() or message
+
+
+def _describe_validation(message: str) -> str:
+    """Turn msgspec's '... - at `$.batch.max_rows`' into 'batch.max_rows: ...'."""
+    text, sep, where = message.rpartition(" - at `")
+    if not sep:
+        text, where = message, ""
+    key = where.rstrip("`").removeprefix("$").lstrip(".")
+    prefix = f"{key}." if key else ""
+    unknown = re.match(r"Object contains unknown field `(.+)`", text)
+    if unknown:
+        return f"{prefix}{unknown.group(1)}: unknown key (not part of the plan format)"
+    missing = re.match(r"Object missing required field `(.+)`", text)
+    if missing:
+        return f"{prefix}{missing.group(1)}: required key is missing"
+    return f"{key or 'plan'}: {text[0].lower()}{text[1:]}"
+
+
+def _positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise PlanError(f"{key} must be a positive integer, got {value}")
+
+
+def _check_values(plan: Plan) -> None:
+    model, batch, kv = plan.model, plan.batch, plan.kv
+    if not model.source.strip():
+        raise PlanError("model.source must name a model (built-in alias or path), got an empty string")
+    if model.dtype not in DTYPES:
+        raise PlanError(f"model.dtype must be one of {', '.join(DTYPES)}, got {model.dtype!r}")
+    _positive("model.max_seq_len", model.max_seq_len)
+    _check_widths("batch", batch)
+    _check_kv("kv", kv, model.max_seq_len)
+    _positive("bridge.max_waiting", plan.bridge.max_waiting)
+    _positive("bridge.max_per_client", plan.bridge.max_per_client)
+    _positive("bridge.max_client_queue", plan.bridge.max_client_queue)
+    _positive("bridge.max_client_bytes", plan.bridge.max_client_bytes)
+    if plan.bridge.max_tokens_per_request is not None:
+        _positive("bridge.max_tokens_per_request", plan.bridge.max_tokens_per_request)
+    _check_tcp(plan.bridge)
+    sup = plan.supervise
+    if sup.max_restarts < 0:
+        raise PlanError(f"supervise.max_restarts must be >= 0 (0: never restart), got {sup.max_restarts}")
+    for key in ("restart_window_s", "heartbeat_timeout_s"):
+        value = getattr(sup, key)
+        if not value > 0 or value == float("inf"):
+            raise PlanError(f"supervise.{key} must be a positive number of seconds, got {value}")
+    if sup.heartbeat_timeout_s < 1.0:
+        raise PlanError(
+            f"supervise.heartbeat_timeout_s = {sup.heartbeat_timeout_s} is too short: children beat every "
+            "0.5 s and a batch may take longer (use at least 1 s)"
+        )
+    if not plan.handoff.lease_s > 0 or plan.handoff.lease_s == float("inf"):
+        raise PlanError(f"handoff.lease_s must be a positive number of seconds, got {plan.handoff.lease_s}")
+    _check_pools(plan)
+
+
+def _check_widths(key: str, batch: BatchSpec) -> None:
+    _positive(f"{key}.max_rows", batch.max_rows)
+    _positive(f"{key}.max_tokens", batch.max_tokens)
+    _positive(f"{key}.inflight", batch.inflight)
+    if batch.max_tokens < batch.max_rows:
+        raise PlanError(
+            f"{key}.max_tokens ({batch.max_tokens}) must be >= {key}.max_rows ({batch.max_rows}): "
+            "every row carries at least one token"
+        )
+
+
+def _check_kv(key: str, kv: KvSpec, max_seq_len: int) -> None:
+    _positive(f"{key}.block_size", kv.block_size)
+    _positive(f"{key}.num_blocks", kv.num_blocks)
+    capacity = kv.block_size * kv.num_blocks
+    if capacity < max_seq_len:
+        raise PlanError(
+            f"{key}: {kv.num_blocks} blocks x {kv.block_size} tokens = {capacity} tokens cannot hold "
+            f"one request of model.max_seq_len = {max_seq_len} tokens"
+        )
+
+
+def _check_pools(plan: Plan) -> None:
+    if plan.prefill is None and plan.decode is None:
+        _check_stages(plan.stages, "stages")
+        return
+    if plan.stages:
+        raise PlanError(
+            "stages: a disaggregated plan has [[prefill.stages]] and [[decode.stages]] instead of [[stages]]"
+        )
+    for name in POOLS:
+        pool = getattr(plan, name)
+        if pool is None:
+            other = next(n for n in POOLS if n != name)
+            raise PlanError(f"{name}: a plan with [{other}] needs a [{name}] pool too (with its [[{name}.stages]])")
+        if pool.batch is not None:
+            _check_widths(f"{name}.batch", pool.batch)
+        if pool.kv is not None:
+            _check_kv(f"{name}.kv", pool.kv, plan.model.max_seq_len)
+        _check_stages(pool.stages, f"{name}.stages")
+        for i, stage in enumerate(pool.stages):
+            if stage.device != "cpu":
+                raise PlanError(
+                    f"{name}.stages[{i}].device = {stage.device!r}: in this version a disaggregated plan runs on CPU "
+                    "stages (the KV hand-off goes through shared memory)"
+                )
+
+
+def tcp_host(endpoint: str) -> str | None:
+    """HOST of "tcp://HOST:PORT" (brackets kept off an IPv6 address), or None if malformed."""
+    match = _TCP_RE.match(endpoint)
+    if match is None or not 0 < int(match.group("port")) < 65536:
+        return None
+    return match.group("host").strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or host == "::1" or re.fullmatch(r"127(\.[0-9]{1,3}){3}", host) is not None
+
+
+def _check_tcp(bridge: BridgeSpec) -> None:
+    if (bridge.server_key is None) != (bridge.client_keys is None):
+        raise PlanError("bridge.server_key and bridge.client_keys go together: give both or neither")
+    if bridge.tcp is None:
+        if bridge.server_key is not None:
+            raise PlanError("bridge.server_key is set but bridge.tcp is not: keys only guard a TCP endpoint")
+        return
+    host = tcp_host(bridge.tcp)
+    if host is None:
+        raise PlanError(f"bridge.tcp = {bridge.tcp!r} is not an endpoint of the form tcp://HOST:PORT (port 1-65535)")
+    if bridge.server_key is not None:
+        if bridge.tcp_allow_local_unauthenticated:
+            raise PlanError("bridge.tcp_allow_local_unauthenticated is set, but bridge.tcp has keys: leave it out")
+        return
+    if not is_loopback(host):
+        raise PlanError(
+            f"bridge.tcp = {bridge.tcp!r} is reachable from other hosts: it needs bridge.server_key and "
+            "bridge.client_keys (make them with `kvasir keys generate DIR`), or a loopback address"
+        )
+    if not bridge.tcp_allow_local_unauthenticated:
+        raise PlanError(
+            f"bridge.tcp = {bridge.tcp!r} has no keys: every local user could connect (the runtime dir is the "
+            "daemon user's alone): give bridge.server_key and bridge.client_keys, or write "
+            "bridge.tcp_allow_local_unauthenticated = true"
+        )
+
+
+def _check_stages(stages: tuple[StageSpec, ...], name: str) -> None:
+    if len(stages) < 2:
+        raise PlanError(
+            f"{name}: a pipeline needs at least two stages: head and tail are different roles "
+            f"(the plan has {len(stages)})"
+        )
+    for i, stage in enumerate(stages):
+        key = f"{name}[{i}]"
+        start, end = stage.layers
+        if start < 0 or end <= start:
+            raise PlanError(
+                f"{key}.layers = [{start}, {end}] is not a half-open range [start, end) with 0 <= start < end"
+            )
+        if not _DEVICE_RE.match(stage.device):
+            raise PlanError(f"{key}.device = {stage.device!r} is not a device (use 'cpu', 'cuda' or 'cuda:N')")
+        _positive(f"{key}.threads", stage.threads)
+        if stage.cpus is not None:
+            if not stage.cpus:
+                raise PlanError(f"{key}.cpus is empty: list at least one CPU or leave the key out")
+            if any(c < 0 for c in stage.cpus) or len(set(stage.cpus)) != len(stage.cpus):
+                raise PlanError(f"{key}.cpus = {list(stage.cpus)} must be distinct non-negative CPU numbers")
+    for i, stage in enumerate(stages):
+        consumer = stages[i + 1].device if i + 1 < len(stages) else None
+        check_edge_request(f"{name}[{i}]", stage.edge, stage.device, consumer)
+    if stages[0].layers[0] != 0:
+        raise PlanError(
+            f"{name}[0].layers starts at {stages[0].layers[0]}: layers [0, {stages[0].layers[0]}) are in no stage"
+        )
+    for i in range(len(stages) - 1):
+        _, end = stages[i].layers
+        nxt, _ = stages[i + 1].layers
+        if nxt > end:
+            raise PlanError(
+                f"{name}[{i + 1}].layers: gap between stages {i} and {i + 1}: "
+                f"layers [{end}, {nxt}) are in no stage"
+            )
+        if nxt < end:
+            raise PlanError(
+                f"{name}[{i + 1}].layers: stages {i} and {i + 1} overlap on layers "
+                f"[{nxt}, {min(end, stages[i + 1].layers[1])})"
+            )
+
+
+def check_model_fit(plan: Plan, num_layers: int, max_positions: int | None) -> None:
+    """Check the plan against the model: exact layer coverage (by every pool), context within range."""
+    for name, view in plan.pools():
+        key = f"{name}.stages" if name else "stages"
+        last = len(view.stages) - 1
+        end = view.stages[-1].layers[1]
+        if end > num_layers:
+            raise PlanError(
+                f"{key}[{last}].layers = {list(view.stages[-1].layers)} goes past the model's "
+                f"{num_layers} layers"
+            )
+        if end < num_layers:
+            raise PlanError(
+                f"{key}[{last}].layers ends at {end}: layers [{end}, {num_layers}) of the model's "
+                f"{num_layers} are in no stage"
+            )
+    if max_positions is not None and plan.model.max_seq_len > max_positions:
+        raise PlanError(
+            f"model.max_seq_len = {plan.model.max_seq_len} exceeds the model's "
+            f"max_position_embeddings = {max_positions}"
+        )
+
+
+def plan_toml(plan: Plan) -> str:
+    """The plan as TOML text that ``parse_plan`` reads back into an equal Plan."""
+
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a TOML basic string
+        if isinstance(v, (tuple, list)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+
+    def table(section: _Section) -> list[str]:
+        return [f"{k} = {value(v)}" for k, v in msgspec.structs.asdict(section).items() if v is not None]
+
+    lines: list[str] = []
+    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff"):
+        lines += [f"[{name}]", *table(getattr(plan, name)), ""]
+    for stage in plan.stages:
+        lines += ["[[stages]]", *table(stage), ""]
+    for name in POOLS:
+        pool = getattr(plan, name)
+        if pool is None:
+            continue
+        for part in ("batch", "kv"):
+            if getattr(pool, part) is not None:
+                lines += [f"[{name}.{part}]", *table(getattr(pool, part)), ""]
+        for stage in pool.stages:
+            lines += [f"[[{name}.stages]]", *table(stage), ""]
+    return "\n".join(lines)
+
+
+def default_plan_path() -> Path:
+    return Path(__file__).parent.parent / "plans" / "smollm2-2stage.toml"

@@ -1,0 +1,107 @@
+"""What each stage of a plan will hold: parameters, KV cache, boundary slots and their kind.
+
+Computed from the model's config alone (the skeleton is built on the meta device), so
+a plan can be checked before any weights are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvasir.ring.edges import pool_edges, torch_peer_access
+from kvasir.model.loader import head_dim, slice_spec
+from kvasir.model.kv_cache import PagedKVCache
+from kvasir.config.devices import DTYPES
+from kvasir.model.loader import build_skeleton, count_parameters
+from kvasir.model.source import ModelSource
+from kvasir.config.plan import Plan
+
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StageFootprint:
+    index: int  # global: a disaggregated plan numbers the prefill pool's stages first
+    pool: str  # "prefill" | "decode" | "" (colocated)
+    role: str  # head | middle | tail
+    layers: tuple[int, int]
+    device: str
+    threads: int
+    parameters: int
+    parameter_bytes: int
+    kv_bytes: int
+    slot_bytes: int  # one boundary slot on the edge into this stage (0 on the head)
+    slots: int  # slots in that edge's ring
+    edge: str = ""  # that edge's slot kind: shm | pinned | cuda-ipc | auto (undecided without CUDA here); "" on the head
+    edge_reason: str = ""
+
+
+def boundary_slot_bytes(plan: Plan, source: ModelSource) -> int:
+    """The largest boundary any stage can return: max_tokens x hidden x dtype."""
+    return plan.batch.max_tokens * int(source.config.hidden_size) * DTYPES[plan.model.dtype].itemsize
+
+
+def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
+    out: list[StageFootprint] = []
+    for pool, view in plan.pools():
+        out += _pool_footprint(view, source, pool, len(out))
+    return out
+
+
+def _pool_footprint(plan: Plan, source: ModelSource, pool: str, first: int) -> list[StageFootprint]:
+    dtype = DTYPES[plan.model.dtype]
+    config = source.config
+    slot = boundary_slot_bytes(plan, source)
+    edges = pool_edges(plan.stages, torch_peer_access(plan.stages))
+    out = []
+    for index, stage in enumerate(plan.stages):
+        spec = slice_spec(plan, index)
+        params = count_parameters(build_skeleton(source, spec))
+        role = "head" if spec.is_head else "tail" if spec.is_tail else "middle"
+        kv = PagedKVCache.bytes_needed(
+            stage.layers[1] - stage.layers[0],
+            plan.kv.num_blocks,
+            plan.kv.block_size,
+            int(config.num_key_value_heads),
+            head_dim(config),
+            dtype,
+        )
+        out.append(
+            StageFootprint(
+                index=first + index,
+                pool=pool,
+                role=role,
+                layers=stage.layers,
+                device=stage.device,
+                threads=stage.threads,
+                parameters=params,
+                parameter_bytes=params * dtype.itemsize,
+                kv_bytes=kv,
+                slot_bytes=0 if spec.is_head else slot,
+                slots=0 if spec.is_head else plan.batch.inflight,
+                edge="" if spec.is_head else edges[index - 1].kind,
+                edge_reason="" if spec.is_head else edges[index - 1].reason,
+            )
+        )
+    return out
+
+
+# -- the price of disaggregation (MISSION.md: the worked balance) --------------------------
+def kv_bytes_per_token(plan: Plan, source: ModelSource) -> int:
+    """K and V of every layer for one prompt token: what a hand-off moves per token."""
+    config = source.config
+    return PagedKVCache.bytes_needed(
+        source.num_layers, 1, 1, int(config.num_key_value_heads), head_dim(config), DTYPES[plan.model.dtype]
+    )
+
+
+def handoff_ms(nbytes: int, link_gibps: float) -> float:
+    """Transfer time at a constant effective bandwidth (binary units, no overhead, no overlap)."""
+    return nbytes / (link_gibps * GIB) * 1000.0
+
+
+def break_even_gibps(nbytes: int, interference_ms: float) -> float:
+    """The bandwidth at which moving ``nbytes`` costs exactly the interference it avoids."""
+    return nbytes / GIB / (interference_ms / 1000.0)

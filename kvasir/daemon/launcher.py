@@ -1,0 +1,500 @@
+"""The launcher (``kvasird start``): spawn, readiness, supervision, shutdown.
+
+Shutdown is a small state machine — running -> draining -> stopping -> stopped — and a
+signal only moves the state; the loop does the work.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from kvasir.ring.edges import pool_edges, torch_peer_access
+from kvasir.errors import KvasirError, PlanError
+from kvasir.model.loader import head_dim
+from kvasir.ring.handshake import HandleExchange, HandshakeError
+from kvasir.wire.control import Command, ControlMessage, Drained, EdgeHandles, EdgeSpec, HandoffWiring, Heartbeat, KvSegment, Ready, WorkerSettings
+from kvasir.model.source import ModelSource
+from kvasir.daemon.notify import ServiceNotifier
+from kvasir.config.plan import Plan
+from kvasir.wire.rundir import RuntimeDirError, make_runtime_dir
+from kvasir.ring.attach import SHARED_MEMORY_KINDS, create_ring
+from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.ring.slots import ShmSlotRing
+from kvasir.ring.shm import segment_prefix, sweep_stale_segments
+from kvasir.daemon.supervision import Heartbeats, RestartPolicy
+from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+
+
+class LaunchError(KvasirError):
+    """The daemon could not start: the runtime dir is taken, or a child failed to come up."""
+
+
+class StartInterrupted(KvasirError):
+    """SIGTERM or SIGINT arrived before every child was ready."""
+
+
+def check_host(plan: Plan) -> None:
+    """Refuse (PlanError) a plan this machine cannot run: absent CPUs or CUDA devices."""
+    import torch
+
+    usable = os.sched_getaffinity(0)
+    for pool, view in plan.pools():
+        for index, stage in enumerate(view.stages):
+            _check_stage_host(f"{pool}.stages[{index}]" if pool else f"stages[{index}]", stage, usable, torch)
+
+
+def _check_stage_host(key: str, stage, usable: set[int], torch) -> None:
+    if stage.cpus is not None and not set(stage.cpus) <= usable:
+        missing = sorted(set(stage.cpus) - usable)
+        raise PlanError(f"{key}.cpus: CPUs {missing} are not available here (usable: {sorted(usable)})")
+    if stage.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise PlanError(f"{key}.device = {stage.device!r} but CUDA is not available here")
+        ordinal = int(stage.device.partition(":")[2] or 0)
+        if ordinal >= torch.cuda.device_count():
+            raise PlanError(f"{key}.device = {stage.device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
+
+
+@dataclass
+class Child:
+    name: str  # "stage-0", ..., "bridge"
+    process: subprocess.Popen
+    command: PushChannel
+    ready: bool = False
+
+
+@dataclass
+class StagePlace:
+    """Where a stage process sits: its pool (its ring's plan), global index and ring edges."""
+
+    pool: str
+    plan: Plan
+    first: int  # global index of the pool's first stage
+    edges: list[EdgeSpec]
+
+
+@dataclass
+class Timeouts:
+    ready_s: float = 300.0
+    drain_s: float = 30.0
+    stop_s: float = 10.0
+
+
+@dataclass
+class Launcher:
+    """Spawns the stages and the bridge, supervises them, and owns shutdown and restart.
+
+    ``state`` is the daemon's: starting -> running -> draining -> stopping -> stopped.
+    ``ring`` is the children's while running: "up"; "down" after a failure (every
+    request told, the stages killed, a restart waiting out its back-off); "starting"
+    (new children loading). A failed bridge is restarted with the stages.
+    """
+
+    plan: Plan
+    source: ModelSource
+    runtime_dir: Path
+    log: object
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    stats_interval_s: float = 0.5
+    log_level: str = "info"
+    state: str = "starting"
+    exit_code: int = 0
+    notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
+    parent_pid: int | None = None  # stop (drain) once this process is no longer the parent
+
+    def __post_init__(self) -> None:
+        self.ends = Endpoints(self.runtime_dir)
+        self.ctx = zmq.Context()
+        self.stages: list[Child] = []
+        self.bridge: Child | None = None
+        self.rings: list[ShmSlotRing | KvSegmentMap] = []  # shared memory the launcher owns
+        self.places: list[StagePlace] = []  # per global stage index
+        self.wiring: HandoffWiring | None = None
+        self.exchange = HandleExchange({})  # CUDA IPC edges' handles, paired at each start
+        self._lock_fd: int | None = None
+        self._control: PullChannel | None = None
+        sup = self.plan.supervise
+        self.policy = RestartPolicy(sup.max_restarts, sup.restart_window_s)
+        self.heartbeats = Heartbeats(sup.heartbeat_timeout_s)
+        self.ring = "up"
+        self.restarts = 0
+        self.last_failure = ""
+        self._respawn_at = 0.0
+        self._ring_deadline = 0.0
+        self._new_bridge = False
+
+    @property
+    def children(self) -> list[Child]:
+        return self.stages + ([self.bridge] if self.bridge is not None else [])
+
+    # -- start-up ------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Make the runtime dir (0700), take its lock, clear stale sockets, create the edges."""
+        try:
+            make_runtime_dir(self.runtime_dir)
+        except RuntimeDirError as exc:
+            raise LaunchError(str(exc)) from None
+        fd = os.open(self.runtime_dir / "kvasird.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LaunchError(f"another kvasird is serving from runtime dir {self.runtime_dir}") from None
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        for stale in self.ends.socket_files():  # only Kvasir's names (make_runtime_dir checked)
+            stale.unlink(missing_ok=True)
+        for path, size in sweep_stale_segments():
+            self.log.warning("removed stale shared memory", file=str(path), bytes=size)
+        self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage, self.log)
+        prefix = segment_prefix()
+        peer_access = torch_peer_access(self.plan.all_stages)
+        ipc_edges: dict[str, tuple[int, int]] = {}
+        for pool, view in self.plan.pools():
+            first = len(self.places)
+            edges = []
+            for k, choice in enumerate(pool_edges(view.stages, peer_access)):
+                spec = EdgeSpec(
+                    kind=choice.kind,
+                    name=f"{prefix}-edge{first + k}",
+                    slots=view.batch.inflight,
+                    max_tokens=view.batch.max_tokens,
+                    hidden=int(self.source.config.hidden_size),
+                    dtype=view.model.dtype,
+                    producer=view.stages[k].device,
+                    consumer=view.stages[k + 1].device,
+                )
+                if choice.kind in SHARED_MEMORY_KINDS:
+                    self.rings.append(create_ring(spec))
+                elif choice.kind == "cuda-ipc":
+                    ipc_edges[spec.name] = (first + k, first + k + 1)
+                else:
+                    raise LaunchError(f"edge {first + k} -> {first + k + 1}: {choice.reason} (no CUDA to ask here)")
+                self.log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
+                edges.append(spec)
+            self.places += [StagePlace(pool, view, first, edges) for _ in view.stages]
+        self.exchange = HandleExchange(ipc_edges)
+        if self.plan.disaggregated:
+            self.wiring = self._kv_segments(prefix)
+
+    def _kv_segments(self, prefix: str) -> HandoffWiring:
+        """The prefill stages' caches, in shared memory the decode stages copy from."""
+        prefill, decode = (view for _, view in self.plan.pools())
+        config = self.source.config
+        segments = []
+        for k, stage in enumerate(prefill.stages):
+            segment = KvSegment(
+                name=f"{prefix}-kv{k}",
+                layers=stage.layers,
+                num_blocks=prefill.kv.num_blocks,
+                block_size=prefill.kv.block_size,
+                kv_heads=int(config.num_key_value_heads),
+                head_dim=head_dim(config),
+                dtype=prefill.model.dtype,
+            )
+            self.rings.append(KvSegmentMap(segment, create=True))
+            segments.append(segment)
+        return HandoffWiring(
+            prefill=segments, decode=[stage.layers for stage in decode.stages], lease_s=self.plan.handoff.lease_s
+        )
+
+    def spawn(self) -> None:
+        """Start every child that is not running: all of them at first, after a failure
+        the stages (and the bridge when it was the one that died)."""
+        if not self.stages:
+            self.exchange.clear()
+            self.stages = [self._spawn("stage", k) for k in range(len(self.places))]
+        if self.bridge is None:
+            self.bridge = self._spawn("bridge", 0)
+            self._new_bridge = True
+
+    def _spawn(self, role: str, index: int) -> Child:
+        place = self.places[index] if role == "stage" else StagePlace("", self.plan, 0, [])
+        settings = WorkerSettings(
+            role=role,
+            index=index,
+            plan=place.plan,
+            runtime_dir=str(self.runtime_dir),
+            launcher_pid=os.getpid(),
+            edges=place.edges,
+            stats_interval_s=self.stats_interval_s,
+            log_level=self.log_level,
+            pool=place.pool,
+            first=place.first,
+            handoff=self.wiring,
+        )
+        name = f"stage-{index}" if role == "stage" else "bridge"
+        process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE)
+        process.stdin.write(msgspec.msgpack.encode(settings))
+        process.stdin.close()
+        command = PushChannel[Command](make_socket(self.ctx, zmq.PUSH, connect=self.ends.command(name)))
+        self.log.info("spawned", child=name, pid=process.pid)
+        return Child(name, process, command)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeouts.ready_s
+        while not all(c.ready for c in self.children):
+            if time.monotonic() > deadline:
+                late = [c.name for c in self.children if not c.ready]
+                raise LaunchError(f"not ready after {self.timeouts.ready_s:.0f} s: {', '.join(late)}")
+            dead = self._dead()
+            if dead is not None:
+                raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
+            self._watch_parent()
+            if self.state == "draining":
+                raise StartInterrupted("stopped during start-up")
+            self.notifier.watchdog()
+            self._note(self._control_messages(100))
+        self._open(deadline)
+        if self.state == "starting":  # a SIGTERM that came during _open stands: serve() drains at once
+            self.state = "running"
+        self.notifier.ready(f"serving {len(self.places)} stages from {self.runtime_dir}")
+
+    def _open(self, deadline: float, restarts: int = 0) -> None:
+        """Every child is ready: the bridge takes requests (a new bridge binds the client
+        endpoint first, and binding an ipc socket makes its file)."""
+        pids = tuple(c.process.pid for c in self.stages)
+        self.bridge.command.send(Command("serve", message=self.last_failure, restarts=restarts, pids=pids))
+        while self._new_bridge and not self.ends.client_path.exists():
+            dead = self._dead()
+            if dead is not None:
+                raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
+            if time.monotonic() > deadline + 10:
+                raise LaunchError("the bridge did not bind the client endpoint")
+            time.sleep(0.01)
+        self._new_bridge = False
+        self.ring = "up"
+
+    def _note(self, messages: list) -> None:
+        """Readiness and heartbeats, matched to the current children by name and pid."""
+        now = time.monotonic()
+        for message in messages:
+            if not isinstance(message, (Ready, Heartbeat, EdgeHandles)):
+                continue
+            name = "bridge" if getattr(message, "role", "stage") == "bridge" else f"stage-{message.index}"
+            child = next((c for c in self.children if c.name == name and c.process.pid == message.pid), None)
+            if child is None:
+                continue  # from a child of a ring that has already been replaced
+            if isinstance(message, EdgeHandles):
+                self._pass_handles(message)
+            elif isinstance(message, Ready):
+                child.ready = True
+                self.heartbeats.watch(name, now)
+            else:
+                self.heartbeats.beat(name, now)
+
+    def _pass_handles(self, half: EdgeHandles) -> None:
+        """A stage's CUDA IPC handles: once both sides of its edge sent theirs, each gets the other's."""
+        try:
+            for target, other in self.exchange.offer(half):
+                self.stages[target].command.send(Command("attach", handles=(other,)))
+        except HandshakeError as exc:
+            self.log.error("bad CUDA IPC handles", error=str(exc))  # the stage waits in vain: its start-up times out
+
+    # -- serving --------------------------------------------------------------------------
+    def request_stop(self, signum: int, _frame=None) -> None:
+        """Signal handler: only moves the state."""
+        if self.state in ("starting", "running"):
+            self.state = "draining"
+
+    def _watch_parent(self) -> None:
+        """With ``parent_pid``: the process that started the daemon is gone, so stop as on SIGTERM."""
+        if self.parent_pid is not None and self.state in ("starting", "running") and os.getppid() != self.parent_pid:
+            self.log.warning("the process that started kvasird is gone: stopping", parent=self.parent_pid)
+            self.state = "draining"
+
+    def serve(self) -> None:
+        self.log.info("serving", runtime_dir=str(self.runtime_dir), stages=len(self.places))
+        drain_deadline = None
+        while self.state in ("running", "draining"):
+            self._watch_parent()
+            # heartbeats that are already here are read before anyone is judged silent
+            messages = self._control_messages(100)
+            self._note(messages)
+            failure = self._failure()
+            if failure is not None:
+                self._failed(failure)
+                continue
+            self.notifier.watchdog()
+            if self.ring != "up" and self.state == "running":
+                self._restart_step()
+            if self.state == "draining":
+                if self.bridge is None or not self.bridge.ready or self.ring != "up":
+                    self.log.info("stopping while the ring restarts: nothing to drain")
+                    self._stop_all("shutting_down")
+                    continue
+                if drain_deadline is None:
+                    self.log.info("draining", timeout_s=self.timeouts.drain_s)
+                    self.notifier.stopping(f"draining: up to {self.timeouts.drain_s:g} s for running requests")
+                    self.bridge.command.send(Command("drain"))
+                    drain_deadline = time.monotonic() + self.timeouts.drain_s
+                if any(isinstance(m, Drained) for m in messages):
+                    self.log.info("drained")
+                    self._stop_all("shutting_down")
+                elif time.monotonic() > drain_deadline:
+                    self.log.warning("drain timeout: ending the requests still running")
+                    self._stop_all("shutting_down")
+
+    def _failure(self) -> str | None:
+        """What has gone wrong with a child, if anything: it exited, or it went silent."""
+        dead = self._dead()
+        if dead is not None:
+            code = dead.process.returncode
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return f"{dead.name} (pid {dead.process.pid}) {how}"
+        silent = self.heartbeats.silent(time.monotonic())
+        if silent is not None:
+            name, quiet_s = silent
+            child = next(c for c in self.children if c.name == name)
+            self._kill([child])
+            return f"{name} (pid {child.process.pid}) hung: no heartbeat for {quiet_s:.1f} s; killed it"
+        return None
+
+    def _failed(self, reason: str) -> None:
+        """A child failed: tell every request, kill the stages, restart after the back-off
+        (or give up: draining, or too many failures within the window)."""
+        # Read once: SIGTERM may arrive while this runs (killing children takes time),
+        # and a failure noticed before the stop request is handled as one, consistently.
+        running = self.state == "running"
+        self.log.error("child failed", reason=reason)
+        self.last_failure = reason
+        bridge_alive = self.bridge is not None and self.bridge.process.poll() is None
+        self._kill(self.stages)
+        self.stages = []
+        if not bridge_alive:
+            self._kill([self.bridge])
+            self.bridge = None
+            for path in self.ends.bridge_files():
+                path.unlink(missing_ok=True)
+        elif running:
+            self.bridge.command.send(Command("ring_down", "stage_failed", reason))
+        delay = self.policy.failed(time.monotonic()) if running else None
+        if delay is None:
+            if running:
+                self.log.error("giving up", restarts=self.restarts, max_restarts=self.plan.supervise.max_restarts,
+                               window_s=self.plan.supervise.restart_window_s)
+            self.notifier.stopping(f"stopping: {reason}")
+            self.exit_code = 1
+            self._stop_all("stage_failed")
+            return
+        self.ring = "down"
+        self._respawn_at = time.monotonic() + delay
+        self.notifier.status(f"restarting in {delay:g} s after: {reason}")
+        self.log.info("restarting", delay_s=delay)
+
+    def _restart_step(self) -> None:
+        now = time.monotonic()
+        if self.ring == "down" and now >= self._respawn_at:
+            self.spawn()
+            self.ring = "starting"
+            self._ring_deadline = now + self.timeouts.ready_s
+        elif self.ring == "starting":
+            if all(c.ready for c in self.children):
+                try:
+                    self._open(self._ring_deadline, self.restarts + 1)
+                except LaunchError as exc:
+                    self._failed(str(exc))
+                    return
+                self.restarts += 1
+                self.log.info("serving again", restarts=self.restarts)
+                self.notifier.status(f"serving {len(self.places)} stages; restarted {self.restarts} times")
+            elif now > self._ring_deadline:
+                late = ", ".join(c.name for c in self.children if not c.ready)
+                self._kill([c for c in self.children if not c.ready])
+                self._failed(f"not ready after {self.timeouts.ready_s:.0f} s: {late}")
+
+    def _control_messages(self, timeout_ms: int) -> list:
+        if self._control.socket.poll(timeout_ms):
+            return self._control.drain()
+        return []
+
+    def _dead(self) -> Child | None:
+        for child in self.children:
+            if child.process.poll() is not None:
+                return child
+        return None
+
+    def _kill(self, children: list[Child]) -> None:
+        for child in children:
+            if child.process.poll() is None:
+                child.process.kill()
+        for child in children:
+            child.process.wait()
+            child.command.socket.close(linger=0)
+            self.heartbeats.forget(child.name)
+
+    def _stop_all(self, code: str) -> None:
+        self.state = "stopping"
+        bridge = self.bridge
+        if bridge is not None and bridge.process.poll() is None:
+            bridge.command.send(Command("stop", code))
+            self._join([bridge], self.timeouts.stop_s)
+        for child in self.stages:
+            if child.process.poll() is None:
+                child.command.send(Command("stop", code))
+        self._join(self.stages, self.timeouts.stop_s)
+
+    def _join(self, children: list[Child], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.warning("child did not stop; killing", child=child.name)
+                child.process.kill()
+                child.process.wait()
+
+    # -- cleanup --------------------------------------------------------------------------
+    def cleanup(self) -> None:
+        """Stop whatever still runs, remove sockets, shared memory and the lock."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        for ring in self.rings:
+            ring.close()
+            ring.unlink()
+        self.ctx.destroy(linger=0)
+        if self._lock_fd is not None:
+            for sock in self.ends.socket_files():
+                sock.unlink(missing_ok=True)
+            (self.runtime_dir / "kvasird.lock").unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self.state = "stopped"
+
+
+def run_launcher(launcher: Launcher) -> int:
+    """Run the daemon in the foreground; the exit code for ``kvasird start``."""
+    previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launcher.prepare()
+        launcher.spawn()
+        launcher.notifier.status(f"loading {len(launcher.plan.all_stages)} stages")
+        launcher.wait_ready()
+        launcher.serve()
+        launcher.log.info("stopped", code=launcher.exit_code)
+        return launcher.exit_code
+    except StartInterrupted:
+        launcher.log.info("stopped during start-up")
+        return 0
+    except LaunchError as exc:
+        launcher.log.error("start failed", error=str(exc))
+        return 1
+    finally:
+        launcher.notifier.stopping("stopping")
+        launcher.cleanup()
+        launcher.notifier.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,45 @@
+"""A plan file made ready to serve: the plan and its model source, checked together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from kvasir.errors import ModelSourceError, PlanError
+from kvasir.config.keys import KeyFileError, allowed_keys, load_pair
+from kvasir.model.source import ModelSource, resolve_source
+from kvasir.config.plan import Plan, check_model_fit, load_plan
+
+
+def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
+    """Load a plan, resolve its model and key files (relative paths from the plan's
+    folder), check the fit and that the keys load."""
+    path = Path(path)
+    plan = load_plan(path)
+    base = path.parent.resolve()
+    try:
+        source = resolve_source(plan.model.source, base_dir=base)
+        check_model_fit(plan, source.num_layers, source.max_positions)
+        plan = resolve_keys(plan, base)
+    except (PlanError, ModelSourceError) as exc:
+        raise PlanError(f"{path}: {exc}") from None
+    return plan, source
+
+
+def resolve_keys(plan: Plan, base: Path) -> Plan:
+    """The plan with absolute key paths, once both load (PlanError naming the key if not)."""
+    bridge = plan.bridge
+    if bridge.server_key is None:
+        return plan
+    server_key, client_keys = base / bridge.server_key, base / bridge.client_keys
+    try:
+        load_pair(server_key)
+    except KeyFileError as exc:
+        raise PlanError(f"bridge.server_key: {exc}") from None
+    try:
+        allowed_keys(client_keys)
+    except KeyFileError as exc:
+        raise PlanError(f"bridge.client_keys: {exc}") from None
+    bridge = msgspec.structs.replace(bridge, server_key=str(server_key), client_keys=str(client_keys))
+    return msgspec.structs.replace(plan, bridge=bridge)

@@ -1,0 +1,33 @@
+"""``python -m kvasir.worker``: a child process of the launcher.
+
+The launcher starts each child as a fresh interpreter (no fork after torch is
+imported) and writes its msgpack-encoded WorkerSettings to the child's stdin.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import msgspec
+
+from kvasir.wire.control import WorkerSettings
+
+
+def main() -> None:
+    encoded = sys.stdin.buffer.read()
+    sys.stdin.close()
+    role = msgspec.msgpack.decode(encoded, type=WorkerSettings).role
+    if role == "stage":
+        from kvasir.stage.agent import run_stage
+
+        run_stage(encoded)
+    elif role == "bridge":
+        from kvasir.bridge.server import run_bridge
+
+        run_bridge(encoded)
+    else:
+        raise SystemExit(f"unknown worker role {role!r}")
+
+
+if __name__ == "__main__":
+    main()

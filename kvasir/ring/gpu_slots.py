@@ -1,0 +1,186 @@
+"""Slot rings for edges with a CUDA stage on one side or both.
+
+``PinnedSlotRing``: the launcher's shared-memory slots, registered as page-locked memory
+by each CUDA side, so device-to-host and host-to-device copies are DMA copies with no
+staging buffer. A CUDA producer waits for its copy to land before the descriptor goes
+(the consumer may be a CPU process that cannot wait on a CUDA event); a CUDA consumer
+copies the slot to its device asynchronously and returns the credit once that copy is
+done.
+
+``CudaIpcSlotRing``: slot buffers preallocated once on the consumer's device and opened by
+the producer through CUDA IPC. Per slot there are two interprocess events: "written"
+(made by the producer, recorded after its device copy into the slot; the consumer's
+stream waits on it before reading) and "read" (made by the consumer, recorded once the
+work reading the slot is queued; the producer's stream waits on it before writing the
+slot again). Credits work as on CPU; no host synchronisation happens per batch. The
+handles (memory and events) are exchanged once at start-up (kvasir/ring/handshake.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvasir.config.devices import cuda_ordinal
+from kvasir.wire.control import CudaMemoryHandle, EdgeHandles, EdgeSpec
+from kvasir.config.devices import DTYPES
+from kvasir.ring.slots import ShmSlotRing, SlotError, check_slot, edge_bytes
+
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
+
+
+def _side_device(spec: EdgeSpec, side: str) -> str:
+    return spec.producer if side == "producer" else spec.consumer
+
+
+class PinnedSlotRing(ShmSlotRing):
+    """Shared-memory slots, page-locked on the CUDA side(s) of the edge."""
+
+    def __init__(self, spec: EdgeSpec, side: str) -> None:
+        super().__init__(spec, create=False)
+        self.side = side
+        device = _side_device(spec, side)
+        self.device = torch.device(device) if cuda_ordinal(device) is not None else None
+        self._registered: int | None = None
+        self._events: list[torch.cuda.Event] = []
+        if self.device is not None:
+            pointer = self._slots.data_ptr()
+            status = int(torch.cuda.cudart().cudaHostRegister(pointer, edge_bytes(spec), HOST_REGISTER_PORTABLE))
+            if status != 0:
+                raise SlotError(f"edge {spec.name}: cudaHostRegister of {edge_bytes(spec)} bytes failed (cudaError {status})")
+            self._registered = pointer
+            self._events = [torch.cuda.Event() for _ in range(spec.slots)]
+
+    def write(self, slot: int, boundary: torch.Tensor) -> None:
+        self._check(slot, boundary.shape[0])
+        target = self._slots[slot, : boundary.shape[0]]
+        if not boundary.is_cuda:
+            target.copy_(boundary)
+            return
+        target.copy_(boundary, non_blocking=True)
+        event = self._events[slot]
+        event.record(torch.cuda.current_stream(boundary.device))
+        event.synchronize()  # the descriptor may go to a CPU stage: the bytes must be there first
+
+    def read(self, slot: int, num_tokens: int) -> torch.Tensor:
+        view = super().read(slot, num_tokens)
+        if self.device is None:
+            return view
+        on_device = view.to(self.device, non_blocking=True)
+        self._events[slot].record(torch.cuda.current_stream(self.device))
+        return on_device
+
+    def release(self, slot: int) -> None:
+        if self.device is not None:
+            self._events[slot].synchronize()  # the copy out of the slot has finished: it may be overwritten
+
+    def close(self) -> None:
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+        super().close()
+
+
+def export_memory(tensor: torch.Tensor) -> CudaMemoryHandle:
+    """The IPC handle of a CUDA tensor's storage (torch's own storage sharing, no pickle)."""
+    device, handle, size, offset, ref_counter, ref_offset, event, event_sync = tensor.untyped_storage()._share_cuda_()
+    return CudaMemoryHandle(
+        device=int(device),
+        handle=bytes(handle),
+        size=int(size),
+        offset=int(offset),
+        ref_counter=bytes(ref_counter or b""),
+        ref_counter_offset=int(ref_offset),
+        event=bytes(event or b""),
+        event_sync=bool(event_sync),
+    )
+
+
+def import_memory(memory: CudaMemoryHandle, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Open another process's exported storage as a tensor of ``shape``."""
+    storage = torch.UntypedStorage._new_shared_cuda(
+        memory.device, memory.handle, memory.size, memory.offset,
+        memory.ref_counter, memory.ref_counter_offset, memory.event, memory.event_sync,
+    )
+    needed = dtype.itemsize
+    for n in shape:
+        needed *= n
+    if storage.nbytes() < needed:
+        raise SlotError(f"shared CUDA memory holds {storage.nbytes()} bytes, the slots need {needed}")
+    return torch.empty(0, dtype=dtype, device=torch.device("cuda", memory.device)).set_(storage, 0, shape)
+
+
+def _ipc_event(device: torch.device) -> torch.cuda.Event:
+    event = torch.cuda.Event(interprocess=True)  # interprocess events carry no timing
+    event.record(torch.cuda.current_stream(device))  # made on this device now, and complete
+    return event
+
+
+class CudaIpcSlotRing:
+    """Slots on the consumer's GPU; ``attach`` (with the other side's handles) before use."""
+
+    def __init__(self, spec: EdgeSpec, side: str) -> None:
+        ordinal = cuda_ordinal(_side_device(spec, side))
+        if ordinal is None or cuda_ordinal(spec.producer) is None or cuda_ordinal(spec.consumer) is None:
+            raise SlotError(f"edge {spec.name}: CUDA IPC slots need CUDA stages on both sides ({spec.producer} -> {spec.consumer})")
+        self.spec = spec
+        self.side = side
+        self.device = torch.device("cuda", ordinal)
+        self._shape = (spec.slots, spec.max_tokens, spec.hidden)
+        self._dtype = DTYPES[spec.dtype]
+        # consumer: "read" events; producer: "written" events
+        self._own = [_ipc_event(self.device) for _ in range(spec.slots)]
+        self._peer: list[torch.cuda.Event] = []
+        self._slots = torch.zeros(self._shape, dtype=self._dtype, device=self.device) if side == "consumer" else None
+
+    def local_half(self, index: int, pid: int) -> EdgeHandles:
+        return EdgeHandles(
+            edge=self.spec.name,
+            side=self.side,
+            index=index,
+            pid=pid,
+            device=self.device.index,
+            events=tuple(bytes(event.ipc_handle()) for event in self._own),
+            memory=export_memory(self._slots) if self.side == "consumer" else None,
+        )
+
+    def attach(self, peer: EdgeHandles) -> None:
+        other = "consumer" if self.side == "producer" else "producer"
+        expected = cuda_ordinal(_side_device(self.spec, other))
+        if peer.edge != self.spec.name or peer.side != other:
+            raise SlotError(f"edge {self.spec.name}: got the {peer.side} half of {peer.edge}")
+        if peer.device != expected or len(peer.events) != self.spec.slots:
+            raise SlotError(
+                f"edge {self.spec.name}: the {other}'s handles name cuda:{peer.device} and {len(peer.events)} events, "
+                f"expected cuda:{expected} and {self.spec.slots}"
+            )
+        if self.side == "producer":
+            if peer.memory is None or peer.memory.device != expected:
+                raise SlotError(f"edge {self.spec.name}: the consumer's half carries no slot buffers on cuda:{expected}")
+            self._slots = import_memory(peer.memory, self._dtype, self._shape)
+        self._peer = [torch.cuda.Event.from_ipc_handle(peer.device, handle) for handle in peer.events]
+
+    def _check(self, slot: int, num_tokens: int) -> None:
+        if not self._peer:
+            raise SlotError(f"edge {self.spec.name}: used before the CUDA IPC handles were exchanged")
+        check_slot(self.spec, slot, num_tokens)
+
+    def write(self, slot: int, boundary: torch.Tensor) -> None:
+        self._check(slot, boundary.shape[0])
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self._peer[slot])  # the consumer's last read of this slot is done
+        self._slots[slot, : boundary.shape[0]].copy_(boundary, non_blocking=True)  # runs on this device's stream
+        self._own[slot].record(stream)
+
+    def read(self, slot: int, num_tokens: int) -> torch.Tensor:
+        self._check(slot, num_tokens)
+        torch.cuda.current_stream(self.device).wait_event(self._peer[slot])  # the producer's copy is done
+        return self._slots[slot, :num_tokens]
+
+    def release(self, slot: int) -> None:
+        self._own[slot].record(torch.cuda.current_stream(self.device))  # after the work reading the slot
+
+    def close(self) -> None:
+        if self._slots is not None and self._slots.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self._slots = None
+        self._peer = []

@@ -1,0 +1,73 @@
+"""POSIX shared-memory files of one daemon: their names (which carry the creator's pid),
+mapping them, and removing those a killed daemon left behind."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+from kvasir.pids import alive
+from kvasir.errors import KvasirError
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+SEGMENT_NAME = re.compile(r"kvasir-(?P<pid>[0-9]+)-[0-9a-f]{8}-[a-z]+[0-9]*")  # segment_prefix() + "-edge3", "-kv0", "-hop"
+
+
+def segment_prefix() -> str:
+    """The start of every shared-memory segment this process creates: it names the
+    creator's pid, so a later daemon can tell segments whose creator is gone."""
+    return f"kvasir-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def sweep_stale_segments(directory: Path = SHM_DIR) -> list[tuple[Path, int]]:
+    """Remove this user's segments whose creator no longer runs (a daemon or bench killed
+    with SIGKILL, or by the OOM killer, cannot remove its own). Segments of live
+    processes, other users' files and other names are left alone. Returns the removed
+    files with their sizes."""
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        match = SEGMENT_NAME.fullmatch(path.name)
+        if match is None or alive(int(match["pid"])):
+            continue
+        try:
+            info = path.lstat()
+            if info.st_uid != os.getuid():
+                continue
+            path.unlink()
+        except OSError:
+            continue  # gone already, or not ours to remove
+        removed.append((path, info.st_size))
+    return removed
+
+
+def map_file(path: Path, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size != size:
+            raise SlotError(f"shared memory {path} has {os.fstat(fd).st_size} bytes, expected {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def close_map(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:
+        pass  # a view is still alive somewhere; the mapping goes with the process
+
+
+class SlotError(KvasirError):
+    """A slot index or boundary size outside what the edge was built for."""

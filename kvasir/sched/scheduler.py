@@ -1,0 +1,322 @@
+"""The head's scheduling: continuous batching with chunked prefill and KV admission.
+
+Each batch is filled with decode rows first, then prefill chunks (running prompts
+before newly admitted ones) until ``max_rows`` or ``max_tokens`` is reached. At most
+``inflight`` batches are outstanding and a request is never in two of them. Admission
+reserves a request's whole KV need (prompt + max output, capped at ``max_seq_len``), so
+a running request never runs out of cache.
+
+Admission is fair across clients (the bridge numbers them): the next request admitted
+is the oldest waiting one of the client whose running requests hold the fewest KV
+blocks, so one client's many long requests cannot keep everyone else waiting; within a
+client, requests go in arrival order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from kvasir.sched.blocks import BlockAllocator
+from kvasir.errors import BatchError, RequestError
+from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SamplingParams
+from kvasir.wire.head import BatchResult
+from kvasir.config.plan import Plan
+from kvasir.wire.validation import MAX_SEED, check_prompt, check_sampling
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    prompt: list[int]  # [] in a decode pool, which holds the prompt's KV, not its tokens
+    sampling: SamplingParams
+    seed: int
+    need_blocks: int
+    prompt_len: int = -1  # len(prompt) unless given
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    blocks_sent: int = 0
+    computed: int = 0  # tokens whose K/V is written, or being written by an in-flight batch
+    in_flight: bool = False
+    announced: bool = False  # its NewRequest has travelled in a descriptor
+    cancelled: bool = False
+    parked: bool = False  # holds its blocks but is not scheduled (KV being handed between pools)
+    client: int = 0  # the bridge's number for the client that submitted it
+    arrival: int = 0  # admission order among waiting requests
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt)
+
+    @property
+    def length(self) -> int:
+        return self.prompt_len + len(self.output)
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        """Tokens [start, start + count) of prompt + output, without copying either whole."""
+        split = self.prompt_len
+        head = self.prompt[start : start + count]
+        return head + self.output[max(0, start - split) : max(0, start + count - split)]
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """A token (or a cancellation, token_id None) the head learned about a request."""
+
+    request_id: int
+    token_id: int | None
+    index: int
+    finish: str | None  # "stop" | "length" | "cancelled" | None
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    descriptor: BatchDescriptor
+    token_ids: torch.Tensor  # [T] the head's input
+
+
+class Scheduler:
+    def __init__(self, plan: Plan, vocab_size: int, reserve_output: bool = True) -> None:
+        """``reserve_output`` False: a prefill pool's head, whose requests leave after their
+        first token, reserves blocks for the prompt only."""
+        self.reserve_output = reserve_output
+        self.max_rows = plan.batch.max_rows
+        self.max_tokens = plan.batch.max_tokens
+        self.inflight_limit = plan.batch.inflight
+        self.block_size = plan.kv.block_size
+        self.max_seq_len = plan.model.max_seq_len
+        self.vocab_size = vocab_size
+        self.blocks = BlockAllocator(plan.kv.num_blocks)
+        self.waiting: dict[int, RequestState] = {}  # by request id, in arrival order
+        self.queues: dict[int, deque[int]] = {}  # per client: its waiting request ids, oldest first (stale ids skipped)
+        self.held: dict[int, int] = {}  # per client: KV blocks its running requests hold
+        self._arrivals = itertools.count()
+        self.running: dict[int, RequestState] = {}
+        self.inflight: dict[int, tuple[int, ...]] = {}  # batch id -> request ids
+        self._release: list[int] = []
+        self._next_request = 1
+        self._next_batch = 1
+
+    # -- entry points -------------------------------------------------------------
+    def submit(self, prompt: list[int], sampling: SamplingParams, request_id: int | None = None, client: int = 0) -> int:
+        """Queue a validated request and return its id; raise RequestError if refused.
+
+        ``request_id`` is the id the bridge gave the request; without one the
+        scheduler numbers requests itself.
+        """
+        ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
+        check_sampling(sampling, self.vocab_size)
+        total = min(len(ids) + sampling.max_tokens, self.max_seq_len) if self.reserve_output else len(ids)
+        need = -(-total // self.block_size)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED)
+        if request_id is None:
+            request_id = self._next_request
+            self._next_request += 1
+        elif request_id in self.running or request_id in self.waiting:
+            raise RequestError("invalid_request", f"request id {request_id} is already in use")
+        rid = request_id
+        self.waiting[rid] = RequestState(rid, ids, sampling, seed, need, client=client, arrival=next(self._arrivals))
+        self.queues.setdefault(client, deque()).append(rid)
+        return rid
+
+    def cancel(self, request_id: int) -> Emitted | None:
+        """Cancel a request; its terminal event now, or when its in-flight batch returns."""
+        state = self.waiting.pop(request_id, None)
+        if state is not None:
+            return Emitted(request_id, None, len(state.output), "cancelled")
+        state = self.running.get(request_id)
+        if state is None or state.cancelled or state.parked:
+            return None  # a parked request is ended by whoever holds its hand-off
+        state.cancelled = True
+        if state.in_flight:
+            return None
+        self._retire(state)
+        return Emitted(request_id, None, len(state.output), "cancelled")
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and not self.inflight
+
+    # -- building batches ---------------------------------------------------------
+    def next_batch(self) -> ScheduledBatch | None:
+        """The next batch to run, or None when the ring is full or nothing is ready."""
+        if len(self.inflight) >= self.inflight_limit:
+            return None
+        rows: list[Row] = []
+        tokens: list[int] = []
+        new: list[NewRequest] = []
+        ready = [s for s in self.running.values() if not s.in_flight and not s.parked]
+        decode = [s for s in ready if s.computed >= s.prompt_len]
+        prefill = [s for s in ready if s.computed < s.prompt_len]
+        candidates = itertools.chain(decode, prefill, self._admit())
+        while len(rows) < self.max_rows and len(tokens) < self.max_tokens:
+            state = next(candidates, None)
+            if state is None:
+                break
+            rows.append(self._row(state, self.max_tokens - len(tokens), tokens, new))
+        if not rows:
+            return None
+        batch_id = self._next_batch
+        self._next_batch += 1
+        self.inflight[batch_id] = tuple(row.request_id for row in rows)
+        descriptor = BatchDescriptor(
+            batch_id=batch_id,
+            slot=0,
+            num_tokens=len(tokens),
+            rows=tuple(rows),
+            release=tuple(self._release),
+            new_requests=tuple(new),
+            scheduled_ns=time.monotonic_ns(),
+        )
+        self._release.clear()
+        return ScheduledBatch(descriptor, torch.tensor(tokens, dtype=torch.long))
+
+    def release_only(self) -> BatchDescriptor | None:
+        """A descriptor that carries only pending releases (none when nothing is pending).
+
+        Sent when no batch can be built, so every stage frees ended requests' KV
+        without waiting for the next real batch. It is not a batch in flight.
+        """
+        if not self._release:
+            return None
+        descriptor = BatchDescriptor(
+            batch_id=0,
+            slot=-1,
+            num_tokens=0,
+            rows=(),
+            release=tuple(self._release),
+            new_requests=(),
+            scheduled_ns=time.monotonic_ns(),
+        )
+        self._release.clear()
+        return descriptor
+
+    def _admit(self):
+        """Admit waiting requests, fairest client first, while their KV reservation fits.
+        When the fairest client's next request does not fit, nobody overtakes it."""
+        while self.waiting:
+            first = self._fairest()
+            if first is None:
+                return
+            blocks = self.blocks.allocate(first.need_blocks)
+            if blocks is None:
+                return
+            state = self.waiting.pop(first.request_id)
+            queue = self.queues[state.client]
+            queue.popleft()
+            if not queue:
+                del self.queues[state.client]
+            state.blocks = blocks
+            self.held[state.client] = self.held.get(state.client, 0) + len(blocks)
+            self.running[state.request_id] = state
+            yield state
+
+    def _fairest(self) -> RequestState | None:
+        """The oldest waiting request of the client holding the fewest blocks (ties: the
+        older request). Ids of requests cancelled while waiting are dropped here."""
+        best: RequestState | None = None
+        for client in list(self.queues):
+            queue = self.queues[client]
+            while queue and queue[0] not in self.waiting:
+                queue.popleft()
+            if not queue:
+                del self.queues[client]
+                continue
+            state = self.waiting[queue[0]]
+            if best is None or (self.held.get(client, 0), state.arrival) < (self.held.get(best.client, 0), best.arrival):
+                best = state
+        return best
+
+    def _row(self, state: RequestState, budget: int, tokens: list[int], new: list[NewRequest]) -> Row:
+        start = state.computed
+        count = min(state.length - start, budget)
+        stop = start + count
+        needed = -(-stop // self.block_size)
+        growth = tuple(state.blocks[state.blocks_sent : needed])
+        state.blocks_sent = needed
+        state.computed = stop
+        state.in_flight = True
+        tokens.extend(state.tokens(start, count))
+        if not state.announced:
+            new.append(NewRequest(state.request_id, state.sampling, state.seed, generated=len(state.output)))
+            state.announced = True
+        return Row(state.request_id, start, count, growth, emit=stop == state.length)
+
+    # -- closing the ring ---------------------------------------------------------
+    def complete(self, result: BatchResult) -> list[Emitted]:
+        """Apply the tail's sampled tokens for a batch; return what clients should see."""
+        members = self.inflight.pop(result.batch_id, None)
+        if members is None:
+            raise BatchError(f"result for batch {result.batch_id}, which is not in flight")
+        sampled = {tok.request_id: tok for tok in result.tokens}
+        strangers = set(sampled).difference(members)
+        if strangers:
+            self.inflight[result.batch_id] = members
+            raise BatchError(f"batch {result.batch_id}: tokens for requests not in it: {sorted(strangers)}")
+        events: list[Emitted] = []
+        for rid in members:
+            state = self.running[rid]
+            state.in_flight = False
+            token = sampled.pop(rid, None)
+            if state.cancelled:
+                self._retire(state)
+                events.append(Emitted(rid, None, len(state.output), "cancelled"))
+            elif token is not None:
+                state.output.append(token.token_id)
+                events.append(Emitted(rid, token.token_id, len(state.output) - 1, token.finish))
+                if token.finish is not None:
+                    self._retire(state)
+        return events
+
+    # -- hand-off between pools (disaggregated plans) ---------------------------------
+    def park(self, request_id: int) -> RequestState:
+        """Stop scheduling a running request (its prompt is done; its KV moves to the
+        decode pool); it keeps its blocks until ``retire``."""
+        state = self.running[request_id]
+        state.parked = True
+        return state
+
+    def retire(self, request_id: int) -> RequestState | None:
+        """End a running request: free its blocks, release its KV on every stage."""
+        state = self.running.get(request_id)
+        if state is not None:
+            self._retire(state)
+        return state
+
+    def reserve(self, request_id: int, prompt_len: int, output: list[int], sampling: SamplingParams, seed: int) -> list[int] | None:
+        """Take in a request whose prompt KV is computed elsewhere: reserve its blocks and
+        park it (``unpark`` once every stage holds the KV). None when the cache is full."""
+        if request_id in self.running or request_id in self.waiting:
+            raise RequestError("invalid_request", f"request id {request_id} is already in use")
+        total = min(prompt_len + sampling.max_tokens, self.max_seq_len)
+        need = -(-total // self.block_size)
+        blocks = self.blocks.allocate(need)
+        if blocks is None:
+            return None
+        state = RequestState(request_id, [], sampling, seed, need, prompt_len, output=list(output), blocks=blocks)
+        state.blocks_sent = need  # the placement gave every stage the whole table
+        state.computed = prompt_len
+        state.parked = True
+        self.running[request_id] = state
+        self.held[state.client] = self.held.get(state.client, 0) + need
+        return blocks
+
+    def unpark(self, request_id: int) -> None:
+        self.running[request_id].parked = False
+
+    def _retire(self, state: RequestState) -> None:
+        self.running.pop(state.request_id, None)
+        self.blocks.release(state.blocks)
+        left = self.held.get(state.client, 0) - len(state.blocks)
+        if left > 0:
+            self.held[state.client] = left
+        else:
+            self.held.pop(state.client, None)
+        state.blocks = []
+        if state.announced:
+            self._release.append(state.request_id)

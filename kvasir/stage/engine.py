@@ -1,0 +1,64 @@
+"""A stage's engine: its slice of the model and its paged KV cache, run on descriptors."""
+
+from __future__ import annotations
+
+import torch
+
+from kvasir.config.devices import cuda_ordinal
+from kvasir.wire.batch import BatchDescriptor
+from kvasir.model.attention import build_batch
+from kvasir.errors import BatchError
+from kvasir.model.kv_cache import PagedKVCache
+from kvasir.config.devices import DTYPES
+from kvasir.model.loader import load_slice
+from kvasir.model.source import ModelSource
+from kvasir.model.stage_model import StageModel
+from kvasir.config.plan import Plan
+from kvasir.model.loader import head_dim, slice_spec
+
+
+class StageEngine:
+    """Runs batch descriptors through one stage: frees released KV, then the layers."""
+
+    def __init__(self, plan: Plan, index: int, source: ModelSource, storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``index`` within the plan's ring; ``storage``: shared memory for the KV cache
+        (a prefill stage's, which decode stages copy from)."""
+        stage = plan.stages[index]
+        self.index = index
+        self.spec = slice_spec(plan, index)
+        ordinal = cuda_ordinal(stage.device)
+        self.device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)  # "cuda" is cuda:0
+        dtype = DTYPES[plan.model.dtype]
+        modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
+        self.model = StageModel(modules, source, self.device)
+        config = source.config
+        self.cache = PagedKVCache(
+            num_layers=stage.layers[1] - stage.layers[0],
+            num_blocks=plan.kv.num_blocks,
+            block_size=plan.kv.block_size,
+            kv_heads=int(config.num_key_value_heads),
+            head_dim=head_dim(config),
+            dtype=dtype,
+            device=self.device,
+            storage=storage,
+        )
+
+    def release(self, descriptor: BatchDescriptor) -> None:
+        """Free the KV of the requests the descriptor releases."""
+        self.cache.release(descriptor.release)
+
+    def run(self, descriptor: BatchDescriptor, inputs: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] on the head, boundary [T, hidden] elsewhere; returns the stage output.
+
+        Releases are applied first; the caller handles release-only descriptors (no
+        rows) with ``release`` alone.
+        """
+        total = sum(row.num_tokens for row in descriptor.rows)
+        if total != descriptor.num_tokens or inputs.shape[0] != total or not descriptor.rows:
+            raise BatchError(
+                f"batch {descriptor.batch_id}: {len(descriptor.rows)} rows hold {total} tokens, "
+                f"descriptor says {descriptor.num_tokens}, input has {inputs.shape[0]}"
+            )
+        self.release(descriptor)
+        batch = build_batch(self.cache, self.spec.layers[0], descriptor.rows)
+        return self.model(inputs.to(self.device), batch)

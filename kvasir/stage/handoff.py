@@ -1,0 +1,163 @@
+"""KV hand-off between the pools of a disaggregated plan, stage to stage.
+
+A prefill stage that has run a request's last prompt chunk announces where that
+request's K/V for its layers sits in its cache (a shared-memory segment) to every
+decode stage holding any of those layers (``HandoffSender``). A decode stage copies
+its layers out of the prefill segments into the blocks the decode head placed it in,
+re-slicing when the pools split the layers differently, and tells the decode head it
+holds them (``KvReceiver``). Nothing goes through the bridge and every decode stage
+copies in parallel. The prefill pool keeps the blocks until the decode head confirms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from kvasir.errors import BatchError
+from kvasir.wire.batch import BatchDescriptor
+from kvasir.wire.control import HandoffWiring
+from kvasir.wire.head import KvHeld
+from kvasir.wire.kv import KvReady, Placement
+from kvasir.model.kv_cache import PagedKVCache, flat_slots
+from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.wire.transport import PullChannel, PushChannel
+
+
+DROPPED_KEPT = 65536  # ids of dropped requests a decode stage remembers (their late announcements are ignored)
+
+
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+class NoHandoff:
+    """A stage of a colocated plan: nothing to hand over (and the defaults of the others)."""
+
+    sockets: list = []
+    nbytes = 0  # KV bytes received
+    copy_s = 0.0  # seconds spent copying them
+
+    def receive(self) -> float:
+        return 0.0
+
+    def after(self, descriptor: BatchDescriptor) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class HandoffSender(NoHandoff):
+    """A prefill stage: after a request's last prompt chunk, announce its KV to the decode
+    stages that hold the same layers."""
+
+    def __init__(self, index: int, layers: tuple[int, int], cache: PagedKVCache, targets: list[PushChannel]) -> None:
+        self.index = index
+        self.layers = layers
+        self.cache = cache
+        self.targets = targets
+
+    def after(self, descriptor: BatchDescriptor) -> None:
+        for row in descriptor.rows:
+            if row.emit:  # in the prefill pool, the row that ends the prompt
+                table = tuple(self.cache.table(row.request_id))
+                ready = KvReady(row.request_id, self.index, self.layers, table, row.start + row.num_tokens, time.monotonic_ns())
+                for target in self.targets:
+                    target.send(ready)
+
+
+class KvReceiver(NoHandoff):
+    """A decode stage: collect each request's announced parts and its placement, copy
+    once both are complete, confirm to the decode head."""
+
+    def __init__(
+        self,
+        index: int,
+        layers: tuple[int, int],
+        cache: PagedKVCache,
+        wiring: HandoffWiring,
+        inbox: PullChannel,
+        head: PushChannel,
+    ) -> None:
+        self.index = index
+        self.layers = layers
+        self.cache = cache
+        self.inbox = inbox
+        self.head = head
+        self.sources = {
+            source: KvSegmentMap(segment, create=False)
+            for source, segment in enumerate(wiring.prefill)
+            if overlap(segment.layers, layers) is not None
+        }
+        self.sockets = [inbox.socket]
+        self.parts: dict[int, dict[int, KvReady]] = {}
+        self.placed: dict[int, tuple[int, ...]] = {}
+        self.dropped: OrderedDict[int, None] = OrderedDict()
+        self.nbytes = 0
+        self.copy_s = 0.0
+
+    def receive(self) -> float:
+        """Take announcements and placements; copy what is complete. Seconds spent copying."""
+        started = time.perf_counter()
+        touched = set()
+        for message in self.inbox.drain():
+            match message:
+                case KvReady(request_id=rid, source=source):
+                    if source not in self.sources:
+                        raise BatchError(f"KV of request {rid} announced by stage {source}, which shares no layers with stage {self.index}")
+                    if rid not in self.dropped:  # a drop may overtake the announcement (another socket)
+                        self.parts.setdefault(rid, {})[source] = message
+                    touched.add(rid)
+                case Placement(request_id=rid, blocks=blocks) if blocks:
+                    self.placed[rid] = blocks
+                    touched.add(rid)
+                case Placement(request_id=rid):
+                    self._forget(rid)
+        copied = [rid for rid in touched if self._try(rid)]
+        spent = time.perf_counter() - started if copied else 0.0
+        self.copy_s += spent
+        return spent
+
+    def _try(self, rid: int) -> bool:
+        parts = self.parts.get(rid)
+        if rid not in self.placed or parts is None or len(parts) < len(self.sources):
+            return False
+        started = time.monotonic_ns()
+        table = self.cache.extend(rid, self.placed.pop(rid))
+        nbytes = sum(self._copy(rid, part, table) for part in self.parts.pop(rid).values())
+        self.nbytes += nbytes
+        held = time.monotonic_ns()
+        self.head.send(KvHeld(rid, self.index, nbytes, held - started, held))
+        return True
+
+    def _copy(self, rid: int, part: KvReady, table: list[int]) -> int:
+        """Copy one prefill stage's share of a request's K/V into this stage's blocks."""
+        source = self.sources[part.source]
+        lo, hi = overlap(part.layers, self.layers)
+        first = source.spec.layers[0]
+        src = flat_slots(rid, part.blocks, source.spec.block_size, 0, part.num_tokens)
+        if src.numel() and int(src.max()) >= source.keys.shape[1]:
+            raise BatchError(f"request {rid}: prefill blocks {part.blocks} outside stage {part.source}'s cache")
+        dst = self.cache.slots(rid, table, 0, part.num_tokens)
+        mine = slice(lo - self.layers[0], hi - self.layers[0])
+        theirs = slice(lo - first, hi - first)
+        keys, values = self.cache.keys, self.cache.values
+        keys[mine, dst] = source.keys[theirs, src].to(keys.device)
+        values[mine, dst] = source.values[theirs, src].to(values.device)
+        return PagedKVCache.bytes_needed(hi - lo, part.num_tokens, 1, keys.shape[2], keys.shape[3], keys.dtype)
+
+    def _forget(self, rid: int) -> None:
+        """A dropped request: its parts, placement and table go; announcements still on
+        their way are ignored when they come (request ids are never reused)."""
+        self.parts.pop(rid, None)
+        self.placed.pop(rid, None)
+        self.cache.release((rid,))
+        self.dropped[rid] = None
+        if len(self.dropped) > DROPPED_KEPT:
+            self.dropped.popitem(last=False)
+
+    def close(self) -> None:
+        for source in self.sources.values():
+            source.close()

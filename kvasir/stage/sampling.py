@@ -1,0 +1,121 @@
+"""The tail's sampling and finish decisions, per request and reproducible by seed."""
+
+from __future__ import annotations
+
+import torch
+
+from kvasir.errors import BatchError
+from kvasir.wire.batch import BatchDescriptor, NewRequest, SampledToken, SamplingParams
+from kvasir.wire.head import BatchResult
+
+
+GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive token indices over the seed space
+
+
+class RequestSampler:
+    """One request's sampling state: its parameters, seeded generator and output count.
+
+    The generator is re-seeded for every token from (seed, token index), so the n-th
+    token's draw does not depend on which process drew the earlier ones (in a
+    disaggregated plan the prefill pool's tail draws the first, the decode pool's the rest).
+    """
+
+    def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int, scheduled_ns: int = 0) -> None:
+        self.params = new.sampling
+        self.scheduled_ns = scheduled_ns
+        self.generator = torch.Generator(device="cpu")
+        self.seed = new.seed
+        eos = () if new.sampling.ignore_eos else eos_ids
+        self.stop_ids = frozenset(eos) | frozenset(new.sampling.stop_token_ids)
+        self.max_seq_len = max_seq_len
+        self.generated = new.generated
+        self.draws = new.generated  # the index of the token the next pick chooses
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """Choose the next token from one row's logits [vocab] (float32, CPU).
+
+        Any temperature validation lets through is computable: the logits are shifted so
+        the best is 0 and divided in float64, so a tiny temperature sends every other
+        token to -inf (never NaN: 0 / t is 0 for any t > 0) and softmax stays a
+        distribution; a huge one flattens it. Logits that are themselves not finite (a
+        float16 overflow upstream) fall back to the best finite token.
+        """
+        params = self.params
+        if params.temperature == 0:
+            self.draws += 1
+            return _argmax(logits)
+        best = logits.max()
+        if not torch.isfinite(best):
+            self.draws += 1
+            return _argmax(logits)
+        scores = (logits - best).double() / params.temperature
+        if 0 < params.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, params.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if params.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            # drop a token once the tokens ranked above it already reach top_p
+            drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+            drop[0] = False
+            scores = scores.scatter(0, order[drop], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        self.generator.manual_seed((self.seed + self.draws * GOLDEN) & (2**63 - 1))
+        self.draws += 1
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def finish(self, token: int, length: int) -> str | None:
+        """Finish reason after appending ``token``; ``length`` = prompt + output so far."""
+        self.generated += 1
+        if token in self.stop_ids:
+            return "stop"
+        if self.generated >= self.params.max_tokens or length >= self.max_seq_len:
+            return "length"
+        return None
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """The best token, NaN logits ignored (NaN compares false, so it is never chosen)."""
+    return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
+
+
+class Sampler:
+    """The tail's samplers for every request it currently knows."""
+
+    def __init__(self, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
+        self.eos_ids = eos_ids
+        self.max_seq_len = max_seq_len
+        self._requests: dict[int, RequestSampler] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def spec(self, request_id: int) -> tuple[SamplingParams, int]:
+        """A running request's sampling parameters and seed (to hand it to another pool)."""
+        state = self._requests[request_id]
+        return state.params, state.seed
+
+    def sample(self, descriptor: BatchDescriptor, logits: torch.Tensor) -> BatchResult:
+        """Sample one token for every emitting row of the batch; logits are [E, vocab]."""
+        for rid in descriptor.release:
+            self._requests.pop(rid, None)
+        for new in descriptor.new_requests:
+            self._requests[new.request_id] = RequestSampler(
+                new, self.eos_ids, self.max_seq_len, descriptor.scheduled_ns
+            )
+        logits = logits.float().cpu()
+        tokens = []
+        emitting = [row for row in descriptor.rows if row.emit]
+        if len(emitting) != logits.shape[0]:
+            raise BatchError(f"batch {descriptor.batch_id}: {len(emitting)} emitting rows, {logits.shape[0]} logits")
+        for row, row_logits in zip(emitting, logits):
+            state = self._requests.get(row.request_id)
+            if state is None:
+                raise BatchError(f"batch {descriptor.batch_id}: request {row.request_id} has no sampling spec")
+            token = state.pick(row_logits)
+            finish = state.finish(token, row.start + row.num_tokens + 1)
+            if finish is not None:
+                del self._requests[row.request_id]
+            first = state.scheduled_ns if state.generated == 1 else 0
+            tokens.append(SampledToken(row.request_id, token, state.generated - 1, finish, first))
+        return BatchResult(descriptor.batch_id, tuple(tokens))

@@ -1,0 +1,67 @@
+"""What travels round the ring: a batch's descriptor (decided once by the head), its rows and
+new requests, the tail's sampled tokens, and the credits that free boundary slots."""
+
+from __future__ import annotations
+
+from kvasir.wire.base import Wire
+
+
+# -- requests and batches -------------------------------------------------------------
+class SamplingParams(Wire):
+    """How the tail picks tokens for one request and when it stops."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = no nucleus filtering
+    top_k: int = 0  # 0 = no top-k filtering
+    seed: int | None = None  # same seed, same output
+    max_tokens: int = 128  # output tokens at most
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence ids (benchmarks)
+
+
+class NewRequest(Wire):
+    """A request's spec, sent in the descriptor of its first batch only."""
+
+    request_id: int
+    sampling: SamplingParams
+    seed: int  # the resolved seed (a request without one gets a random seed at the head)
+    generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
+
+
+class Row(Wire):
+    """One request's share of a packed batch: ``num_tokens`` tokens from ``start``."""
+
+    request_id: int
+    start: int  # position of the row's first token
+    num_tokens: int
+    new_blocks: tuple[int, ...]  # KV block ids added since the stage last saw the request
+    emit: bool  # the row ends at the request's newest token: the tail samples after it
+
+
+class BatchDescriptor(Wire):
+    """The composition of one physical batch, decided once by the head.
+
+    A descriptor with no rows only carries releases (slot -1, no boundary).
+    """
+
+    batch_id: int
+    slot: int  # boundary slot index on the edge it travels
+    num_tokens: int
+    rows: tuple[Row, ...]
+    release: tuple[int, ...]  # requests whose KV every stage frees before running this batch
+    new_requests: tuple[NewRequest, ...]
+    scheduled_ns: int  # CLOCK_MONOTONIC time the head fixed the composition
+
+
+class SampledToken(Wire):
+    request_id: int
+    token_id: int
+    index: int  # position in the request's output
+    finish: str | None  # None while running, else "stop" | "length"
+    scheduled_ns: int = 0  # on a request's first token: when its first batch was scheduled
+
+
+class Credit(Wire):
+    """A consumer hands a boundary slot back to its producer."""
+
+    slot: int

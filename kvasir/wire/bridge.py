@@ -1,0 +1,67 @@
+"""Stages to the bridge (``BridgeMessage``): sampled tokens, ended requests and statistics."""
+
+from __future__ import annotations
+
+from kvasir.wire.base import Tagged, Wire
+from kvasir.wire.batch import SampledToken
+
+
+# -- stages to the bridge -----------------------------------------------------------------
+class TokenEvents(Tagged):
+    tokens: tuple[SampledToken, ...]
+
+
+class RequestEnded(Tagged):
+    """The head ended a request without a token: cancelled, or refused (code + message)."""
+
+    request_id: int
+    code: str  # "cancelled" or an error code
+    message: str = ""
+
+
+class BatchSpan(Wire):
+    """One batch on one stage: when the stage took it and handed it on, and what it held."""
+
+    batch_id: int
+    start_ns: int  # CLOCK_MONOTONIC, comparable across the daemon's processes
+    end_ns: int
+    prefill_tokens: int  # tokens of multi-token rows (prompt chunks)
+    decode_tokens: int  # tokens of single-token rows
+
+
+class StageStats(Tagged):
+    index: int
+    layers: tuple[int, int]
+    pid: int
+    wall_s: float  # since the stage started serving
+    busy_s: float
+    starved_s: float
+    blocked_s: float
+    batches: int
+    rows: int
+    tokens: int
+    inflight: int  # batches in flight (head only; 0 elsewhere)
+    kv_requests: int  # requests whose KV the stage holds
+    kv_blocks: int  # KV blocks those requests hold on this stage
+    waiting: int = 0  # requests queued for admission (head only; 0 elsewhere)
+    hop_s: float = 0.0  # of busy and waiting time: spent handing boundaries over (slots, descriptors, credits)
+    spans: tuple[BatchSpan, ...] = ()  # batches run since the previous report (the bridge keeps a bounded timeline)
+    pool: str = ""  # "prefill" | "decode" in a disaggregated plan; "" in a colocated one
+    handoff_bytes: int = 0  # decode stages: KV bytes received from the prefill pool
+    handoff_s: float = 0.0  # decode stages: of busy time, spent copying them
+    handing_off: int = 0  # prefill head: requests handed to the decode pool, not yet taken (their blocks held)
+    device: str = "cpu"  # where the stage's slice, KV cache and attention live
+    gpu_bytes: int = 0  # CUDA stages: device memory held by live tensors (weights, KV cache, slots, activations)
+    gpu_reserved_bytes: int = 0  # CUDA stages: device memory reserved by the caching allocator
+
+
+class HandoffReport(Tagged):
+    """Decode head -> bridge: one request's KV hand-off, measured."""
+
+    request_id: int
+    nbytes: int  # KV bytes moved, all decode stages together
+    seconds: float  # from the prefill tail handing the request over to the last decode stage's copy
+    copy_s: float  # the slowest decode stage's copy (they copy in parallel)
+
+
+BridgeMessage = TokenEvents | RequestEnded | StageStats | HandoffReport

@@ -1,0 +1,139 @@
+"""Clients and the bridge: ``ClientMessage`` in, ``ClientEvent`` out (JSON-friendly structs
+with a ``type`` tag; the same bodies as msgpack on the socket)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+import msgspec
+from kvasir.wire.base import MAX_STOP_TOKEN_IDS
+from kvasir.wire.bridge import BatchSpan, StageStats
+
+
+# Size limits of a client's submission, checked while decoding (msgspec reads a list's
+# length before its items, so an oversized list is refused without being walked). The
+# model's own limits (max_seq_len, vocabulary) are checked after, in kvasir/wire/validation.py.
+MAX_PROMPT_TOKENS = 1 << 20  # token ids in one prompt (max_seq_len is the real bound)
+
+
+MAX_PROMPT_CHARS = 1 << 22  # characters of one prompt text
+
+
+# -- clients ----------------------------------------------------------------------------------
+class _Client(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
+    pass
+
+
+class Submit(_Client, tag="submit"):
+    key: int  # the client's own handle for the request, echoed in Accepted
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
+    chat: bool = False
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    ignore_eos: bool = False
+
+
+class Cancel(_Client, tag="cancel"):
+    request_id: int
+
+
+class StatsQuery(_Client, tag="stats"):
+    key: int
+    timeline: bool = False  # include each stage's recent batch spans
+
+
+ClientMessage = Submit | Cancel | StatsQuery
+
+
+class Accepted(_Client, tag="accepted"):
+    key: int
+    request_id: int
+
+
+class TokenOut(_Client, tag="token"):
+    request_id: int
+    index: int
+    token_id: int
+    text: str
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    queued_s: float  # submission to the request's first batch
+    first_token_s: float  # submission to the first token (TTFT)
+    per_token_s: float  # mean time between output tokens after the first
+    total_s: float
+    second_token_s: float | None = None  # first to second token (in a disaggregated plan it includes the KV hand-off)
+
+
+class HandoffTimings(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's KV hand-off between pools (disaggregated plans only)."""
+
+    kv_bytes: int
+    seconds: float  # first token sampled (prefill pool) -> every decode stage holds the KV
+    copy_s: float  # of which copying (the slowest decode stage; they copy in parallel)
+    gibps: float  # effective bandwidth of the copy: kv_bytes / copy_s, in GiB/s
+
+
+class Finished(_Client, tag="finished"):
+    request_id: int
+    reason: str  # "stop" | "length"
+    token_ids: list[int]
+    usage: Usage
+    timings: Timings
+    handoff: HandoffTimings | None = None
+
+
+class Cancelled(_Client, tag="cancelled"):
+    request_id: int
+
+
+class ErrorEvent(_Client, tag="error"):
+    code: str
+    message: str
+    request_id: int | None = None
+    key: int | None = None  # set when the error answers a submission before it had an id
+
+
+class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
+    uptime_s: float
+    requests: int  # accepted since start
+    in_flight: int  # accepted and not yet ended
+    tokens_out: int = 0  # output tokens streamed to clients since start
+    waiting_limit: int
+    vocab_size: int
+    max_seq_len: int
+    stages: list[StageStats]
+    timeline: list[list[BatchSpan]] = []  # per stage, oldest first (only when asked for)
+    state: str = "serving"  # "serving" | "restarting" (a child failed; new requests get "restarting") | "draining"
+    restarts: int = 0  # ring restarts since the daemon started
+    last_failure: str | None = None  # what the last failure was (a child's exit, a missed heartbeat)
+    last_failure_age_s: float | None = None  # seconds since it
+    handoff: HandoffSummary | None = None  # disaggregated plans: KV hand-offs since start
+    client_bytes_waiting: int = 0  # events queued in the bridge for clients that read slower than they are sent
+    clients_lost: int = 0  # clients the bridge gave up on (gone, or not reading): their requests cancelled, events dropped
+    malformed: int = 0  # internal messages the bridge dropped because they did not decode
+
+
+class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):
+    count: int  # requests handed from the prefill pool to the decode pool
+    kv_bytes: int  # in all
+    p50_s: float  # hand-off time (first token sampled -> decode holds the KV), over the most recent hand-offs
+    p99_s: float
+    gibps: float  # effective copy bandwidth over the most recent hand-offs: their bytes / their copy time
+
+
+class StatsReply(_Client, tag="stats"):
+    key: int
+    stats: DaemonStats
+
+
+ClientEvent = Accepted | TokenOut | Finished | Cancelled | ErrorEvent | StatsReply

@@ -1,0 +1,127 @@
+"""The launcher and its children: settings handed to each child, its reports
+(``ControlMessage``) and the launcher's ``Command``."""
+
+from __future__ import annotations
+
+from typing import Literal
+import msgspec
+from kvasir.config.plan import Plan
+from kvasir.wire.base import Tagged, Wire
+
+
+# -- the launcher and its children -------------------------------------------------------
+class KvSegment(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill stage's KV cache in shared memory, which decode stages read to copy from."""
+
+    name: str
+    layers: tuple[int, int]
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class HandoffWiring(msgspec.Struct, frozen=True, kw_only=True):
+    """Who hands KV to whom in a disaggregated plan (the same for every stage): prefill
+    stage i has global index i, decode stage j has global index len(prefill) + j."""
+
+    prefill: list[KvSegment]
+    decode: list[tuple[int, int]]  # each decode stage's layers
+    lease_s: float
+
+    @property
+    def decode_head(self) -> int:
+        return len(self.prefill)
+
+
+class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One stage-to-stage edge: its slot ring's kind, name, geometry and both ends' devices."""
+
+    kind: str  # "shm" | "pinned" | "cuda-ipc" (kvasir/ring/edges.py)
+    name: str
+    slots: int
+    max_tokens: int
+    hidden: int
+    dtype: str
+    producer: str = "cpu"  # the writing stage's device
+    consumer: str = "cpu"  # the reading stage's device (where CUDA IPC slots live)
+
+
+class CudaMemoryHandle(Wire):
+    """A CUDA allocation exported for another process (torch's storage sharing, as bytes)."""
+
+    device: int
+    handle: bytes  # the allocation's cudaIpcMemHandle
+    size: int  # bytes of the shared storage
+    offset: int  # its offset inside the allocation
+    ref_counter: bytes  # torch's reference-counter file for the allocation
+    ref_counter_offset: int
+    event: bytes  # the allocation's own event handle (torch waits on it when opening)
+    event_sync: bool
+
+
+class EdgeHandles(Tagged):
+    """Stage -> launcher -> the edge's other stage: one side's CUDA IPC handles, sent once
+    at start-up. The consumer's half names its slot buffers and its "slot read" events,
+    the producer's its "slot written" events (one interprocess event per slot)."""
+
+    edge: str  # EdgeSpec.name
+    side: str  # "producer" | "consumer"
+    index: int  # the sending stage's global index
+    pid: int
+    device: int  # where the events (and the consumer's buffers) live
+    events: tuple[bytes, ...]
+    memory: CudaMemoryHandle | None = None  # consumer only
+
+
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a child process needs, handed over as msgpack bytes (never pickle)."""
+
+    role: str  # "stage" | "bridge"
+    index: int  # stage index (0 for the bridge)
+    plan: Plan  # model.source already resolved to an absolute path or alias
+    runtime_dir: str
+    launcher_pid: int
+    edges: list[EdgeSpec]  # edge k runs from the pool's stage k to its stage k+1
+    pool: str = ""  # "prefill" | "decode" (plan is then that pool's view), "" colocated
+    first: int = 0  # global index of the pool's first stage (index is global)
+    handoff: HandoffWiring | None = None
+    stats_interval_s: float = 0.5
+    log_level: str = "info"
+
+
+class Ready(Tagged):
+    role: str
+    index: int
+    pid: int
+
+
+class Drained(Tagged):
+    pass
+
+
+class Heartbeat(Tagged):
+    """A child's loop is still turning (sent about twice a second); silence means hung."""
+
+    role: str
+    index: int
+    pid: int
+
+
+ControlMessage = Ready | Drained | Heartbeat | EdgeHandles
+
+
+CommandKind = Literal["serve", "ring_down", "attach", "drain", "stop"]
+
+
+class Command(Wire):
+    # "serve" (bridge: every stage is ready; bind the client endpoints, or after a restart
+    # take requests again) | "ring_down" (bridge: the stages failed and are restarting) |
+    # "attach" (stage: CUDA IPC handles of its edges' other sides) | "drain" | "stop"
+    kind: CommandKind
+    code: str = "shutting_down"  # with "stop": the error code for requests still running
+    message: str = ""  # with "ring_down": what failed; with "serve": the last failure ("" for none)
+    restarts: int = 0  # with "serve": ring restarts so far
+    pids: tuple[int, ...] = ()  # with "serve": the stages' pids (stats from any other process are stale)
+    handles: tuple[EdgeHandles, ...] = ()  # with "attach" (stages at start-up): the other sides' CUDA IPC handles

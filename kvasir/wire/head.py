@@ -1,0 +1,73 @@
+"""The head's inbox (``HeadMessage``): requests from the bridge, the tail's results and, in
+a disaggregated plan, the KV hand-off between the pools' heads."""
+
+from __future__ import annotations
+
+from kvasir.wire.base import Tagged
+from kvasir.wire.batch import SampledToken, SamplingParams
+
+
+# -- the head's inbox ---------------------------------------------------------------------
+class Enqueue(Tagged):
+    request_id: int
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    client: int = 0  # the bridge's number for the submitting client (fair admission across clients)
+
+
+class CancelRequest(Tagged):
+    request_id: int
+
+
+class BatchResult(Tagged):
+    """What the tail sends back to the head for one batch: it closes the ring."""
+
+    batch_id: int
+    tokens: tuple[SampledToken, ...]
+
+
+class Handoff(Tagged):
+    """Prefill tail -> decode head: a request's prompt is done and its first token sampled
+    (and not its last); its KV is on its way from the prefill stages to the decode stages."""
+
+    request_id: int
+    prompt_len: int
+    first_token: int
+    sampling: SamplingParams
+    seed: int
+    ready_ns: int  # when the prefill tail handed it over
+
+
+class KvDrop(Tagged):
+    """Prefill head -> decode head: a request whose prompt KV was announced to the decode
+    stages ended in the prefill pool (finished at its first token, cancelled, failed);
+    the decode stages forget its parts."""
+
+    request_id: int
+
+
+class KvHeld(Tagged):
+    """Decode stage -> decode head: the stage holds its layers of a request's KV."""
+
+    request_id: int
+    stage: int  # global stage index
+    nbytes: int  # KV bytes the stage copied
+    copy_ns: int  # how long the copy took
+    held_ns: int  # when it was done (CLOCK_MONOTONIC)
+
+
+class KvPlaced(Tagged):
+    """Decode head -> prefill head: the request has decode blocks and is being copied; the
+    hand-off lease starts now (waiting for decode blocks is back-pressure, not a fault)."""
+
+    request_id: int
+
+
+class Adopted(Tagged):
+    """Decode head -> prefill head: every decode stage holds the request's KV (or it was
+    dropped); the prefill pool frees the request's blocks."""
+
+    request_id: int
+
+
+HeadMessage = Enqueue | CancelRequest | BatchResult | Handoff | KvDrop | KvHeld | KvPlaced | Adopted

@@ -1,0 +1,30 @@
+"""KV hand-off to a decode stage (``KvMessage``): where a handed-off request's K/V lies and
+where the decode head placed it."""
+
+from __future__ import annotations
+
+from kvasir.wire.base import Tagged
+
+
+# -- KV hand-off to a decode stage ----------------------------------------------------------------
+class KvReady(Tagged):
+    """Prefill stage -> decode stage: a request's prompt KV for ``layers`` sits in the
+    prefill stage's cache segment at ``blocks`` (held there until the decode head adopts it)."""
+
+    request_id: int
+    source: int  # global index of the prefill stage (which cache segment to read)
+    layers: tuple[int, int]  # the prefill stage's layers
+    blocks: tuple[int, ...]  # the request's block table in the prefill pool
+    num_tokens: int  # positions [0, num_tokens) hold K/V
+    sent_ns: int
+
+
+class Placement(Tagged):
+    """Decode head -> decode stage: the request's decode blocks (copy its parts there once
+    they are all announced); no blocks = forget the request's parts and table."""
+
+    request_id: int
+    blocks: tuple[int, ...]
+
+
+KvMessage = KvReady | Placement

@@ -1,0 +1,84 @@
+"""Checks at the engine's entry: a bad request gets a named error, never a torch crash."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvasir.errors import RequestError
+from kvasir.wire.base import MAX_STOP_TOKEN_IDS
+from kvasir.wire.batch import SamplingParams
+
+MAX_SEED = 2**63 - 1
+MAX_CHARS_PER_TOKEN = 64  # no tokenizer makes tokens longer than this on average
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int, max_seq_len: int) -> list[int]:
+    """Return the prompt as a list of ints, or raise RequestError. Lengths are checked
+    before any id is looked at, so an oversized prompt costs nothing to refuse."""
+    if isinstance(token_ids, (str, bytes)):
+        raise RequestError("invalid_request", "prompt must be a list of token ids, not text")
+    if not len(token_ids):
+        raise RequestError("invalid_request", "prompt is empty: give at least one token")
+    if len(token_ids) >= max_seq_len:
+        raise RequestError(
+            "too_long",
+            f"prompt of {len(token_ids)} tokens leaves no room for output within max_seq_len = {max_seq_len}",
+        )
+    ids = list(token_ids)
+    for index, tok in enumerate(ids):
+        if not _is_int(tok) or not 0 <= tok < vocab_size:
+            raise RequestError(
+                "invalid_request",
+                f"prompt token {index} = {tok!r} is not a token id of this model (0 <= id < {vocab_size})",
+            )
+    return ids
+
+
+def check_prompt_text(text: str, max_seq_len: int) -> None:
+    """Refuse, before tokenizing it, a text too long to fit ``max_seq_len`` tokens whatever
+    the tokenizer does (tokenizing megabytes would stall the bridge for everyone)."""
+    limit = max_seq_len * MAX_CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise RequestError(
+            "too_long",
+            f"prompt text of {len(text)} characters cannot fit max_seq_len = {max_seq_len} tokens "
+            f"(texts over {limit} characters are refused before tokenizing)",
+        )
+
+
+def check_max_tokens(max_tokens: int, ceiling: int) -> None:
+    """A request's ``max_tokens`` within the plan's ``bridge.max_tokens_per_request``."""
+    if _is_int(max_tokens) and max_tokens > ceiling:
+        raise RequestError(
+            "invalid_request",
+            f"max_tokens = {max_tokens} is over this daemon's ceiling of {ceiling} (bridge.max_tokens_per_request)",
+        )
+
+
+def check_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """Raise RequestError for sampling parameters that are out of range or not finite."""
+    t, p = params.temperature, params.top_p
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+        raise RequestError("invalid_request", f"temperature must be a finite number >= 0, got {t!r}")
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p) or not 0 < p <= 1:
+        raise RequestError("invalid_request", f"top_p must be a finite number in (0, 1], got {p!r}")
+    if not _is_int(params.top_k) or params.top_k < 0:
+        raise RequestError("invalid_request", f"top_k must be an integer >= 0 (0 = off), got {params.top_k!r}")
+    if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed <= MAX_SEED):
+        raise RequestError("invalid_request", f"seed must be an integer in [0, 2**63), got {params.seed!r}")
+    if not isinstance(params.ignore_eos, bool):
+        raise RequestError("invalid_request", f"ignore_eos must be true or false, got {params.ignore_eos!r}")
+    if not _is_int(params.max_tokens) or params.max_tokens < 1:
+        raise RequestError("invalid_request", f"max_tokens must be an integer >= 1, got {params.max_tokens!r}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError("invalid_request", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(params.stop_token_ids)}")
+    for tok in params.stop_token_ids:
+        if not _is_int(tok) or not 0 <= tok < vocab_size:
+            raise RequestError(
+                "invalid_request", f"stop token id {tok!r} is not a token id of this model (0 <= id < {vocab_size})"
+            )
