@@ -31,7 +31,8 @@ from kvasir.wire.batch import BatchDescriptor, Credit, Row
 from kvasir.wire.control import EdgeHandles, EdgeSpec
 from kvasir.ring.attach import attach_ring, create_ring
 from kvasir.ring.shm import segment_prefix
-from kvasir.stage.agent import DownstreamOutlet, UpstreamIntake
+from kvasir.stage.outlets import DownstreamOutlet
+from kvasir.stage.upstream import UpstreamIntake
 from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 SIZES = (1, 16, 128, 512)  # boundary tokens

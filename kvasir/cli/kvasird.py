@@ -44,7 +44,8 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     the daemon with stage_failed and the workers are restarted (the plan's [supervise]
     section bounds how often); past that bound the daemon exits 1.
     """
-    from kvasir.daemon.launcher import Launcher, Timeouts, check_host, run_launcher
+    from kvasir.daemon.launcher import Launcher, Timeouts, run_launcher
+    from kvasir.daemon.host import check_host
     from kvasir.model.convert import ConversionInterrupted, prepare
     from kvasir.logs import setup_logging
     from kvasir.daemon.notify import ServiceNotifier

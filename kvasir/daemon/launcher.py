@@ -18,21 +18,18 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from kvasir.ring.edges import pool_edges, torch_peer_access
-from kvasir.errors import KvasirError, PlanError
-from kvasir.model.loader import head_dim
+from kvasir.errors import KvasirError
 from kvasir.ring.handshake import HandleExchange, HandshakeError
-from kvasir.wire.control import Command, ControlMessage, Drained, EdgeHandles, EdgeSpec, HandoffWiring, Heartbeat, KvSegment, Ready, WorkerSettings
+from kvasir.wire.control import Command, ControlMessage, Drained, EdgeHandles, Heartbeat, Ready, WorkerSettings
 from kvasir.model.source import ModelSource
 from kvasir.daemon.notify import ServiceNotifier
 from kvasir.config.plan import Plan
 from kvasir.wire.rundir import RuntimeDirError, make_runtime_dir
-from kvasir.ring.attach import SHARED_MEMORY_KINDS, create_ring
-from kvasir.stage.kv_segment import KvSegmentMap
-from kvasir.ring.slots import ShmSlotRing
 from kvasir.ring.shm import segment_prefix, sweep_stale_segments
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
 from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+from kvasir.daemon.children import Child, StagePlace
+from kvasir.daemon.layout import Layout, LayoutError, lay_out
 
 
 class LaunchError(KvasirError):
@@ -41,46 +38,6 @@ class LaunchError(KvasirError):
 
 class StartInterrupted(KvasirError):
     """SIGTERM or SIGINT arrived before every child was ready."""
-
-
-def check_host(plan: Plan) -> None:
-    """Refuse (PlanError) a plan this machine cannot run: absent CPUs or CUDA devices."""
-    import torch
-
-    usable = os.sched_getaffinity(0)
-    for pool, view in plan.pools():
-        for index, stage in enumerate(view.stages):
-            _check_stage_host(f"{pool}.stages[{index}]" if pool else f"stages[{index}]", stage, usable, torch)
-
-
-def _check_stage_host(key: str, stage, usable: set[int], torch) -> None:
-    if stage.cpus is not None and not set(stage.cpus) <= usable:
-        missing = sorted(set(stage.cpus) - usable)
-        raise PlanError(f"{key}.cpus: CPUs {missing} are not available here (usable: {sorted(usable)})")
-    if stage.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise PlanError(f"{key}.device = {stage.device!r} but CUDA is not available here")
-        ordinal = int(stage.device.partition(":")[2] or 0)
-        if ordinal >= torch.cuda.device_count():
-            raise PlanError(f"{key}.device = {stage.device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
-
-
-@dataclass
-class Child:
-    name: str  # "stage-0", ..., "bridge"
-    process: subprocess.Popen
-    command: PushChannel
-    ready: bool = False
-
-
-@dataclass
-class StagePlace:
-    """Where a stage process sits: its pool (its ring's plan), global index and ring edges."""
-
-    pool: str
-    plan: Plan
-    first: int  # global index of the pool's first stage
-    edges: list[EdgeSpec]
 
 
 @dataclass
@@ -117,9 +74,7 @@ class Launcher:
         self.ctx = zmq.Context()
         self.stages: list[Child] = []
         self.bridge: Child | None = None
-        self.rings: list[ShmSlotRing | KvSegmentMap] = []  # shared memory the launcher owns
-        self.places: list[StagePlace] = []  # per global stage index
-        self.wiring: HandoffWiring | None = None
+        self.layout = Layout()  # edges and KV segments, made by prepare()
         self.exchange = HandleExchange({})  # CUDA IPC edges' handles, paired at each start
         self._lock_fd: int | None = None
         self._control: PullChannel | None = None
@@ -158,69 +113,24 @@ class Launcher:
         for path, size in sweep_stale_segments():
             self.log.warning("removed stale shared memory", file=str(path), bytes=size)
         self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage, self.log)
-        prefix = segment_prefix()
-        peer_access = torch_peer_access(self.plan.all_stages)
-        ipc_edges: dict[str, tuple[int, int]] = {}
-        for pool, view in self.plan.pools():
-            first = len(self.places)
-            edges = []
-            for k, choice in enumerate(pool_edges(view.stages, peer_access)):
-                spec = EdgeSpec(
-                    kind=choice.kind,
-                    name=f"{prefix}-edge{first + k}",
-                    slots=view.batch.inflight,
-                    max_tokens=view.batch.max_tokens,
-                    hidden=int(self.source.config.hidden_size),
-                    dtype=view.model.dtype,
-                    producer=view.stages[k].device,
-                    consumer=view.stages[k + 1].device,
-                )
-                if choice.kind in SHARED_MEMORY_KINDS:
-                    self.rings.append(create_ring(spec))
-                elif choice.kind == "cuda-ipc":
-                    ipc_edges[spec.name] = (first + k, first + k + 1)
-                else:
-                    raise LaunchError(f"edge {first + k} -> {first + k + 1}: {choice.reason} (no CUDA to ask here)")
-                self.log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
-                edges.append(spec)
-            self.places += [StagePlace(pool, view, first, edges) for _ in view.stages]
-        self.exchange = HandleExchange(ipc_edges)
-        if self.plan.disaggregated:
-            self.wiring = self._kv_segments(prefix)
-
-    def _kv_segments(self, prefix: str) -> HandoffWiring:
-        """The prefill stages' caches, in shared memory the decode stages copy from."""
-        prefill, decode = (view for _, view in self.plan.pools())
-        config = self.source.config
-        segments = []
-        for k, stage in enumerate(prefill.stages):
-            segment = KvSegment(
-                name=f"{prefix}-kv{k}",
-                layers=stage.layers,
-                num_blocks=prefill.kv.num_blocks,
-                block_size=prefill.kv.block_size,
-                kv_heads=int(config.num_key_value_heads),
-                head_dim=head_dim(config),
-                dtype=prefill.model.dtype,
-            )
-            self.rings.append(KvSegmentMap(segment, create=True))
-            segments.append(segment)
-        return HandoffWiring(
-            prefill=segments, decode=[stage.layers for stage in decode.stages], lease_s=self.plan.handoff.lease_s
-        )
+        try:
+            self.layout = lay_out(self.plan, self.source, segment_prefix(), self.log)
+        except LayoutError as exc:
+            raise LaunchError(str(exc)) from None
+        self.exchange = HandleExchange(self.layout.ipc_edges)
 
     def spawn(self) -> None:
         """Start every child that is not running: all of them at first, after a failure
         the stages (and the bridge when it was the one that died)."""
         if not self.stages:
             self.exchange.clear()
-            self.stages = [self._spawn("stage", k) for k in range(len(self.places))]
+            self.stages = [self._spawn("stage", k) for k in range(len(self.layout.places))]
         if self.bridge is None:
             self.bridge = self._spawn("bridge", 0)
             self._new_bridge = True
 
     def _spawn(self, role: str, index: int) -> Child:
-        place = self.places[index] if role == "stage" else StagePlace("", self.plan, 0, [])
+        place = self.layout.places[index] if role == "stage" else StagePlace("", self.plan, 0, [])
         settings = WorkerSettings(
             role=role,
             index=index,
@@ -232,7 +142,7 @@ class Launcher:
             log_level=self.log_level,
             pool=place.pool,
             first=place.first,
-            handoff=self.wiring,
+            handoff=self.layout.wiring,
         )
         name = f"stage-{index}" if role == "stage" else "bridge"
         process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE)
@@ -259,7 +169,7 @@ class Launcher:
         self._open(deadline)
         if self.state == "starting":  # a SIGTERM that came during _open stands: serve() drains at once
             self.state = "running"
-        self.notifier.ready(f"serving {len(self.places)} stages from {self.runtime_dir}")
+        self.notifier.ready(f"serving {len(self.layout.places)} stages from {self.runtime_dir}")
 
     def _open(self, deadline: float, restarts: int = 0) -> None:
         """Every child is ready: the bridge takes requests (a new bridge binds the client
@@ -315,7 +225,7 @@ class Launcher:
             self.state = "draining"
 
     def serve(self) -> None:
-        self.log.info("serving", runtime_dir=str(self.runtime_dir), stages=len(self.places))
+        self.log.info("serving", runtime_dir=str(self.runtime_dir), stages=len(self.layout.places))
         drain_deadline = None
         while self.state in ("running", "draining"):
             self._watch_parent()
@@ -408,7 +318,7 @@ class Launcher:
                     return
                 self.restarts += 1
                 self.log.info("serving again", restarts=self.restarts)
-                self.notifier.status(f"serving {len(self.places)} stages; restarted {self.restarts} times")
+                self.notifier.status(f"serving {len(self.layout.places)} stages; restarted {self.restarts} times")
             elif now > self._ring_deadline:
                 late = ", ".join(c.name for c in self.children if not c.ready)
                 self._kill([c for c in self.children if not c.ready])
@@ -462,9 +372,7 @@ class Launcher:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
-        for ring in self.rings:
-            ring.close()
-            ring.unlink()
+        self.layout.close()
         self.ctx.destroy(linger=0)
         if self._lock_fd is not None:
             for sock in self.ends.socket_files():

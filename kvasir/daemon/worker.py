@@ -18,7 +18,7 @@ def main() -> None:
     sys.stdin.close()
     role = msgspec.msgpack.decode(encoded, type=WorkerSettings).role
     if role == "stage":
-        from kvasir.stage.agent import run_stage
+        from kvasir.stage.process import run_stage
 
         run_stage(encoded)
     elif role == "bridge":

@@ -280,9 +280,9 @@ def test_launcher_prepares_each_edge_by_kind(tmp_path, tiny_models):
     launcher = Launcher(plan, resolve_source(str(tiny_models["llama"])), tmp_path / "rt", setup_logging("error", role="test"))
     try:
         launcher.prepare()
-        edges = launcher.places[1].edges
+        edges = launcher.layout.places[1].edges
         assert [(e.kind, e.producer, e.consumer) for e in edges] == [("pinned", "cpu", "cuda:0"), ("cuda-ipc", "cuda:0", "cuda:0")]
-        assert [r.spec.name for r in launcher.rings] == [edges[0].name]  # the pinned edge's shared memory only
+        assert [r.spec.name for r in launcher.layout.rings] == [edges[0].name]  # the pinned edge's shared memory only
         assert launcher.exchange.edges == {edges[1].name: (1, 2)}
         settings = WorkerSettings(role="stage", index=1, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=edges)
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(settings), type=WorkerSettings).edges == edges
@@ -297,7 +297,7 @@ def check_the_launcher_passes_halves_between_its_children(launcher, edge: str, t
     child is paired and each side gets the other's; one from a replaced child is ignored."""
     import subprocess
 
-    from kvasir.daemon.launcher import Child
+    from kvasir.daemon.children import Child
 
     inboxes = []
     for k in range(3):

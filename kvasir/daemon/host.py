@@ -1,0 +1,29 @@
+"""Checks of a plan against this host before anything starts: the CPUs and CUDA devices it names exist."""
+
+from __future__ import annotations
+
+import os
+from kvasir.errors import PlanError
+from kvasir.config.plan import Plan
+
+
+def check_host(plan: Plan) -> None:
+    """Refuse (PlanError) a plan this machine cannot run: absent CPUs or CUDA devices."""
+    import torch
+
+    usable = os.sched_getaffinity(0)
+    for pool, view in plan.pools():
+        for index, stage in enumerate(view.stages):
+            _check_stage_host(f"{pool}.stages[{index}]" if pool else f"stages[{index}]", stage, usable, torch)
+
+
+def _check_stage_host(key: str, stage, usable: set[int], torch) -> None:
+    if stage.cpus is not None and not set(stage.cpus) <= usable:
+        missing = sorted(set(stage.cpus) - usable)
+        raise PlanError(f"{key}.cpus: CPUs {missing} are not available here (usable: {sorted(usable)})")
+    if stage.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise PlanError(f"{key}.device = {stage.device!r} but CUDA is not available here")
+        ordinal = int(stage.device.partition(":")[2] or 0)
+        if ordinal >= torch.cuda.device_count():
+            raise PlanError(f"{key}.device = {stage.device!r} but this machine has {torch.cuda.device_count()} CUDA devices")

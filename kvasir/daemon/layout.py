@@ -1,0 +1,99 @@
+"""The shared memory a daemon's launcher lays out before spawning anything: each pool's
+edges (slot rings of the kind kvasir/ring/edges.py picks; the launcher creates the
+shared-memory ones, CUDA IPC edges are paired at each start) and, in a disaggregated
+plan, the prefill stages' KV caches that decode stages copy handed-off requests from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvasir.config.plan import Plan
+from kvasir.daemon.children import StagePlace
+from kvasir.errors import KvasirError
+from kvasir.model.loader import head_dim
+from kvasir.model.source import ModelSource
+from kvasir.ring.attach import SHARED_MEMORY_KINDS, create_ring
+from kvasir.ring.edges import pool_edges, torch_peer_access
+from kvasir.ring.slots import ShmSlotRing
+from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.wire.control import EdgeSpec, HandoffWiring, KvSegment
+
+
+class LayoutError(KvasirError):
+    """An edge the plan asks for cannot be made on this host."""
+
+
+@dataclass
+class Layout:
+    places: list[StagePlace] = field(default_factory=list)  # per global stage index
+    rings: list[ShmSlotRing | KvSegmentMap] = field(default_factory=list)  # shared memory the launcher owns
+    ipc_edges: dict[str, tuple[int, int]] = field(default_factory=dict)  # edge name -> (producer, consumer)
+    wiring: HandoffWiring | None = None  # disaggregated plans: the prefill caches
+
+    def close(self) -> None:
+        """Unmap and remove every shared-memory file made here."""
+        for ring in self.rings:
+            ring.close()
+            ring.unlink()
+        self.rings = []
+
+
+def lay_out(plan: Plan, source: ModelSource, prefix: str, log) -> Layout:
+    """Create every edge's shared memory (and the prefill caches), named from ``prefix``.
+    On failure, whatever was already created is removed before the error goes on."""
+    layout = Layout()
+    try:
+        _edges(plan, source, prefix, log, layout)
+        if plan.disaggregated:
+            layout.wiring = _kv_segments(plan, source, prefix, layout)
+    except BaseException:
+        layout.close()
+        raise
+    return layout
+
+
+def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout) -> None:
+    peer_access = torch_peer_access(plan.all_stages)
+    for pool, view in plan.pools():
+        first = len(layout.places)
+        edges = []
+        for k, choice in enumerate(pool_edges(view.stages, peer_access)):
+            spec = EdgeSpec(
+                kind=choice.kind,
+                name=f"{prefix}-edge{first + k}",
+                slots=view.batch.inflight,
+                max_tokens=view.batch.max_tokens,
+                hidden=int(source.config.hidden_size),
+                dtype=view.model.dtype,
+                producer=view.stages[k].device,
+                consumer=view.stages[k + 1].device,
+            )
+            if choice.kind in SHARED_MEMORY_KINDS:
+                layout.rings.append(create_ring(spec))
+            elif choice.kind == "cuda-ipc":
+                layout.ipc_edges[spec.name] = (first + k, first + k + 1)
+            else:
+                raise LayoutError(f"edge {first + k} -> {first + k + 1}: {choice.reason} (no CUDA to ask here)")
+            log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
+            edges.append(spec)
+        layout.places += [StagePlace(pool, view, first, edges) for _ in view.stages]
+
+
+def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout) -> HandoffWiring:
+    """The prefill stages' caches, in shared memory the decode stages copy from."""
+    prefill, decode = (view for _, view in plan.pools())
+    config = source.config
+    segments = []
+    for k, stage in enumerate(prefill.stages):
+        segment = KvSegment(
+            name=f"{prefix}-kv{k}",
+            layers=stage.layers,
+            num_blocks=prefill.kv.num_blocks,
+            block_size=prefill.kv.block_size,
+            kv_heads=int(config.num_key_value_heads),
+            head_dim=head_dim(config),
+            dtype=prefill.model.dtype,
+        )
+        layout.rings.append(KvSegmentMap(segment, create=True))
+        segments.append(segment)
+    return HandoffWiring(prefill=segments, decode=[stage.layers for stage in decode.stages], lease_s=plan.handoff.lease_s)

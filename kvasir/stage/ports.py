@@ -1,0 +1,58 @@
+"""The interfaces a stage agent's loop is built from: where its batches come from (an
+intake), where its outputs go (an outlet) and its part in the KV hand-off between pools."""
+
+from __future__ import annotations
+
+from typing import Protocol
+import torch
+import zmq
+from kvasir.stage.heads import Work
+from kvasir.wire.batch import BatchDescriptor
+
+
+class Intake(Protocol):
+    """Where a stage's batches come from."""
+
+    sockets: list[zmq.Socket]
+
+    def receive(self) -> None: ...
+
+    def take(self, room: bool) -> Work | None: ...
+
+    def consumed(self, descriptor: BatchDescriptor) -> None: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    hop_ns: int  # time spent on boundary hand-offs (reading slots, descriptors, credits)
+
+
+class HandoffRole(Protocol):
+    """What a stage does for the KV hand-off between pools (nothing in a colocated plan)."""
+
+    sockets: list[zmq.Socket]
+    nbytes: int  # KV bytes received
+    copy_s: float  # seconds spent copying them
+
+    def receive(self) -> float: ...  # seconds of work done
+
+    def after(self, descriptor: BatchDescriptor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Outlet(Protocol):
+    """Where a stage's outputs go."""
+
+    sockets: list[zmq.Socket]
+
+    @property
+    def room(self) -> bool: ...
+
+    @property
+    def pending(self) -> bool: ...
+
+    def receive(self) -> None: ...
+
+    def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None: ...
+
+    hop_ns: int  # time spent on boundary hand-offs (writing slots, descriptors, credits)

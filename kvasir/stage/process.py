@@ -1,0 +1,174 @@
+"""The stage process: build an agent from the launcher's settings (sockets, rings, the
+head's scheduler or the upstream intake, the outlet, the hand-off role), then run it."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+import msgspec
+import torch
+import zmq
+from kvasir.config.devices import cuda_ordinal
+from kvasir.stage.engine import StageEngine
+from kvasir.ring.handshake import exchange_handles
+from kvasir.stage.handoff import HandoffSender, KvReceiver, NoHandoff, overlap
+from kvasir.stage.heads import DecodeHeadIntake, PrefillHeadIntake, SchedulerIntake
+from kvasir.logs import setup_logging
+from kvasir.wire.batch import BatchDescriptor, Credit
+from kvasir.wire.head import HeadMessage
+from kvasir.wire.bridge import BridgeMessage
+from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
+from kvasir.wire.kv import KvMessage
+from kvasir.model.source import resolve_source
+from kvasir.stage.sampling import Sampler
+from kvasir.sched.scheduler import Scheduler
+from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.ring.slots import SlotRing
+from kvasir.ring.attach import attach_ring
+from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+from kvasir.stage.agent import StageAgent
+from kvasir.stage.outlets import DownstreamOutlet, PrefillTailOutlet, TailOutlet
+from kvasir.stage.ports import HandoffRole, Intake, Outlet
+from kvasir.stage.upstream import UpstreamIntake
+
+
+HANDSHAKE_TIMEOUT_S = 300.0  # as the launcher's start-up wait: it gives up on a stage no sooner
+
+
+# -- the process -----------------------------------------------------------------------------
+@dataclass
+class Wiring:
+    """A stage's place: its index in its pool's ring, its global index, its sockets' context."""
+
+    settings: WorkerSettings
+    ctx: zmq.Context
+    ends: Endpoints
+    log: object = None
+
+    @property
+    def local(self) -> int:
+        return self.settings.index - self.settings.first
+
+    @property
+    def last(self) -> int:
+        return len(self.settings.plan.stages) - 1
+
+    @property
+    def head(self) -> int:
+        return self.settings.first
+
+    def push(self, kind, endpoint: str) -> PushChannel:
+        return PushChannel[kind](make_socket(self.ctx, zmq.PUSH, connect=endpoint))
+
+    def pull(self, kind, endpoint: str) -> PullChannel:
+        return PullChannel[kind](make_socket(self.ctx, zmq.PULL, bind=endpoint), kind, self.log)
+
+
+def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageAgent, list]:
+    """Wire one stage: its engine, its intake and outlet (chosen by position and pool),
+    its hand-off role, its sockets. Returns the agent and what to close at the end."""
+    plan = settings.plan  # a disaggregated plan's workers get their pool's view
+    w = Wiring(settings, ctx, Endpoints(settings.runtime_dir), log)
+    index, ends = settings.index, w.ends
+    source = resolve_source(plan.model.source)
+    segment = None
+    if settings.pool == "prefill":
+        segment = KvSegmentMap(settings.handoff.prefill[w.local], create=False)
+    engine = StageEngine(plan, w.local, source, storage=(segment.keys, segment.values) if segment else None)
+    bridge = w.push(BridgeMessage, ends.bridge_in)
+    commands = w.pull(Command, ends.command(f"stage-{index}"))
+    control = w.push(ControlMessage, ends.control)
+    closing: list = [segment] if segment else []
+    rings: list[SlotRing] = []
+    if w.local == 0:
+        scheduler = Scheduler(plan, source.vocab_size, reserve_output=settings.pool != "prefill")
+        intake: Intake = _head_intake(w, scheduler, bridge)
+    else:
+        ring_in = attach_ring(settings.edges[w.local - 1], "consumer")
+        closing.append(ring_in)
+        rings.append(ring_in)
+        intake = UpstreamIntake(w.pull(BatchDescriptor, ends.stage_in(index)), ring_in, w.push(Credit, ends.credits(index - 1)))
+    if w.local == w.last:
+        sampler, head = Sampler(source.eos_token_ids, plan.model.max_seq_len), w.push(HeadMessage, ends.stage_in(w.head))
+        if settings.pool == "prefill":
+            decode_head = w.push(HeadMessage, ends.stage_in(settings.handoff.decode_head))
+            outlet: Outlet = PrefillTailOutlet(sampler, head, bridge, decode_head)
+        else:
+            outlet = TailOutlet(sampler, head, bridge)
+    else:
+        edge = settings.edges[w.local]
+        ring_out = attach_ring(edge, "producer")
+        closing.append(ring_out)
+        rings.append(ring_out)
+        outlet = DownstreamOutlet(
+            w.push(BatchDescriptor, ends.stage_in(index + 1)), ring_out, w.pull(Credit, ends.credits(index)), edge.slots
+        )
+    handoff = _handoff(w, engine)
+    closing.append(handoff)
+    ipc = [ring for ring in rings if ring.spec.kind == "cuda-ipc"]
+    exchange_handles(ipc, index, control, commands, settings.launcher_pid, HANDSHAKE_TIMEOUT_S)
+    return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log, handoff), closing
+
+
+def _head_intake(w: Wiring, scheduler: Scheduler, bridge: PushChannel) -> Intake:
+    settings, ends = w.settings, w.ends
+    inbox = w.pull(HeadMessage, ends.stage_in(settings.index))
+    if settings.pool == "prefill":
+        decode_head = w.push(HeadMessage, ends.stage_in(settings.handoff.decode_head))
+        return PrefillHeadIntake(scheduler, inbox, bridge, decode_head, settings.handoff.lease_s)
+    if settings.pool == "decode":
+        first = settings.handoff.decode_head
+        stages = [w.push(KvMessage, ends.kv_in(first + j)) for j in range(len(settings.handoff.decode))]
+        return DecodeHeadIntake(scheduler, inbox, bridge, w.push(HeadMessage, ends.stage_in(0)), stages)
+    return SchedulerIntake(scheduler, inbox, bridge)
+
+
+def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
+    settings, ends, wiring = w.settings, w.ends, w.settings.handoff
+    layers = engine.spec.layers
+    if settings.pool == "prefill":
+        first = wiring.decode_head
+        targets = [
+            w.push(KvMessage, ends.kv_in(first + j)) for j, theirs in enumerate(wiring.decode) if overlap(layers, theirs)
+        ]
+        return HandoffSender(settings.index, layers, engine.cache, targets)
+    if settings.pool == "decode":
+        inbox = w.pull(KvMessage, ends.kv_in(settings.index))
+        return KvReceiver(settings.index, layers, engine.cache, wiring, inbox, w.push(HeadMessage, ends.stage_in(wiring.decode_head)))
+    return NoHandoff()
+
+
+def pin_worker(settings: WorkerSettings) -> None:
+    """Torch threads, CPU affinity and CUDA device from the plan's stage entry."""
+    stage = settings.plan.stages[settings.index - settings.first]
+    torch.set_num_threads(stage.threads)
+    if stage.cpus is not None:
+        os.sched_setaffinity(0, stage.cpus)
+    ordinal = cuda_ordinal(stage.device)
+    if ordinal is not None:
+        torch.cuda.set_device(ordinal)  # once, before anything touches CUDA: plain "cuda" is device 0
+
+
+def run_stage(encoded: bytes) -> None:
+    """Entry point of a stage worker process (spawned by the launcher)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
+    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
+    log = setup_logging(settings.log_level, role="stage", index=settings.index, pid=os.getpid())
+    ctx = zmq.Context()
+    closing: list = []
+    try:
+        pin_worker(settings)
+        agent, closing = build_agent(settings, ctx, log)
+        agent.control.send(Ready("stage", settings.index, os.getpid()))
+        log.info("stage ready", layers=list(agent.engine.spec.layers), pool=settings.pool or None)
+        agent.serve()
+        log.info("stage stopped")
+    except Exception:
+        log.exception("stage failed")
+        raise SystemExit(1)
+    finally:
+        for resource in closing:
+            resource.close()
+        ctx.destroy(linger=0)
