@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,21 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvasir.errors import KvasirError
 from kvasir.config.keys import load_pair, load_public
-from kvasir.wire.client import Accepted, Cancel, Cancelled, ClientEvent, DaemonStats, ErrorEvent, Finished, StatsQuery, StatsReply, Submit, TokenOut
+from kvasir.errors import KvasirError
+from kvasir.wire.client import (
+    Accepted,
+    Cancel,
+    Cancelled,
+    ClientEvent,
+    DaemonStats,
+    ErrorEvent,
+    Finished,
+    StatsQuery,
+    StatsReply,
+    Submit,
+    TokenOut,
+)
 from kvasir.wire.rundir import RuntimeDirError, check_client_dir
 from kvasir.wire.transport import BatchedSocket, Endpoints, default_runtime_dir
 
@@ -125,7 +137,7 @@ class AsyncClient:
     @classmethod
     async def connect(
         cls, runtime_dir: str | Path | None = None, timeout_s: float = 5.0, remote: Remote | None = None
-    ) -> "AsyncClient":
+    ) -> AsyncClient:
         """Connect (to the runtime dir's socket, or to ``remote``'s TCP endpoint) and check
         that a daemon answers within ``timeout_s``: NoDaemon if not, NotAuthorised when
         it refuses this client's key."""
@@ -151,12 +163,12 @@ class AsyncClient:
         except NotAuthorised:
             await client.close()
             raise
-        except (asyncio.TimeoutError, KvasirError):
+        except (TimeoutError, KvasirError):
             await client.close()
             raise NoDaemon(f"no kvasird answers at {where}") from None
         return client
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -211,8 +223,10 @@ class AsyncClient:
         await self._io.send(self._encoder.encode(StatsQuery(key=key, timeline=timeline)))
         try:
             return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            raise NoDaemon(f"kvasird at {self.runtime_dir} did not answer a stats query within {timeout_s:g} s") from None
+        except TimeoutError:
+            raise NoDaemon(
+                f"kvasird at {self.runtime_dir} did not answer a stats query within {timeout_s:g} s"
+            ) from None
         finally:
             self._stats.pop(key, None)
 
@@ -289,7 +303,12 @@ class AsyncClient:
                 stream = self._by_key.pop(key, None)
                 if stream is not None:
                     stream._put(event)
-            case TokenOut(request_id=rid) | Finished(request_id=rid) | Cancelled(request_id=rid) | ErrorEvent(request_id=rid):
+            case (
+                TokenOut(request_id=rid)
+                | Finished(request_id=rid)
+                | Cancelled(request_id=rid)
+                | ErrorEvent(request_id=rid)
+            ):
                 stream = self._by_id.get(rid)
                 if stream is not None:
                     stream._put(event)
@@ -306,7 +325,9 @@ class AsyncClient:
 class Client:
     """A thin synchronous wrapper: an AsyncClient on a private event-loop thread."""
 
-    def __init__(self, runtime_dir: str | Path | None = None, timeout_s: float = 5.0, remote: Remote | None = None) -> None:
+    def __init__(
+        self, runtime_dir: str | Path | None = None, timeout_s: float = 5.0, remote: Remote | None = None
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvasir-client", daemon=True)
         self._thread.start()
@@ -360,7 +381,7 @@ class Client:
         self._thread.join()
         self._loop.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

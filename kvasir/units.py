@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 def format_bytes(n: int) -> str:
     """Bytes in binary units: 512 B, 288.0 KiB, 1.5 GiB."""
     if n < 1024:

@@ -30,6 +30,7 @@ def plan_for():
     def build(folder, splits, **kw):
         plan = make_plan(folder, splits, **kw)
         return plan, resolve_source(plan.model.source)
+
     return build
 
 

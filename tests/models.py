@@ -59,7 +59,7 @@ def reference_model(folder: Path):
 def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     inputs = torch.tensor([ids])
     out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 CORPUS = [
@@ -90,12 +90,21 @@ def save_tiny_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def make_plan(source, splits, *, max_seq_len=256, max_rows=8, max_tokens=32, inflight=3,
-              block_size=4, num_blocks=600, dtype="float32", device="cpu"):
+def make_plan(
+    source,
+    splits,
+    *,
+    max_seq_len=256,
+    max_rows=8,
+    max_tokens=32,
+    inflight=3,
+    block_size=4,
+    num_blocks=600,
+    dtype="float32",
+    device="cpu",
+):
     """A plan TOML for ``source`` split at the given layer ranges, parsed."""
-    stages = "\n".join(
-        f'[[stages]]\nlayers = [{a}, {b}]\ndevice = "{device}"\n' for a, b in splits
-    )
+    stages = "\n".join(f'[[stages]]\nlayers = [{a}, {b}]\ndevice = "{device}"\n' for a, b in splits)
     text = f"""
 [model]
 source = "{source}"

@@ -37,7 +37,9 @@ def static_batches(model, jobs: list[Job], batch_size: int, pad_id: int) -> tupl
             mask[row, width - len(job.token_ids) :] = 1
         new = max(j.max_tokens for j in group)
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad_id)
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad_id
+            )
         tokens += sum(min(j.max_tokens, out.shape[1] - width) for j in group)
     return tokens, time.perf_counter() - started
 

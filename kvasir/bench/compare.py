@@ -24,8 +24,8 @@ from kvasir.bench.daemon import ManagedDaemon
 from kvasir.bench.runner import LoadResult, ring_report, run_load
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
-from kvasir.errors import KvasirError
 from kvasir.config.plan import Plan, plan_toml
+from kvasir.errors import KvasirError
 
 CONTENDERS = ("ring", "drained", "hf-static", "hf-continuous")
 RING_KINDS = ("ring", "drained")
@@ -56,8 +56,9 @@ def contender_plans(plan: Plan, source_name: str, folder: Path) -> dict[str, Pat
 
 async def _drive(runtime_dir: Path, workload: Workload, on_result: Callable | None) -> LoadResult:
     async with await AsyncClient.connect(runtime_dir) as client:
-        result = await run_load(client, workload.jobs, warmup=workload.warmup, concurrency=workload.concurrency,
-                                ignore_eos=True)
+        result = await run_load(
+            client, workload.jobs, warmup=workload.warmup, concurrency=workload.concurrency, ignore_eos=True
+        )
         if on_result is not None:
             await on_result(client, result)
         return result
@@ -104,8 +105,8 @@ def run_compare(
     ``on_ring_result(kind, client, result)`` (async) is called after each ring run while
     its daemon still answers (the plot fetches stage timelines there).
     """
-    from kvasir.model.convert import prepare
     from kvasir.daemon.resolve import resolve_plan
+    from kvasir.model.convert import prepare
 
     unknown = set(contenders) - set(CONTENDERS)
     if unknown or not contenders:
@@ -133,8 +134,13 @@ def run_compare(
                 else:
                     if baselines is None:
                         pad = source.config.pad_token_id
-                        baselines = Baselines(folder, threads, 0 if pad is None else int(pad),
-                                              workload.jobs[: workload.warmup], workload.concurrency)
+                        baselines = Baselines(
+                            folder,
+                            threads,
+                            0 if pad is None else int(pad),
+                            workload.jobs[: workload.warmup],
+                            workload.concurrency,
+                        )
                     tokens, seconds = baselines.run(kind, workload.measured)
                     figures[kind]["output_tokens_per_s"].append(tokens / seconds)
                     figures[kind]["requests_per_s"].append(len(workload.measured) / seconds)
@@ -145,11 +151,17 @@ def run_compare(
     if "ring" in figures:
         for other in contenders:
             if other != "ring":
-                ratios[f"ring/{other}"] = figures["ring"]["mean_output_tokens_per_s"] / figures[other]["mean_output_tokens_per_s"]
+                ratios[f"ring/{other}"] = (
+                    figures["ring"]["mean_output_tokens_per_s"] / figures[other]["mean_output_tokens_per_s"]
+                )
     return {
         "plan": str(plan_path),
         "threads": threads,
-        "workload": {"requests": len(workload.measured), "warmup": workload.warmup, "concurrency": workload.concurrency},
+        "workload": {
+            "requests": len(workload.measured),
+            "warmup": workload.warmup,
+            "concurrency": workload.concurrency,
+        },
         "rounds": rounds,
         "contenders": figures,
         "ratios": ratios,

@@ -20,7 +20,9 @@ class BenchDaemonError(KvasirError):
 
 def kvasird_command() -> list[str]:
     """The ``kvasird`` next to this interpreter (a venv's bin), else the one on PATH."""
-    found = shutil.which("kvasird", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    found = shutil.which(
+        "kvasird", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
     if found is None:
         raise BenchDaemonError("cannot find the kvasird command next to this Python or on PATH")
     return [found]
@@ -70,12 +72,23 @@ class ManagedDaemon:
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ManagedDaemon":
+    def __enter__(self) -> ManagedDaemon:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [*kvasird_command(), "start", "--plan", str(self.plan_path), "--runtime-dir", str(self.runtime_dir),
-                 "--ready-timeout", str(self.ready_timeout_s), "--log-level", "warning", "--stop-with-parent"],
+                [
+                    *kvasird_command(),
+                    "start",
+                    "--plan",
+                    str(self.plan_path),
+                    "--runtime-dir",
+                    str(self.runtime_dir),
+                    "--ready-timeout",
+                    str(self.ready_timeout_s),
+                    "--log-level",
+                    "warning",
+                    "--stop-with-parent",
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -33,8 +33,10 @@ async def _serving(client: AsyncClient, restarts: int, stages: int, timeout_s: f
 
 
 async def _round(client: AsyncClient, jobs: list[Job], victim: int) -> dict:
-    streams = [await client.submit(j.text, token_ids=j.token_ids, max_tokens=j.max_tokens, temperature=0,
-                                   ignore_eos=True) for j in jobs]
+    streams = [
+        await client.submit(j.text, token_ids=j.token_ids, max_tokens=j.max_tokens, temperature=0, ignore_eos=True)
+        for j in jobs
+    ]
     flowing = asyncio.Event()
     outcome: list[tuple[str, float]] = []
 

@@ -27,12 +27,12 @@ import msgspec
 import torch
 import zmq
 
-from kvasir.wire.batch import BatchDescriptor, Credit, Row
-from kvasir.wire.control import EdgeHandles, EdgeSpec
 from kvasir.ring.attach import attach_ring, create_ring
 from kvasir.ring.shm import segment_prefix
 from kvasir.stage.outlets import DownstreamOutlet
 from kvasir.stage.upstream import UpstreamIntake
+from kvasir.wire.batch import BatchDescriptor, Credit, Row
+from kvasir.wire.control import EdgeHandles, EdgeSpec
 from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 SIZES = (1, 16, 128, 512)  # boundary tokens
@@ -41,8 +41,16 @@ PING = b"p" * 64
 
 
 def _edge(device: str) -> EdgeSpec:
-    return EdgeSpec(kind="shm" if device == "cpu" else "cuda-ipc", name=f"{segment_prefix()}-hop",
-                    slots=1, max_tokens=max(SIZES), hidden=HIDDEN, dtype="float32", producer=device, consumer=device)
+    return EdgeSpec(
+        kind="shm" if device == "cpu" else "cuda-ipc",
+        name=f"{segment_prefix()}-hop",
+        slots=1,
+        max_tokens=max(SIZES),
+        hidden=HIDDEN,
+        dtype="float32",
+        producer=device,
+        consumer=device,
+    )
 
 
 def _endpoints(folder: Path) -> tuple[str, str, str]:
@@ -116,8 +124,9 @@ def hop_report(iterations: int = 400, device: str = "cpu") -> dict:
                 ring.attach(msgspec.msgpack.decode(credits.recv(), type=EdgeHandles))
             pings = make_socket(ctx, zmq.PUSH, connect=ping_at)
             descriptors = make_socket(ctx, zmq.PUSH, connect=descriptors_at)
-            outlet = DownstreamOutlet(PushChannel[BatchDescriptor](descriptors), ring,
-                                      PullChannel[Credit](credits, Credit), slots=1)
+            outlet = DownstreamOutlet(
+                PushChannel[BatchDescriptor](descriptors), ring, PullChannel[Credit](credits, Credit), slots=1
+            )
             report = _measure(outlet, pings, credits, ring, iterations, device)
             pings.send(b"stop")
             child.wait(30)
@@ -161,7 +170,7 @@ def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int, de
     for tokens in SIZES:
         boundary = torch.randn(tokens, HIDDEN, device=device)
         copies, hops, trips = [], [], []
-        for i in range(iterations + warm):  # the raw copy, back to back
+        for _ in range(iterations + warm):  # the raw copy, back to back
             started = time.perf_counter_ns()
             ring.write(0, boundary)
             if cuda:
@@ -172,20 +181,40 @@ def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int, de
             trips.append(round_trip())
         nbytes = boundary.numel() * boundary.element_size()
         copy_us, hop_us, rtt_us = (_median_us(x[warm:]) for x in (copies, hops, trips))
-        sizes.append({"tokens": tokens, "bytes": nbytes, "memcpy_us": copy_us,
-                      "memcpy_gibps": nbytes / (copy_us * 1e-6) / 2**30, "zmq_rtt_us": rtt_us,
-                      "hop_us": hop_us, "hop_over_zmq_rtt": hop_us / rtt_us})
-    return {"hidden": HIDDEN, "dtype": "float32", "iterations": iterations, "device": device,
-            "kind": ring.spec.kind, "sizes": sizes}
+        sizes.append(
+            {
+                "tokens": tokens,
+                "bytes": nbytes,
+                "memcpy_us": copy_us,
+                "memcpy_gibps": nbytes / (copy_us * 1e-6) / 2**30,
+                "zmq_rtt_us": rtt_us,
+                "hop_us": hop_us,
+                "hop_over_zmq_rtt": hop_us / rtt_us,
+            }
+        )
+    return {
+        "hidden": HIDDEN,
+        "dtype": "float32",
+        "iterations": iterations,
+        "device": device,
+        "kind": ring.spec.kind,
+        "sizes": sizes,
+    }
 
 
 def print_hop(report: dict, echo) -> None:
-    echo(f"medians of {report['iterations']} samples each; hand-offs alternate with 64-byte ZMQ ipc round trips; "
-         f"{report['kind']} slots on {report['device']}")
-    echo(f"boundary (float32 x 576)   copy into {report['kind']:<8}     ZMQ round trip   one hand-off   hand-off / round trip")
+    echo(
+        f"medians of {report['iterations']} samples each; hand-offs alternate with 64-byte ZMQ ipc round trips; "
+        f"{report['kind']} slots on {report['device']}"
+    )
+    echo(
+        f"boundary (float32 x 576)   copy into {report['kind']:<8}     ZMQ round trip   one hand-off   hand-off / round trip"
+    )
     for s in report["sizes"]:
-        echo(f"{s['tokens']:5d} tokens {s['bytes'] / 1024:9.1f} KiB  {s['memcpy_us']:7.1f} us {s['memcpy_gibps']:6.2f} GiB/s"
-             f"   {s['zmq_rtt_us']:8.1f} us   {s['hop_us']:8.1f} us   {s['hop_over_zmq_rtt']:6.2f}x")
+        echo(
+            f"{s['tokens']:5d} tokens {s['bytes'] / 1024:9.1f} KiB  {s['memcpy_us']:7.1f} us {s['memcpy_gibps']:6.2f} GiB/s"
+            f"   {s['zmq_rtt_us']:8.1f} us   {s['hop_us']:8.1f} us   {s['hop_over_zmq_rtt']:6.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ class Distribution:
     count: int
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "Distribution":
+    def of(cls, values: Sequence[float]) -> Distribution:
         mean = sum(values) / len(values) if values else math.nan
         return cls(percentile(values, 50), percentile(values, 90), percentile(values, 99), mean, len(values))
 

@@ -22,8 +22,8 @@ from kvasir.bench.metrics import attainment, handoff_figures, search_goodput
 from kvasir.bench.runner import LoadResult, run_load, stage_fractions, summary_data
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
-from kvasir.errors import KvasirError
 from kvasir.config.plan import plan_toml
+from kvasir.errors import KvasirError
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class Load:
 
 def prepare_plans(paths: list[Path], folder: Path) -> list[PlanRun]:
     """Resolve each plan and its model (both must serve the same model), write runnable copies."""
-    from kvasir.model.convert import prepare
     from kvasir.daemon.resolve import resolve_plan
+    from kvasir.model.convert import prepare
 
     runs, models = [], set()
     for k, path in enumerate(paths):
@@ -55,7 +55,9 @@ def prepare_plans(paths: list[Path], folder: Path) -> list[PlanRun]:
         models.add(source.name)
         name = path.stem if path.stem not in {r.name for r in runs} else f"{path.stem}-{k + 1}"
         copy = folder / f"{name}.toml"
-        copy.write_text(plan_toml(msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))))
+        copy.write_text(
+            plan_toml(msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name)))
+        )
         runs.append(PlanRun(name, copy, len(plan.all_stages), plan.disaggregated))
     if len(models) != 1:
         raise KvasirError(f"the plans serve different models ({', '.join(sorted(models))}): compare plans of one model")
@@ -66,8 +68,15 @@ async def _drive(runtime_dir: Path, load: Load, rate: float | None = None) -> Lo
     async with await AsyncClient.connect(runtime_dir) as client:
         if rate is not None:
             return await run_load(client, load.jobs, warmup=load.warmup, rate=rate, seed=load.seed, ignore_eos=True)
-        return await run_load(client, load.jobs, warmup=load.warmup, concurrency=load.concurrency, rate=load.rate,
-                              seed=load.seed, ignore_eos=True)
+        return await run_load(
+            client,
+            load.jobs,
+            warmup=load.warmup,
+            concurrency=load.concurrency,
+            rate=load.rate,
+            seed=load.seed,
+            ignore_eos=True,
+        )
 
 
 def _figures(results: list[LoadResult], slo) -> dict:
@@ -115,7 +124,10 @@ def run_plans(
                 entries[run.name] = {"disaggregated": run.disaggregated, **_figures(results[run.name], slo)}
         else:
             for run in runs:
-                entries[run.name] = {"disaggregated": run.disaggregated, **_sweep(run, load, slo, attain, sweep, Path(tmp), say)}
+                entries[run.name] = {
+                    "disaggregated": run.disaggregated,
+                    **_sweep(run, load, slo, attain, sweep, Path(tmp), say),
+                }
     return {"plans": [str(p) for p in paths], "rounds": rounds, "contenders": entries, "ratios": _ratios(entries)}
 
 
@@ -132,7 +144,12 @@ def _sweep(run: PlanRun, load: Load, slo, attain: float, sweep: tuple[float, int
         best, measured = search_goodput(measure, attain, start, steps)
     shown = max((rate for rate in points if rate <= best), default=min(points))
     figures = _figures([points[shown]], slo)
-    return {**figures, "goodput": best, "shown_rate": shown, "sweep": [{"rate": r, "attainment": a} for r, a in measured]}
+    return {
+        **figures,
+        "goodput": best,
+        "shown_rate": shown,
+        "sweep": [{"rate": r, "attainment": a} for r, a in measured],
+    }
 
 
 def _tokens_per_s(result: LoadResult) -> float:

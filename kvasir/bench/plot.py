@@ -51,8 +51,11 @@ def plot_run(runs: list[RunPicture], folder: Path, seconds: float = 3.0) -> list
     """Draw the three pictures for ``runs`` into ``folder``; returns the files written."""
     plt = _pyplot()
     folder.mkdir(parents=True, exist_ok=True)
-    written = [_timeline(plt, runs, folder / "timeline.png", seconds), _stages(plt, runs, folder / "stages.png"),
-               _latency(plt, runs, folder / "latency.png")]
+    written = [
+        _timeline(plt, runs, folder / "timeline.png", seconds),
+        _stages(plt, runs, folder / "stages.png"),
+        _latency(plt, runs, folder / "latency.png"),
+    ]
     return written
 
 
@@ -60,8 +63,9 @@ def _timeline(plt, runs: list[RunPicture], path: Path, seconds: float) -> Path:
     from matplotlib import colormaps
 
     cmap = colormaps["coolwarm"]
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.2 + 0.9 * max(len(r.timeline) for r in runs) * len(runs)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(11, 1.2 + 0.9 * max(len(r.timeline) for r in runs) * len(runs)), squeeze=False
+    )
     for ax, run in zip(axes[:, 0], runs):
         begin, end = window(run.timeline, seconds)
         for lane, spans in enumerate(run.timeline):
@@ -69,8 +73,13 @@ def _timeline(plt, runs: list[RunPicture], path: Path, seconds: float) -> Path:
                 if span.end_ns < begin or span.start_ns > end:
                     continue
                 share = span.prefill_tokens / max(span.prefill_tokens + span.decode_tokens, 1)
-                ax.broken_barh([((span.start_ns - begin) / 1e9, (span.end_ns - span.start_ns) / 1e9)],
-                               (lane - 0.4, 0.8), facecolors=cmap(share), edgecolors="black", linewidth=0.3)
+                ax.broken_barh(
+                    [((span.start_ns - begin) / 1e9, (span.end_ns - span.start_ns) / 1e9)],
+                    (lane - 0.4, 0.8),
+                    facecolors=cmap(share),
+                    edgecolors="black",
+                    linewidth=0.3,
+                )
         ax.set_yticks(range(len(run.timeline)), [f"stage {i}" for i in range(len(run.timeline))])
         ax.set_ylim(len(run.timeline) - 0.5, -0.5)
         ax.set_xlim(0, max((end - begin) / 1e9, 1e-3))

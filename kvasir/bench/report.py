@@ -17,8 +17,10 @@ NAMES = {
 def print_report(report: dict, echo: Echo) -> None:
     if "submit_only" in report:
         r = report["submit_only"]
-        echo(f"submitted {r['submitted']}: accepted {r['accepted']}, overloaded {r['overloaded']}, lost {r['lost']}; "
-             f"{r['sent_per_s']:.0f} sent/s, {r['accepted_per_s']:.0f} accepted/s")
+        echo(
+            f"submitted {r['submitted']}: accepted {r['accepted']}, overloaded {r['overloaded']}, lost {r['lost']}; "
+            f"{r['sent_per_s']:.0f} sent/s, {r['accepted_per_s']:.0f} accepted/s"
+        )
     elif "compare" in report:
         print_compare(report["compare"], echo)
     elif "plans" in report:
@@ -26,12 +28,16 @@ def print_report(report: dict, echo: Echo) -> None:
     elif "sweep" in report:
         for point in report["sweep"]:
             s = point["summary"]
-            echo(f"rate {point['rate']:8.3g} req/s  attainment {point['attainment']:6.1%}  "
-                 f"{s['output_tokens_per_s']:8.1f} tok/s  TTFT p90 {s['ttft']['p90'] * 1e3:8.1f} ms  "
-                 f"ITL p90 {s['itl']['p90'] * 1e3:7.1f} ms")
+            echo(
+                f"rate {point['rate']:8.3g} req/s  attainment {point['attainment']:6.1%}  "
+                f"{s['output_tokens_per_s']:8.1f} tok/s  TTFT p90 {s['ttft']['p90'] * 1e3:8.1f} ms  "
+                f"ITL p90 {s['itl']['p90'] * 1e3:7.1f} ms"
+            )
         slo = report["slo"]
-        echo(f"goodput {report['goodput']:.3g} requests/s (>= {slo['attain']:.0%} within TTFT {slo['ttft_s']} s "
-             f"and TPOT {slo['tpot_s']} s)")
+        echo(
+            f"goodput {report['goodput']:.3g} requests/s (>= {slo['attain']:.0%} within TTFT {slo['ttft_s']} s "
+            f"and TPOT {slo['tpot_s']} s)"
+        )
     else:
         print_run(report, echo)
     for path in report.get("plots", ()):
@@ -61,16 +67,22 @@ def print_stages(stages: list[dict], echo: Echo, indent: str = "") -> None:
 
 def print_compare(report: dict, echo: Echo) -> None:
     w = report["workload"]
-    echo(f"plan {report['plan']}: {w['requests']} requests (+{w['warmup']} warm-up), concurrency {w['concurrency']}, "
-         f"prompt {w.get('prompt_len')}, output {w.get('output_len')} tokens; {report['threads']} torch threads "
-         f"per contender; {report['rounds']} round(s), alternating")
+    echo(
+        f"plan {report['plan']}: {w['requests']} requests (+{w['warmup']} warm-up), concurrency {w['concurrency']}, "
+        f"prompt {w.get('prompt_len')}, output {w.get('output_len')} tokens; {report['threads']} torch threads "
+        f"per contender; {report['rounds']} round(s), alternating"
+    )
     for name, entry in report["contenders"].items():
         rounds = ", ".join(f"{v:.1f}" for v in entry["output_tokens_per_s"])
-        echo(f"{NAMES.get(name, name):<45} {entry['mean_output_tokens_per_s']:8.1f} output tokens/s  (rounds: {rounds})")
+        echo(
+            f"{NAMES.get(name, name):<45} {entry['mean_output_tokens_per_s']:8.1f} output tokens/s  (rounds: {rounds})"
+        )
         if "summary" in entry:
             s = entry["summary"]
-            echo(f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
-                 f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms")
+            echo(
+                f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
+                f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms"
+            )
             print_stages(entry["stages"], echo, indent="    ")
     for name, value in report["ratios"].items():
         echo(f"ratio {name:<22} {value:.2f}x")
@@ -79,16 +91,22 @@ def print_compare(report: dict, echo: Echo) -> None:
 def print_plans(report: dict, echo: Echo) -> None:
     w = report["workload"]
     load = f"concurrency {w['concurrency']}" if "concurrency" in w else f"rate {w['rate']:g} req/s"
-    echo(f"{w['requests']} requests (+{w['warmup']} warm-up), {load}, prompt {w['prompt_len']}, output "
-         f"{w['output_len']} tokens; {report['rounds']} round(s), alternating")
+    echo(
+        f"{w['requests']} requests (+{w['warmup']} warm-up), {load}, prompt {w['prompt_len']}, output "
+        f"{w['output_len']} tokens; {report['rounds']} round(s), alternating"
+    )
     slo = report.get("slo")
     for name, entry in report["contenders"].items():
         s = entry["summary"]
         kind = "disaggregated" if entry["disaggregated"] else "colocated"
-        echo(f"{name} ({kind}): {s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s, "
-             f"{s['errors']} failed")
-        echo(f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
-             f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms")
+        echo(
+            f"{name} ({kind}): {s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s, "
+            f"{s['errors']} failed"
+        )
+        echo(
+            f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
+            f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms"
+        )
         if slo is not None:
             line = f"    SLO (TTFT {slo['ttft_s']} s, TPOT {slo['tpot_s']} s) met by {s['slo_attainment']:.1%}"
             if "goodput" in entry:
@@ -96,9 +114,11 @@ def print_plans(report: dict, echo: Echo) -> None:
             echo(line)
         h = entry["handoff"]
         if h is not None:
-            echo(f"    hand-off: {h['kv_bytes_mean'] / (1 << 20):.2f} MiB of KV per request, p50 {h['seconds']['p50'] * 1e3:.1f} ms "
-                 f"p99 {h['seconds']['p99'] * 1e3:.1f} ms, copies at {h['copy_gibps']:.2f} GiB/s; first-to-second token "
-                 f"p50 {h['second_token_gap']['p50'] * 1e3:.0f} ms p99 {h['second_token_gap']['p99'] * 1e3:.0f} ms")
+            echo(
+                f"    hand-off: {h['kv_bytes_mean'] / (1 << 20):.2f} MiB of KV per request, p50 {h['seconds']['p50'] * 1e3:.1f} ms "
+                f"p99 {h['seconds']['p99'] * 1e3:.1f} ms, copies at {h['copy_gibps']:.2f} GiB/s; first-to-second token "
+                f"p50 {h['second_token_gap']['p50'] * 1e3:.0f} ms p99 {h['second_token_gap']['p99'] * 1e3:.0f} ms"
+            )
         for pool, f in entry["pools"].items():
             echo(f"    {pool:<8} busy {f['busy']:.0%}  starved {f['starved']:.0%}  blocked {f['blocked']:.0%}")
     for name, value in report["ratios"].items():

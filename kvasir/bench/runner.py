@@ -24,10 +24,13 @@ class LoadResult:
     stats_after: DaemonStats
 
 
-async def one_request(client: AsyncClient, job: Job, ignore_eos: bool = False, clock=time.perf_counter) -> RequestRecord:
+async def one_request(
+    client: AsyncClient, job: Job, ignore_eos: bool = False, clock=time.perf_counter
+) -> RequestRecord:
     submitted = clock()
-    stream = await client.submit(job.text, token_ids=job.token_ids, max_tokens=job.max_tokens, temperature=0,
-                                 ignore_eos=ignore_eos)
+    stream = await client.submit(
+        job.text, token_ids=job.token_ids, max_tokens=job.max_tokens, temperature=0, ignore_eos=ignore_eos
+    )
     times: list[float] = []
     ok = False
     handoff = None

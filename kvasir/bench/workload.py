@@ -24,7 +24,7 @@ class LengthSpec:
     choices: tuple[int, ...] = ()
 
     @classmethod
-    def parse(cls, text: str) -> "LengthSpec":
+    def parse(cls, text: str) -> LengthSpec:
         if "," in text:
             try:
                 choices = tuple(int(part) for part in text.split(","))
@@ -84,7 +84,9 @@ def file_jobs(path: Path, count: int, output_len: LengthSpec, seed: int) -> list
             row = json.loads(line)
         except ValueError:
             raise WorkloadError(f"{path}:{number}: not a JSON object") from None
-        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or isinstance(row.get("token_ids"), list)):
+        if not isinstance(row, dict) or not (
+            isinstance(row.get("prompt"), str) or isinstance(row.get("token_ids"), list)
+        ):
             raise WorkloadError(f'{path}:{number}: needs "prompt" (text) or "token_ids" (list)')
         rows.append(row)
     if not rows:
@@ -93,5 +95,7 @@ def file_jobs(path: Path, count: int, output_len: LengthSpec, seed: int) -> list
     for i in range(count):
         row = rows[i % len(rows)]
         max_tokens = row.get("max_tokens")
-        jobs.append(Job(row.get("token_ids"), row.get("prompt"), int(max_tokens) if max_tokens else output_len.draw(rng)))
+        jobs.append(
+            Job(row.get("token_ids"), row.get("prompt"), int(max_tokens) if max_tokens else output_len.draw(rng))
+        )
     return jobs

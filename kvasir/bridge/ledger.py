@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer
-from kvasir.wire.client import Finished, HandoffSummary, HandoffTimings, Timings, Usage
 from kvasir.wire.batch import SampledToken
-
+from kvasir.wire.client import Finished, HandoffSummary, HandoffTimings, Timings, Usage
 from kvasir.wire.transport import BatchedSocket
 
 GIB = 1 << 30

@@ -20,21 +20,31 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer, load_tokenizer
+from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
+from kvasir.bridge.outbox import ZMQ_QUEUE, Outbox
+from kvasir.bridge.submissions import Submissions
+from kvasir.config.keys import load_pair
+from kvasir.config.plan import BridgeSpec
 from kvasir.errors import RequestError
 from kvasir.logs import setup_logging
-from kvasir.wire.client import Accepted, Cancel, Cancelled, ClientMessage, DaemonStats, ErrorEvent, StatsQuery, StatsReply, Submit, TokenOut
-from kvasir.wire.bridge import BridgeMessage, BatchSpan, HandoffReport, RequestEnded, StageStats, TokenEvents
-from kvasir.wire.head import CancelRequest, Enqueue
-from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
-from kvasir.wire.batch import SampledToken
-from kvasir.config.keys import load_pair
-from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
 from kvasir.model.source import resolve_source
-from kvasir.bridge.outbox import ZMQ_QUEUE, Outbox
-from kvasir.config.plan import BridgeSpec
+from kvasir.wire.batch import SampledToken
+from kvasir.wire.bridge import BatchSpan, BridgeMessage, HandoffReport, RequestEnded, StageStats, TokenEvents
+from kvasir.wire.client import (
+    Accepted,
+    Cancel,
+    Cancelled,
+    ClientMessage,
+    DaemonStats,
+    ErrorEvent,
+    StatsQuery,
+    StatsReply,
+    Submit,
+    TokenOut,
+)
+from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.head import CancelRequest, Enqueue
 from kvasir.wire.transport import BatchedSocket, Endpoints, make_socket
-from kvasir.bridge.submissions import Submissions
-
 
 MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
@@ -52,8 +62,9 @@ class Bridge:
         self.max_waiting = plan.bridge.max_waiting
         self.max_per_client = plan.bridge.max_per_client
         self.tokenizer = load_tokenizer(source.weights_dir)
-        self.submissions = Submissions(self.tokenizer, source.vocab_size, plan.model.max_seq_len,
-                                       plan.bridge.max_tokens_per_request)
+        self.submissions = Submissions(
+            self.tokenizer, source.vocab_size, plan.model.max_seq_len, plan.bridge.max_tokens_per_request
+        )
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
         self.outbox = Outbox(plan.bridge.max_client_queue, plan.bridge.max_client_bytes, self._lost)
@@ -99,7 +110,10 @@ class Bridge:
     # -- serving -----------------------------------------------------------------------
     async def serve(self) -> None:
         await self.control.send(self.encoder.encode(Ready("bridge", 0, os.getpid())))
-        self._tasks = [asyncio.create_task(coro) for coro in (self._stages(), self._commands(), self._heartbeat(), self.outbox.run())]
+        self._tasks = [
+            asyncio.create_task(coro)
+            for coro in (self._stages(), self._commands(), self._heartbeat(), self.outbox.run())
+        ]
         stopped = asyncio.create_task(self.stopped.wait())
         try:
             while not self.stopped.is_set():
@@ -129,7 +143,12 @@ class Bridge:
         try:
             message = self.client_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}", key=self.submissions.key_of(body)))
+            await self._send(
+                peer,
+                ErrorEvent(
+                    code="invalid_request", message=f"malformed message: {exc}", key=self.submissions.key_of(body)
+                ),
+            )
             return
         match message:
             case Submit():
@@ -204,7 +223,11 @@ class Bridge:
             case RequestEnded(request_id=rid, code=code, message=text):
                 record = self.requests.end(rid)
                 if record is not None:
-                    event = Cancelled(request_id=rid) if code == "cancelled" else ErrorEvent(code=code, message=text, request_id=rid)
+                    event = (
+                        Cancelled(request_id=rid)
+                        if code == "cancelled"
+                        else ErrorEvent(code=code, message=text, request_id=rid)
+                    )
                     await self._send(record.peer, event)
             case HandoffReport(request_id=rid, nbytes=nbytes, seconds=seconds, copy_s=copy_s):
                 timings = self.handoffs.add(nbytes, seconds, copy_s)
@@ -413,7 +436,7 @@ def run_bridge(encoded: bytes) -> None:
         uvloop.run(main())
     except Exception:
         log.exception("bridge failed")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     log.info("bridge stopped")
 
 

@@ -20,49 +20,128 @@ from kvasir.wire.transport import default_runtime_dir
 @click.option("--concurrency", type=int, default=None, help="Closed loop: requests kept in flight (default 32).")
 @click.option("--rate", type=float, default=None, help="Open loop: requests per second (Poisson, seeded).")
 @click.option("--requests", "count", type=int, default=64, show_default=True, help="Measured requests (per rate).")
-@click.option("--warmup", type=int, default=8, show_default=True, help="Requests run first and left out of the figures.")
-@click.option("--prompt-len", default="128", show_default=True,
-              help="Prompt tokens: N, LOW:HIGH (uniform) or N,N,... (drawn from the list: 1000,40,40,40 mixes long prompts into chats).")
+@click.option(
+    "--warmup", type=int, default=8, show_default=True, help="Requests run first and left out of the figures."
+)
+@click.option(
+    "--prompt-len",
+    default="128",
+    show_default=True,
+    help="Prompt tokens: N, LOW:HIGH (uniform) or N,N,... (drawn from the list: 1000,40,40,40 mixes long prompts into chats).",
+)
 @click.option("--output-len", default="64", show_default=True, help="Output tokens: N, LOW:HIGH or N,N,...")
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help='JSONL file, one {"prompt": ...} or {"token_ids": [...]} per line (instead of random ids).')
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help='JSONL file, one {"prompt": ...} or {"token_ids": [...]} per line (instead of random ids).',
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Every request produces exactly its output length.")
 @click.option("--slo-ttft", type=float, default=None, help="Target time to first token, seconds.")
 @click.option("--slo-tpot", type=float, default=None, help="Target time per output token, seconds.")
-@click.option("--slo-attain", type=float, default=0.9, show_default=True,
-              help="Share of requests that must meet both targets for a rate to count as goodput.")
-@click.option("--rate-sweep", is_flag=True,
-              help="Search the goodput: open-loop runs from --rate (default 1), doubling, then bisecting.")
+@click.option(
+    "--slo-attain",
+    type=float,
+    default=0.9,
+    show_default=True,
+    help="Share of requests that must meet both targets for a rate to count as goodput.",
+)
+@click.option(
+    "--rate-sweep",
+    is_flag=True,
+    help="Search the goodput: open-loop runs from --rate (default 1), doubling, then bisecting.",
+)
 @click.option("--sweep-steps", type=int, default=3, show_default=True, help="Bisection steps of --rate-sweep.")
-@click.option("--plan", "plan_paths", type=click.Path(dir_okay=False, exists=True), multiple=True,
-              help="Start a daemon from this plan for the run (private runtime dir) and stop it after. "
-                   "Twice with --compare: the two plans side by side.")
-@click.option("--compare", is_flag=True,
-              help="Run the workload on the ring, the drained ring (inflight = 1), transformers generate "
-                   "(static batches) and generate_batch, alternating; print ratios. Uses --plan (default plan if absent). "
-                   "With two --plan: both plans (e.g. colocated and disaggregated) on the same jobs and cores, with "
-                   "TTFT, ITL, SLO attainment (goodput with --rate-sweep), pool use and hand-off cost.")
-@click.option("--contenders", default="ring,drained,hf-static,hf-continuous", show_default=True,
-              help="With --compare: which contenders, comma-separated.")
-@click.option("--rounds", type=int, default=1, show_default=True,
-              help="With --compare: alternating rounds. With --failover: stages killed, one per round.")
-@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
-              help="Write timeline.png, stages.png and latency.png into this folder.")
+@click.option(
+    "--plan",
+    "plan_paths",
+    type=click.Path(dir_okay=False, exists=True),
+    multiple=True,
+    help="Start a daemon from this plan for the run (private runtime dir) and stop it after. "
+    "Twice with --compare: the two plans side by side.",
+)
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Run the workload on the ring, the drained ring (inflight = 1), transformers generate "
+    "(static batches) and generate_batch, alternating; print ratios. Uses --plan (default plan if absent). "
+    "With two --plan: both plans (e.g. colocated and disaggregated) on the same jobs and cores, with "
+    "TTFT, ITL, SLO attainment (goodput with --rate-sweep), pool use and hand-off cost.",
+)
+@click.option(
+    "--contenders",
+    default="ring,drained,hf-static,hf-continuous",
+    show_default=True,
+    help="With --compare: which contenders, comma-separated.",
+)
+@click.option(
+    "--rounds",
+    type=int,
+    default=1,
+    show_default=True,
+    help="With --compare: alternating rounds. With --failover: stages killed, one per round.",
+)
+@click.option(
+    "--plot",
+    "plot_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write timeline.png, stages.png and latency.png into this folder.",
+)
 @click.option("--hop", is_flag=True, help="Measure one stage-to-stage hand-off next to memcpy and ZMQ round trips.")
-@click.option("--hop-device", default="cpu", show_default=True,
-              help="With --hop: 'cpu' (shared-memory slots) or 'cuda:N' (both processes on that GPU, CUDA IPC slots).")
-@click.option("--submit-only", is_flag=True,
-              help="Measure submission line rate: --requests one-token requests as fast as one client can.")
-@click.option("--failover", is_flag=True,
-              help="Kill a stage (SIGKILL) under --concurrency requests, --rounds times, and time how long until "
-                   "every client is told and until the daemon serves again (the daemon must run on this host).")
+@click.option(
+    "--hop-device",
+    default="cpu",
+    show_default=True,
+    help="With --hop: 'cpu' (shared-memory slots) or 'cuda:N' (both processes on that GPU, CUDA IPC slots).",
+)
+@click.option(
+    "--submit-only",
+    is_flag=True,
+    help="Measure submission line rate: --requests one-token requests as fast as one client can.",
+)
+@click.option(
+    "--failover",
+    is_flag=True,
+    help="Kill a stage (SIGKILL) under --concurrency requests, --rounds times, and time how long until "
+    "every client is told and until the daemon serves again (the daemon must run on this host).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@click.option("--runtime-dir", type=click.Path(file_okay=False), default=None,
-              help="The daemon's runtime dir (default as for every command; ignored with --plan).")
-def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file, seed, ignore_eos, slo_ttft, slo_tpot,
-          slo_attain, rate_sweep, sweep_steps, plan_paths, compare, contenders, rounds, plot_dir, hop, hop_device,
-          submit_only, failover, as_json, runtime_dir):
+@click.option(
+    "--runtime-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The daemon's runtime dir (default as for every command; ignored with --plan).",
+)
+def bench(
+    concurrency,
+    rate,
+    count,
+    warmup,
+    prompt_len,
+    output_len,
+    prompts_file,
+    seed,
+    ignore_eos,
+    slo_ttft,
+    slo_tpot,
+    slo_attain,
+    rate_sweep,
+    sweep_steps,
+    plan_paths,
+    compare,
+    contenders,
+    rounds,
+    plot_dir,
+    hop,
+    hop_device,
+    submit_only,
+    failover,
+    as_json,
+    runtime_dir,
+):
     """Load a daemon and report requests/s, tokens/s, TTFT / ITL / end-to-end latency
     percentiles, goodput under SLOs and each stage's busy/starved/blocked share.
 
@@ -85,7 +164,9 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
     if two_plans and (submit_only or hop or failover or plot_dir is not None):
         raise click.UsageError("two plans compare load runs: no --submit-only, --hop, --failover or --plot")
     if compare and not two_plans and (rate is not None or rate_sweep or submit_only):
-        raise click.UsageError("--compare runs a closed loop: give --concurrency, not --rate, --rate-sweep or --submit-only")
+        raise click.UsageError(
+            "--compare runs a closed loop: give --concurrency, not --rate, --rate-sweep or --submit-only"
+        )
     if rate_sweep and concurrency is not None:
         raise click.UsageError("--rate-sweep runs open loop: give --rate (its first rate), not --concurrency")
     if (slo_ttft is None) != (slo_tpot is None):
@@ -127,16 +208,59 @@ def bench(concurrency, rate, count, warmup, prompt_len, output_len, prompts_file
                 print_failover(report["failover"], click.echo)
             return
         if two_plans:
-            report, pictures = _plans(plan_paths, concurrency, rate, count, warmup, lengths, prompts_file, seed, rounds,
-                                      slo, slo_attain, (rate, sweep_steps) if rate_sweep else None, say), []
+            report, pictures = (
+                _plans(
+                    plan_paths,
+                    concurrency,
+                    rate,
+                    count,
+                    warmup,
+                    lengths,
+                    prompts_file,
+                    seed,
+                    rounds,
+                    slo,
+                    slo_attain,
+                    (rate, sweep_steps) if rate_sweep else None,
+                    say,
+                ),
+                [],
+            )
         elif compare:
-            report, pictures = _compare(plan_path, concurrency or 32, count, warmup, lengths, prompts_file, seed,
-                                        contenders, rounds, slo, plot_dir, say)
+            report, pictures = _compare(
+                plan_path,
+                concurrency or 32,
+                count,
+                warmup,
+                lengths,
+                prompts_file,
+                seed,
+                contenders,
+                rounds,
+                slo,
+                plot_dir,
+                say,
+            )
         else:
             with _daemon(plan_path, runtime_dir) as rt:
-                report, pictures = _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed,
-                                            ignore_eos, slo, slo_attain, rate_sweep, sweep_steps, submit_only,
-                                            plot_dir, say)
+                report, pictures = _against(
+                    rt,
+                    concurrency,
+                    rate,
+                    count,
+                    warmup,
+                    lengths,
+                    prompts_file,
+                    seed,
+                    ignore_eos,
+                    slo,
+                    slo_attain,
+                    rate_sweep,
+                    sweep_steps,
+                    submit_only,
+                    plot_dir,
+                    say,
+                )
         if plot_dir is not None:
             from kvasir.bench.plot import plot_run
 
@@ -188,8 +312,24 @@ def _jobs(total, lengths, prompts_file, seed, vocab_size):
     return synthetic_jobs(total, prompts, outputs, vocab_size, seed)
 
 
-def _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed, ignore_eos, slo, slo_attain,
-             rate_sweep, sweep_steps, submit_only, plot_dir, say):
+def _against(
+    rt,
+    concurrency,
+    rate,
+    count,
+    warmup,
+    lengths,
+    prompts_file,
+    seed,
+    ignore_eos,
+    slo,
+    slo_attain,
+    rate_sweep,
+    sweep_steps,
+    submit_only,
+    plot_dir,
+    say,
+):
     """Runs against one daemon: a load run, a goodput sweep, or the submission line rate."""
     from kvasir.bench.metrics import attainment, search_goodput
     from kvasir.bench.plot import RunPicture
@@ -201,20 +341,35 @@ def _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed, 
         async with await AsyncClient.connect(rt) as client:
             info = await client.stats()
             jobs = _jobs(count + warmup, lengths, prompts_file, seed, info.vocab_size)
-            result = await run_load(client, jobs, warmup=warmup, concurrency=mode_concurrency, rate=mode_rate,
-                                    seed=seed, ignore_eos=ignore_eos, progress=_bar(count, say))
+            result = await run_load(
+                client,
+                jobs,
+                warmup=warmup,
+                concurrency=mode_concurrency,
+                rate=mode_rate,
+                seed=seed,
+                ignore_eos=ignore_eos,
+                progress=_bar(count, say),
+            )
             spans = (await client.stats(timeline=True)).timeline if timeline else []
             return result, spans
 
     if submit_only:
+
         async def submit():
             async with await AsyncClient.connect(rt) as client:
                 return await line_rate(client, count)
 
         return {"submit_only": asyncio.run(submit())}, []
     mode = {"concurrency": concurrency} if concurrency is not None else {"rate": rate}
-    workload = {"requests": count, "warmup": warmup, "prompt_len": str(lengths[0]),
-                "output_len": str(lengths[1]), "seed": seed, "ignore_eos": ignore_eos}
+    workload = {
+        "requests": count,
+        "warmup": warmup,
+        "prompt_len": str(lengths[0]),
+        "output_len": str(lengths[1]),
+        "seed": seed,
+        "ignore_eos": ignore_eos,
+    }
     if rate_sweep:
         runs = []
 
@@ -229,8 +384,13 @@ def _against(rt, concurrency, rate, count, warmup, lengths, prompts_file, seed, 
         for point, result, _ in runs:
             report = ring_report(result, slo)
             sweep.append({"rate": point, "attainment": report["summary"]["slo_attainment"], **report})
-        report = {"mode": {"rate_sweep": True}, "workload": workload, "slo": _slo(slo, slo_attain),
-                  "goodput": best, "sweep": sweep}
+        report = {
+            "mode": {"rate_sweep": True},
+            "workload": workload,
+            "slo": _slo(slo, slo_attain),
+            "goodput": best,
+            "sweep": sweep,
+        }
         shown = max(range(len(runs)), key=lambda i: runs[i][0] if runs[i][0] <= best else -1)
         point, result, spans = runs[shown]
         return report, [RunPicture(f"{point:.3g} req/s", result.records, sweep[shown]["stages"], spans)]
@@ -255,7 +415,9 @@ def _failover(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file
         return {"failover": asyncio.run(run(rt))}
 
 
-def _plans(paths, concurrency, rate, count, warmup, lengths, prompts_file, seed, rounds, slo, attain, sweep, say) -> dict:
+def _plans(
+    paths, concurrency, rate, count, warmup, lengths, prompts_file, seed, rounds, slo, attain, sweep, say
+) -> dict:
     from kvasir.bench.plans import Load, run_plans
     from kvasir.daemon.resolve import resolve_plan
 
@@ -263,9 +425,14 @@ def _plans(paths, concurrency, rate, count, warmup, lengths, prompts_file, seed,
     jobs = _jobs(count + warmup, lengths, prompts_file, seed, source.vocab_size)
     load = Load(jobs, warmup, concurrency if sweep is None else None, rate if concurrency is None else None, seed)
     report = run_plans([Path(p) for p in paths], load, rounds, slo, attain, sweep, say)
-    report["workload"] = {"requests": count, "warmup": warmup, "prompt_len": str(lengths[0]),
-                          "output_len": str(lengths[1]), "seed": seed,
-                          **({"concurrency": concurrency} if concurrency is not None else {"rate": rate})}
+    report["workload"] = {
+        "requests": count,
+        "warmup": warmup,
+        "prompt_len": str(lengths[0]),
+        "output_len": str(lengths[1]),
+        "seed": seed,
+        **({"concurrency": concurrency} if concurrency is not None else {"rate": rate}),
+    }
     if slo is not None:
         report["slo"] = _slo(slo, attain)
     return {"plans": report}
@@ -275,7 +442,9 @@ def _slo(slo, attain) -> dict:
     return {"ttft_s": slo[0], "tpot_s": slo[1], "attain": attain}
 
 
-def _compare(plan_path, concurrency, count, warmup, lengths, prompts_file, seed, contenders, rounds, slo, plot_dir, say):
+def _compare(
+    plan_path, concurrency, count, warmup, lengths, prompts_file, seed, contenders, rounds, slo, plot_dir, say
+):
     from kvasir.bench.compare import Workload, run_compare
     from kvasir.bench.plot import RunPicture
     from kvasir.bench.runner import stage_fractions
@@ -290,7 +459,9 @@ def _compare(plan_path, concurrency, count, warmup, lengths, prompts_file, seed,
     async def keep(kind, client, result):
         if plot_dir is not None:
             spans = (await client.stats(timeline=True)).timeline
-            pictures[kind] = RunPicture(kind, result.records, stage_fractions(result.stats_before, result.stats_after), spans)
+            pictures[kind] = RunPicture(
+                kind, result.records, stage_fractions(result.stats_before, result.stats_after), spans
+            )
 
     names = tuple(name.strip() for name in contenders.split(",") if name.strip())
     report = run_compare(path, Workload(jobs, warmup, concurrency), names, rounds, slo, keep, say)
@@ -329,5 +500,7 @@ def _hop_device(device: str) -> str:
         raise click.BadParameter(f"{device}: CUDA is not available here", param_hint="--hop-device")
     ordinal = cuda_ordinal(device)
     if ordinal >= torch.cuda.device_count():
-        raise click.BadParameter(f"{device}: this machine has {torch.cuda.device_count()} CUDA devices", param_hint="--hop-device")
+        raise click.BadParameter(
+            f"{device}: this machine has {torch.cuda.device_count()} CUDA devices", param_hint="--hop-device"
+        )
     return f"cuda:{ordinal}"

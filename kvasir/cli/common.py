@@ -6,10 +6,11 @@ import functools
 import json
 import sys
 from pathlib import Path
+
 import click
 import msgspec
-from kvasir.errors import KvasirError
 
+from kvasir.errors import KvasirError
 
 RUNTIME_DIR = click.option(
     "--runtime-dir",
@@ -33,16 +34,32 @@ def remote_options(command):
             raise click.UsageError("a CURVE connection needs both --key (yours) and --server-key (the daemon's)")
         remote = None
         if endpoint is not None:
-            remote = Remote(endpoint, Path(client_key) if client_key else None, Path(server_key) if server_key else None)
+            remote = Remote(
+                endpoint, Path(client_key) if client_key else None, Path(server_key) if server_key else None
+            )
         return command(*args, remote=remote, **kwargs)
 
     for option in (
-        click.option("--server-key", type=click.Path(dir_okay=False), envvar="KVASIR_SERVER_KEY",
-                     help="With --connect: the daemon's public key file (server.key)."),
-        click.option("--key", "client_key", type=click.Path(dir_okay=False), envvar="KVASIR_KEY",
-                     help="With --connect: this client's key pair (NAME.key_secret from `kvasir keys generate`)."),
-        click.option("--connect", "endpoint", metavar="tcp://HOST:PORT", envvar="KVASIR_CONNECT",
-                     help="Talk to the daemon's TCP endpoint (the plan's bridge.tcp) instead of its runtime dir."),
+        click.option(
+            "--server-key",
+            type=click.Path(dir_okay=False),
+            envvar="KVASIR_SERVER_KEY",
+            help="With --connect: the daemon's public key file (server.key).",
+        ),
+        click.option(
+            "--key",
+            "client_key",
+            type=click.Path(dir_okay=False),
+            envvar="KVASIR_KEY",
+            help="With --connect: this client's key pair (NAME.key_secret from `kvasir keys generate`).",
+        ),
+        click.option(
+            "--connect",
+            "endpoint",
+            metavar="tcp://HOST:PORT",
+            envvar="KVASIR_CONNECT",
+            help="Talk to the daemon's TCP endpoint (the plan's bridge.tcp) instead of its runtime dir.",
+        ),
     ):
         wrapper = option(wrapper)
     return wrapper

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+
 import click
+
 from kvasir.cli.common import RUNTIME_DIR, connect, event_json, remote_options
 
 
@@ -40,8 +42,14 @@ def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_
     stream = None
     try:
         stream = client.submit(
-            prompt, token_ids=token_ids, chat=chat, max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            prompt,
+            token_ids=token_ids,
+            chat=chat,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
         )
         for event in client.events(stream):
             if as_json:

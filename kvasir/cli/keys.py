@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 import click
-from kvasir.errors import KvasirError
+
 from kvasir.cli.common import fail
+from kvasir.errors import KvasirError
 
 
 @click.group()
@@ -15,8 +17,14 @@ def keys() -> None:
 
 @keys.command("generate")
 @click.argument("folder", type=click.Path(file_okay=False))
-@click.option("--client", "clients", multiple=True, default=None, metavar="NAME",
-              help="Make a client key pair called NAME (repeatable; default: one called 'client').")
+@click.option(
+    "--client",
+    "clients",
+    multiple=True,
+    default=None,
+    metavar="NAME",
+    help="Make a client key pair called NAME (repeatable; default: one called 'client').",
+)
 def keys_generate(folder: str, clients: tuple[str, ...]) -> None:
     """Make key pairs in FOLDER: the daemon's (server.key, server.key_secret; kept if it
     exists) and each client's (NAME.key, NAME.key_secret, with NAME.key also copied into

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
 import click
 import msgspec
+
 from kvasir import __version__
+from kvasir.cli.common import RUNTIME_DIR, fail
+from kvasir.config.plan import default_plan_path
 from kvasir.errors import KvasirError
 from kvasir.wire.transport import default_runtime_dir
-from kvasir.config.plan import default_plan_path
-from kvasir.cli.common import RUNTIME_DIR, fail
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,19 +23,43 @@ def kvasird() -> None:
 
 
 @kvasird.command("start")
-@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
-              help="Plan file (default: the built-in two-stage plan for smollm2-135m).")
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Plan file (default: the built-in two-stage plan for smollm2-135m).",
+)
 @RUNTIME_DIR
-@click.option("--ready-timeout", type=float, default=300.0, show_default=True,
-              help="Seconds to wait for every stage to load and report ready.")
-@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
-              help="On SIGTERM/SIGINT, seconds to let running requests finish.")
-@click.option("--stop-with-parent", is_flag=True,
-              help="Drain and stop, as on SIGTERM, when the process that started kvasird exits "
-                   "(kvasir bench starts its daemons so: a killed bench leaves none behind).")
+@click.option(
+    "--ready-timeout",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for every stage to load and report ready.",
+)
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM/SIGINT, seconds to let running requests finish.",
+)
+@click.option(
+    "--stop-with-parent",
+    is_flag=True,
+    help="Drain and stop, as on SIGTERM, when the process that started kvasird exits "
+    "(kvasir bench starts its daemons so: a killed bench leaves none behind).",
+)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
-def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, drain_timeout: float,
-          stop_with_parent: bool, log_level: str) -> None:
+def start(
+    plan_path: str | None,
+    runtime_dir: str | None,
+    ready_timeout: float,
+    drain_timeout: float,
+    stop_with_parent: bool,
+    log_level: str,
+) -> None:
     """Serve a plan in the foreground until SIGTERM or SIGINT (then drain and exit 0).
 
     Validates the plan first (exit 2 on a bad plan, before anything is spawned), makes
@@ -44,12 +70,12 @@ def start(plan_path: str | None, runtime_dir: str | None, ready_timeout: float, 
     the daemon with stage_failed and the workers are restarted (the plan's [supervise]
     section bounds how often); past that bound the daemon exits 1.
     """
-    from kvasir.daemon.launcher import Launcher, Timeouts, run_launcher
     from kvasir.daemon.host import check_host
-    from kvasir.model.convert import ConversionInterrupted, prepare
-    from kvasir.logs import setup_logging
+    from kvasir.daemon.launcher import Launcher, Timeouts, run_launcher
     from kvasir.daemon.notify import ServiceNotifier
     from kvasir.daemon.resolve import resolve_plan
+    from kvasir.logs import setup_logging
+    from kvasir.model.convert import ConversionInterrupted, prepare
 
     path = plan_path or str(default_plan_path())
     try:

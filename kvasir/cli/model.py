@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+
 import click
-from kvasir.errors import KvasirError
+
 from kvasir.cli.common import fail
+from kvasir.errors import KvasirError
 from kvasir.units import format_bytes
 
 
@@ -43,7 +45,11 @@ def model_list() -> None:
     root = cache_dir()
     click.echo(f"cache {root}")
     # names starting with "." are conversions in progress (or killed): never listed or used
-    folders = sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / "config.json").is_file()) if root.is_dir() else []
+    folders = (
+        sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / "config.json").is_file())
+        if root.is_dir()
+        else []
+    )
     names = {p.name for p in folders}
     for alias in sorted(BUILTIN_CONFIGS):
         state = "prepared" if alias in names else "not prepared (kvasir model prepare " + alias + ")"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+
 import click
 import msgspec
-from kvasir.errors import KvasirError
+
 from kvasir.cli.common import RUNTIME_DIR, fail
+from kvasir.errors import KvasirError
 from kvasir.units import format_bytes
 
 
@@ -18,17 +20,42 @@ def plan() -> None:
 @plan.command("check")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the resolved plan as one JSON object.")
-@click.option("--link-gibps", type=float, default=1.0, show_default=True,
-              help="Effective bandwidth (GiB/s) to price the KV hand-off between pools at.")
-@click.option("--interference-ms", type=float, default=20.0, show_default=True,
-              help="Interference a disaggregated plan would avoid, per hand-off: the break-even bandwidth is priced against it.")
-@click.option("--prompt-tokens", default="128,512,1024,2048", show_default=True,
-              help="Prompt lengths to price the hand-off for (comma-separated).")
-@click.option("--handoff-mib", type=float, multiple=True,
-              help="Also price a hand-off of this many MiB (repeatable; e.g. 64 for MISSION.md's worked balance).")
+@click.option(
+    "--link-gibps",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Effective bandwidth (GiB/s) to price the KV hand-off between pools at.",
+)
+@click.option(
+    "--interference-ms",
+    type=float,
+    default=20.0,
+    show_default=True,
+    help="Interference a disaggregated plan would avoid, per hand-off: the break-even bandwidth is priced against it.",
+)
+@click.option(
+    "--prompt-tokens",
+    default="128,512,1024,2048",
+    show_default=True,
+    help="Prompt lengths to price the hand-off for (comma-separated).",
+)
+@click.option(
+    "--handoff-mib",
+    type=float,
+    multiple=True,
+    help="Also price a hand-off of this many MiB (repeatable; e.g. 64 for MISSION.md's worked balance).",
+)
 @RUNTIME_DIR
-def plan_check(path: str, as_json: bool, link_gibps: float, interference_ms: float, prompt_tokens: str,
-               handoff_mib: tuple[float, ...], runtime_dir: str | None) -> None:
+def plan_check(
+    path: str,
+    as_json: bool,
+    link_gibps: float,
+    interference_ms: float,
+    prompt_tokens: str,
+    handoff_mib: tuple[float, ...],
+    runtime_dir: str | None,
+) -> None:
     """Validate PATH and print the resolved plan, or exit 2 with the first problem.
 
     Per stage it shows the pool (in a disaggregated plan), layer range, parameter count
@@ -47,7 +74,9 @@ def plan_check(path: str, as_json: bool, link_gibps: float, interference_ms: flo
     try:
         lengths = [int(n) for n in prompt_tokens.split(",") if n.strip()]
     except ValueError:
-        raise click.BadParameter(f"{prompt_tokens!r} is not a comma-separated list of integers", param_hint="--prompt-tokens")
+        raise click.BadParameter(
+            f"{prompt_tokens!r} is not a comma-separated list of integers", param_hint="--prompt-tokens"
+        ) from None
     if link_gibps <= 0 or interference_ms <= 0 or any(n <= 0 for n in lengths) or any(m <= 0 for m in handoff_mib):
         raise click.UsageError("--link-gibps, --interference-ms, --prompt-tokens and --handoff-mib must be positive")
     try:
@@ -85,7 +114,12 @@ def _handoff_costs(plan, source, link_gibps, interference_ms, lengths, sizes_mib
     for row in rows:
         row["handoff_ms"] = handoff_ms(row["kv_bytes"], link_gibps)
         row["break_even_gibps"] = break_even_gibps(row["kv_bytes"], interference_ms)
-    return {"kv_bytes_per_token": per_token, "link_gibps": link_gibps, "interference_ms": interference_ms, "sizes": rows}
+    return {
+        "kv_bytes_per_token": per_token,
+        "link_gibps": link_gibps,
+        "interference_ms": interference_ms,
+        "sizes": rows,
+    }
 
 
 def _print_costs(costs: dict) -> None:
@@ -97,12 +131,14 @@ def _print_costs(costs: dict) -> None:
     rows = [header]
     for row in costs["sizes"]:
         mib = row["kv_bytes"] / (1 << 20)
-        rows.append((
-            f"{row['prompt_tokens']} tokens" if row["prompt_tokens"] else "-",
-            f"{mib:g} MiB" if row["prompt_tokens"] is None else format_bytes(row["kv_bytes"]),
-            f"{row['handoff_ms']:.4g} ms",
-            f"{row['break_even_gibps']:.4g} GiB/s",
-        ))
+        rows.append(
+            (
+                f"{row['prompt_tokens']} tokens" if row["prompt_tokens"] else "-",
+                f"{mib:g} MiB" if row["prompt_tokens"] is None else format_bytes(row["kv_bytes"]),
+                f"{row['handoff_ms']:.4g} ms",
+                f"{row['break_even_gibps']:.4g} GiB/s",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())

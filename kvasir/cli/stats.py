@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import json
+
 import click
 import msgspec
+
 from kvasir.cli.common import RUNTIME_DIR, connect, remote_options
 from kvasir.units import format_bytes
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="One JSON object: daemon-wide fields and \"stages\".")
-@click.option("--wait", "wait_s", type=float, default=0.0, metavar="SECONDS",
-              help="Wait up to SECONDS for the daemon to answer (e.g. right after starting it).")
+@click.option("--json", "as_json", is_flag=True, help='One JSON object: daemon-wide fields and "stages".')
+@click.option(
+    "--wait",
+    "wait_s",
+    type=float,
+    default=0.0,
+    metavar="SECONDS",
+    help="Wait up to SECONDS for the daemon to answer (e.g. right after starting it).",
+)
 @RUNTIME_DIR
 @remote_options
 def stats(as_json, wait_s, runtime_dir, remote) -> None:
@@ -53,19 +61,46 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
             f"hand-offs {h['count']}, {format_bytes(h['kv_bytes'])} of KV; time p50 {h['p50_s'] * 1000:.2f} ms, "
             f"p99 {h['p99_s'] * 1000:.2f} ms; copies at {h['gibps']:.2f} GiB/s"
         )
-    header = ("stage", "layers", "pid", "busy", "starved", "blocked", "batches", "rows", "tokens", "inflight", "kv reqs")
+    header = (
+        "stage",
+        "layers",
+        "pid",
+        "busy",
+        "starved",
+        "blocked",
+        "batches",
+        "rows",
+        "tokens",
+        "inflight",
+        "kv reqs",
+    )
     rows = [header]
     for s in body["stages"]:
-        rows.append((
-            f"{s['index']} {s['pool']}".rstrip(), f"[{s['layers'][0]}, {s['layers'][1]})", str(s["pid"]),
-            f"{s['busy_s']:.1f}s {s['busy_fraction']:.0%}", f"{s['starved_s']:.1f}s {s['starved_fraction']:.0%}",
-            f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}", str(s["batches"]), str(s["rows"]),
-            str(s["tokens"]), str(s["inflight"]), str(s["kv_requests"]),
-        ))
+        rows.append(
+            (
+                f"{s['index']} {s['pool']}".rstrip(),
+                f"[{s['layers'][0]}, {s['layers'][1]})",
+                str(s["pid"]),
+                f"{s['busy_s']:.1f}s {s['busy_fraction']:.0%}",
+                f"{s['starved_s']:.1f}s {s['starved_fraction']:.0%}",
+                f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}",
+                str(s["batches"]),
+                str(s["rows"]),
+                str(s["tokens"]),
+                str(s["inflight"]),
+                str(s["kv_requests"]),
+            )
+        )
     if any(s["device"] != "cpu" for s in body["stages"]):  # CUDA stages: where, and device memory in use / reserved
         header += ("device", "gpu mem")
         rows = [header] + [
-            row + (s["device"], f"{format_bytes(s['gpu_bytes'])} / {format_bytes(s['gpu_reserved_bytes'])}" if s["device"] != "cpu" else "-")
+            row
+            + (
+                s["device"],
+                f"{format_bytes(s['gpu_bytes'])} / {format_bytes(s['gpu_reserved_bytes'])}"
+                if s["device"] != "cpu"
+                else "-",
+            )
             for row, s in zip(rows[1:], body["stages"])
         ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -82,7 +117,9 @@ def _pool_totals(stages: list[dict]) -> dict:
     """Busy / starved / blocked per pool: seconds summed over its stages, fractions of their wall time."""
     pools: dict[str, dict] = {}
     for stage in stages:
-        pool = pools.setdefault(stage["pool"], {"stages": 0, "wall_s": 0.0, "busy_s": 0.0, "starved_s": 0.0, "blocked_s": 0.0})
+        pool = pools.setdefault(
+            stage["pool"], {"stages": 0, "wall_s": 0.0, "busy_s": 0.0, "starved_s": 0.0, "blocked_s": 0.0}
+        )
         pool["stages"] += 1
         for key in ("wall_s", "busy_s", "starved_s", "blocked_s"):
             pool[key] += stage[key]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+
 import click
 import msgspec
+
 from kvasir.cli.common import RUNTIME_DIR, connect, event_json
 
 

@@ -20,13 +20,15 @@ from collections.abc import Callable
 
 import click
 
-from kvasir.wire.client import DaemonStats
-from kvasir.wire.bridge import StageStats
 from kvasir.cli.common import RUNTIME_DIR, connect
 from kvasir.errors import KvasirError
+from kvasir.wire.bridge import StageStats
+from kvasir.wire.client import DaemonStats
 
 BAR = 24
-HEADER = f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks"
+HEADER = (
+    f"stage  layers    [{'busy # / starved - / blocked x':^{BAR}}]  busy starv block  batches/s  tokens/s   KV blocks"
+)
 
 
 def bar(busy: float, starved: float, blocked: float, width: int = BAR) -> str:
@@ -80,7 +82,11 @@ def _stage_line(b: StageStats | None, s: StageStats) -> str:
     if b is None or b.pid != s.pid or s.wall_s <= b.wall_s:
         return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  (waiting for the stage's next report)"
     wall = s.wall_s - b.wall_s
-    busy, starved, blocked = ((s.busy_s - b.busy_s) / wall, (s.starved_s - b.starved_s) / wall, (s.blocked_s - b.blocked_s) / wall)
+    busy, starved, blocked = (
+        (s.busy_s - b.busy_s) / wall,
+        (s.starved_s - b.starved_s) / wall,
+        (s.blocked_s - b.blocked_s) / wall,
+    )
     return (
         f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  [{bar(busy, starved, blocked)}]  {busy:4.0%} {starved:5.0%} {blocked:5.0%}"
         f"  {(s.batches - b.batches) / wall:9.1f}  {(s.tokens - b.tokens) / wall:8.1f}   {s.kv_blocks:9d}"
@@ -98,6 +104,7 @@ def _keys():
     saved = termios.tcgetattr(fd)
     tty.setcbreak(fd)
     try:
+
         def wait(seconds: float) -> str:
             ready, _, _ = select.select([fd], [], [], seconds)
             return os.read(fd, 1).decode(errors="replace") if ready else ""
@@ -134,8 +141,8 @@ def top(interval, count, runtime_dir) -> None:
 
     Press q (or Ctrl-C) to quit. Exit code 3 when no daemon answers (or it stops answering).
     """
-    from kvasir.client import NoDaemon
     from kvasir.cli.top import run_top
+    from kvasir.client import NoDaemon
 
     if interval <= 0 or (count is not None and count < 1):
         raise click.UsageError("--interval must be > 0 and --count >= 1")

@@ -5,8 +5,8 @@ Nothing here imports the model loader or transformers."""
 from __future__ import annotations
 
 import torch
-from kvasir.errors import PlanError
 
+from kvasir.errors import PlanError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -45,9 +45,13 @@ class KvSpec(_Section):
 class BridgeSpec(_Section):
     max_waiting: int = 1024  # requests in the daemon before new ones are refused "overloaded"
     max_per_client: int = 256  # requests one client connection may have in the daemon at once
-    max_client_queue: int = 100_000  # events waiting for one client; beyond, it is not reading: its requests are cancelled
+    max_client_queue: int = (
+        100_000  # events waiting for one client; beyond, it is not reading: its requests are cancelled
+    )
     max_client_bytes: int = 32 << 20  # bytes of events waiting for one client; beyond, as max_client_queue
-    max_tokens_per_request: int | None = None  # a request asking for more is refused (None: no ceiling; max_seq_len caps)
+    max_tokens_per_request: int | None = (
+        None  # a request asking for more is refused (None: no ceiling; max_seq_len caps)
+    )
     tcp: str | None = None  # also serve remote clients at "tcp://HOST:PORT" (CURVE keys required)
     tcp_allow_local_unauthenticated: bool = False  # a loopback tcp without keys: every local user may connect
     server_key: str | None = None  # the daemon's CURVE secret key file (`kvasir keys generate`)
@@ -335,8 +339,7 @@ def _check_stages(stages: tuple[StageSpec, ...], name: str) -> None:
         nxt, _ = stages[i + 1].layers
         if nxt > end:
             raise PlanError(
-                f"{name}[{i + 1}].layers: gap between stages {i} and {i + 1}: "
-                f"layers [{end}, {nxt}) are in no stage"
+                f"{name}[{i + 1}].layers: gap between stages {i} and {i + 1}: layers [{end}, {nxt}) are in no stage"
             )
         if nxt < end:
             raise PlanError(
@@ -353,8 +356,7 @@ def check_model_fit(plan: Plan, num_layers: int, max_positions: int | None) -> N
         end = view.stages[-1].layers[1]
         if end > num_layers:
             raise PlanError(
-                f"{key}[{last}].layers = {list(view.stages[-1].layers)} goes past the model's "
-                f"{num_layers} layers"
+                f"{key}[{last}].layers = {list(view.stages[-1].layers)} goes past the model's {num_layers} layers"
             )
         if end < num_layers:
             raise PlanError(

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass
-from kvasir.wire.control import EdgeSpec
+
 from kvasir.config.plan import Plan
+from kvasir.wire.control import EdgeSpec
 from kvasir.wire.transport import PushChannel
 
 

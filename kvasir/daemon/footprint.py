@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvasir.ring.edges import pool_edges, torch_peer_access
-from kvasir.model.loader import head_dim, slice_spec
-from kvasir.model.kv_cache import PagedKVCache
 from kvasir.config.devices import DTYPES
-from kvasir.model.loader import build_skeleton, count_parameters
-from kvasir.model.source import ModelSource
 from kvasir.config.plan import Plan
-
+from kvasir.model.kv_cache import PagedKVCache
+from kvasir.model.loader import build_skeleton, count_parameters, head_dim, slice_spec
+from kvasir.model.source import ModelSource
+from kvasir.ring.edges import pool_edges, torch_peer_access
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -34,7 +32,9 @@ class StageFootprint:
     kv_bytes: int
     slot_bytes: int  # one boundary slot on the edge into this stage (0 on the head)
     slots: int  # slots in that edge's ring
-    edge: str = ""  # that edge's slot kind: shm | pinned | cuda-ipc | auto (undecided without CUDA here); "" on the head
+    edge: str = (
+        ""  # that edge's slot kind: shm | pinned | cuda-ipc | auto (undecided without CUDA here); "" on the head
+    )
     edge_reason: str = ""
 
 

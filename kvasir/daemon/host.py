@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from kvasir.errors import PlanError
+
 from kvasir.config.plan import Plan
+from kvasir.errors import PlanError
 
 
 def check_host(plan: Plan) -> None:
@@ -26,4 +27,6 @@ def _check_stage_host(key: str, stage, usable: set[int], torch) -> None:
             raise PlanError(f"{key}.device = {stage.device!r} but CUDA is not available here")
         ordinal = int(stage.device.partition(":")[2] or 0)
         if ordinal >= torch.cuda.device_count():
-            raise PlanError(f"{key}.device = {stage.device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
+            raise PlanError(
+                f"{key}.device = {stage.device!r} but this machine has {torch.cuda.device_count()} CUDA devices"
+            )

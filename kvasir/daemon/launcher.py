@@ -18,18 +18,18 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from kvasir.errors import KvasirError
-from kvasir.ring.handshake import HandleExchange, HandshakeError
-from kvasir.wire.control import Command, ControlMessage, Drained, EdgeHandles, Heartbeat, Ready, WorkerSettings
-from kvasir.model.source import ModelSource
-from kvasir.daemon.notify import ServiceNotifier
 from kvasir.config.plan import Plan
-from kvasir.wire.rundir import RuntimeDirError, make_runtime_dir
-from kvasir.ring.shm import segment_prefix, sweep_stale_segments
-from kvasir.daemon.supervision import Heartbeats, RestartPolicy
-from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
 from kvasir.daemon.children import Child, StagePlace
 from kvasir.daemon.layout import Layout, LayoutError, lay_out
+from kvasir.daemon.notify import ServiceNotifier
+from kvasir.daemon.supervision import Heartbeats, RestartPolicy
+from kvasir.errors import KvasirError
+from kvasir.model.source import ModelSource
+from kvasir.ring.handshake import HandleExchange, HandshakeError
+from kvasir.ring.shm import segment_prefix, sweep_stale_segments
+from kvasir.wire.control import Command, ControlMessage, Drained, EdgeHandles, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.rundir import RuntimeDirError, make_runtime_dir
+from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
 
 
 class LaunchError(KvasirError):
@@ -292,8 +292,12 @@ class Launcher:
         delay = self.policy.failed(time.monotonic()) if running else None
         if delay is None:
             if running:
-                self.log.error("giving up", restarts=self.restarts, max_restarts=self.plan.supervise.max_restarts,
-                               window_s=self.plan.supervise.restart_window_s)
+                self.log.error(
+                    "giving up",
+                    restarts=self.restarts,
+                    max_restarts=self.plan.supervise.max_restarts,
+                    window_s=self.plan.supervise.restart_window_s,
+                )
             self.notifier.stopping(f"stopping: {reason}")
             self.exit_code = 1
             self._stop_all("stage_failed")

@@ -96,4 +96,6 @@ def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout) -
         )
         layout.rings.append(KvSegmentMap(segment, create=True))
         segments.append(segment)
-    return HandoffWiring(prefill=segments, decode=[stage.layers for stage in decode.stages], lease_s=plan.handoff.lease_s)
+    return HandoffWiring(
+        prefill=segments, decode=[stage.layers for stage in decode.stages], lease_s=plan.handoff.lease_s
+    )

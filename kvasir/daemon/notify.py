@@ -25,7 +25,7 @@ class ServiceNotifier:
         self._sock: socket.socket | None = None
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "ServiceNotifier":
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> ServiceNotifier:
         """Read NOTIFY_SOCKET and WATCHDOG_USEC (honoured only when WATCHDOG_PID, if set, is us)."""
         watchdog_s = None
         usec, pid = environ.get("WATCHDOG_USEC"), environ.get("WATCHDOG_PID")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import msgspec
 
-from kvasir.errors import ModelSourceError, PlanError
 from kvasir.config.keys import KeyFileError, allowed_keys, load_pair
-from kvasir.model.source import ModelSource, resolve_source
 from kvasir.config.plan import Plan, check_model_fit, load_plan
+from kvasir.errors import ModelSourceError, PlanError
+from kvasir.model.source import ModelSource, resolve_source
 
 
 def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:

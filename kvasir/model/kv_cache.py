@@ -10,6 +10,7 @@ import torch
 
 from kvasir.errors import BatchError
 
+
 class PagedKVCache:
     """Keys and values for ``num_layers`` layers in ``num_blocks`` blocks of ``block_size``."""
 
@@ -37,7 +38,9 @@ class PagedKVCache:
         self._tables: dict[int, list[int]] = {}
 
     @staticmethod
-    def bytes_needed(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_needed(
+        num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         return 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * dtype.itemsize
 
     @property

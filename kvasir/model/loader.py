@@ -16,10 +16,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from kvasir.config.plan import Plan
 from kvasir.errors import ModelSourceError
 from kvasir.model.attention import ATTENTION_NAME, register_attention
 from kvasir.model.source import ModelSource
-from kvasir.config.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,4 @@ def head_dim(config) -> int:
 
 
 def slice_spec(plan: Plan, index: int) -> SliceSpec:
-    return SliceSpec(
-        layers=plan.stages[index].layers, is_head=index == 0, is_tail=index == len(plan.stages) - 1
-    )
+    return SliceSpec(layers=plan.stages[index].layers, is_head=index == 0, is_tail=index == len(plan.stages) - 1)

@@ -99,9 +99,7 @@ def resolve_source(source: str, base_dir: Path | None = None) -> ModelSource:
         path = base_dir / path
     if not path.exists():
         known = ", ".join(sorted(BUILTIN_CONFIGS))
-        raise ModelSourceError(
-            f"model.source {source!r} is neither a built-in model ({known}) nor an existing path"
-        )
+        raise ModelSourceError(f"model.source {source!r} is neither a built-in model ({known}) nor an existing path")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelSourceError(

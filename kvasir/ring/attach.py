@@ -3,9 +3,8 @@ stage attaches its end (``cuda-ipc`` rings still need the handle exchange, kvasi
 
 from __future__ import annotations
 
-from kvasir.wire.control import EdgeSpec
 from kvasir.ring.slots import ShmSlotRing, SlotError, SlotRing
-
+from kvasir.wire.control import EdgeSpec
 
 SHARED_MEMORY_KINDS = ("shm", "pinned")  # edges whose buffers the launcher creates
 

@@ -54,7 +54,9 @@ def choose_edge(
     if a == b:
         return EdgeChoice(IPC, f"both stages on {producer}")
     if peer_access is None:
-        return EdgeChoice("auto", f"cuda-ipc if {producer} has peer access to {consumer}, else pinned (decided at start)")
+        return EdgeChoice(
+            "auto", f"cuda-ipc if {producer} has peer access to {consumer}, else pinned (decided at start)"
+        )
     if peer_access(a, b):
         return EdgeChoice(IPC, f"{producer} has peer access to {consumer}")
     return EdgeChoice("pinned", f"{producer} has no peer access to {consumer}: staged through page-locked memory")

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kvasir.config.devices import cuda_ordinal
-from kvasir.wire.control import CudaMemoryHandle, EdgeHandles, EdgeSpec
-from kvasir.config.devices import DTYPES
+from kvasir.config.devices import DTYPES, cuda_ordinal
 from kvasir.ring.slots import ShmSlotRing, SlotError, check_slot, edge_bytes
+from kvasir.wire.control import CudaMemoryHandle, EdgeHandles, EdgeSpec
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 
@@ -46,7 +45,9 @@ class PinnedSlotRing(ShmSlotRing):
             pointer = self._slots.data_ptr()
             status = int(torch.cuda.cudart().cudaHostRegister(pointer, edge_bytes(spec), HOST_REGISTER_PORTABLE))
             if status != 0:
-                raise SlotError(f"edge {spec.name}: cudaHostRegister of {edge_bytes(spec)} bytes failed (cudaError {status})")
+                raise SlotError(
+                    f"edge {spec.name}: cudaHostRegister of {edge_bytes(spec)} bytes failed (cudaError {status})"
+                )
             self._registered = pointer
             self._events = [torch.cuda.Event() for _ in range(spec.slots)]
 
@@ -98,8 +99,14 @@ def export_memory(tensor: torch.Tensor) -> CudaMemoryHandle:
 def import_memory(memory: CudaMemoryHandle, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Open another process's exported storage as a tensor of ``shape``."""
     storage = torch.UntypedStorage._new_shared_cuda(
-        memory.device, memory.handle, memory.size, memory.offset,
-        memory.ref_counter, memory.ref_counter_offset, memory.event, memory.event_sync,
+        memory.device,
+        memory.handle,
+        memory.size,
+        memory.offset,
+        memory.ref_counter,
+        memory.ref_counter_offset,
+        memory.event,
+        memory.event_sync,
     )
     needed = dtype.itemsize
     for n in shape:
@@ -121,7 +128,9 @@ class CudaIpcSlotRing:
     def __init__(self, spec: EdgeSpec, side: str) -> None:
         ordinal = cuda_ordinal(_side_device(spec, side))
         if ordinal is None or cuda_ordinal(spec.producer) is None or cuda_ordinal(spec.consumer) is None:
-            raise SlotError(f"edge {spec.name}: CUDA IPC slots need CUDA stages on both sides ({spec.producer} -> {spec.consumer})")
+            raise SlotError(
+                f"edge {spec.name}: CUDA IPC slots need CUDA stages on both sides ({spec.producer} -> {spec.consumer})"
+            )
         self.spec = spec
         self.side = side
         self.device = torch.device("cuda", ordinal)
@@ -155,7 +164,9 @@ class CudaIpcSlotRing:
             )
         if self.side == "producer":
             if peer.memory is None or peer.memory.device != expected:
-                raise SlotError(f"edge {self.spec.name}: the consumer's half carries no slot buffers on cuda:{expected}")
+                raise SlotError(
+                    f"edge {self.spec.name}: the consumer's half carries no slot buffers on cuda:{expected}"
+                )
             self._slots = import_memory(peer.memory, self._dtype, self._shape)
         self._peer = [torch.cuda.Event.from_ipc_handle(peer.device, handle) for handle in peer.events]
 

@@ -48,7 +48,9 @@ class HandleExchange:
         producer, consumer = ends
         expected = producer if half.side == "producer" else consumer if half.side == "consumer" else None
         if half.index != expected:
-            raise HandshakeError(f"stage {half.index} sent the {half.side!r} half of {half.edge}, which is not its side")
+            raise HandshakeError(
+                f"stage {half.index} sent the {half.side!r} half of {half.edge}, which is not its side"
+            )
         self._halves[(half.edge, half.side)] = half
         producer_half = self._halves.get((half.edge, "producer"))
         consumer_half = self._halves.get((half.edge, "consumer"))
@@ -108,4 +110,3 @@ def _take(command: Command, waiting: dict[str, IpcRing]) -> None:
             raise HandshakeError(f"handles for {peer.edge} ({peer.side} side) are not for this stage")
         ring.attach(peer)
         del waiting[peer.edge]
-

@@ -8,14 +8,16 @@ import os
 import re
 import secrets
 from pathlib import Path
-from kvasir.pids import alive
-from kvasir.errors import KvasirError
 
+from kvasir.errors import KvasirError
+from kvasir.pids import alive
 
 SHM_DIR = Path("/dev/shm")
 
 
-SEGMENT_NAME = re.compile(r"kvasir-(?P<pid>[0-9]+)-[0-9a-f]{8}-[a-z]+[0-9]*")  # segment_prefix() + "-edge3", "-kv0", "-hop"
+SEGMENT_NAME = re.compile(
+    r"kvasir-(?P<pid>[0-9]+)-[0-9a-f]{8}-[a-z]+[0-9]*"
+)  # segment_prefix() + "-edge3", "-kv0", "-hop"
 
 
 def segment_prefix() -> str:

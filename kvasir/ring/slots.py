@@ -19,9 +19,9 @@ from typing import Protocol
 
 import torch
 
-from kvasir.wire.control import EdgeSpec
 from kvasir.config.devices import DTYPES
 from kvasir.ring.shm import SHM_DIR, SlotError, close_map, map_file
+from kvasir.wire.control import EdgeSpec
 
 
 class SlotRing(Protocol):

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvasir.sched.blocks import BlockAllocator
+from kvasir.config.plan import Plan
 from kvasir.errors import BatchError, RequestError
+from kvasir.sched.blocks import BlockAllocator
 from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SamplingParams
 from kvasir.wire.head import BatchResult
-from kvasir.config.plan import Plan
 from kvasir.wire.validation import MAX_SEED, check_prompt, check_sampling
 
 
@@ -103,7 +103,9 @@ class Scheduler:
         self._next_batch = 1
 
     # -- entry points -------------------------------------------------------------
-    def submit(self, prompt: list[int], sampling: SamplingParams, request_id: int | None = None, client: int = 0) -> int:
+    def submit(
+        self, prompt: list[int], sampling: SamplingParams, request_id: int | None = None, client: int = 0
+    ) -> int:
         """Queue a validated request and return its id; raise RequestError if refused.
 
         ``request_id`` is the id the bridge gave the request; without one the
@@ -228,7 +230,10 @@ class Scheduler:
                 del self.queues[client]
                 continue
             state = self.waiting[queue[0]]
-            if best is None or (self.held.get(client, 0), state.arrival) < (self.held.get(best.client, 0), best.arrival):
+            if best is None or (self.held.get(client, 0), state.arrival) < (
+                self.held.get(best.client, 0),
+                best.arrival,
+            ):
                 best = state
         return best
 
@@ -288,7 +293,9 @@ class Scheduler:
             self._retire(state)
         return state
 
-    def reserve(self, request_id: int, prompt_len: int, output: list[int], sampling: SamplingParams, seed: int) -> list[int] | None:
+    def reserve(
+        self, request_id: int, prompt_len: int, output: list[int], sampling: SamplingParams, seed: int
+    ) -> list[int] | None:
         """Take in a request whose prompt KV is computed elsewhere: reserve its blocks and
         park it (``unpark`` once every stage holds the KV). None when the cache is full."""
         if request_id in self.running or request_id in self.waiting:

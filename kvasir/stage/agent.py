@@ -17,11 +17,11 @@ import zmq
 
 from kvasir.stage.engine import StageEngine
 from kvasir.stage.handoff import NoHandoff
+from kvasir.stage.ports import HandoffRole, Intake, Outlet
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import BatchSpan, StageStats
 from kvasir.wire.control import Heartbeat, WorkerSettings
 from kvasir.wire.transport import PullChannel, PushChannel
-from kvasir.stage.ports import HandoffRole, Intake, Outlet
 
 POLL_MS = 50
 SPANS_PER_REPORT = 2048  # batch spans a stage keeps between two stats reports
@@ -53,13 +53,13 @@ class StageAgent:
         bridge: PushChannel,
         control: PushChannel,
         log,
-        handoff: HandoffRole = NoHandoff(),
+        handoff: HandoffRole | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.intake = intake
         self.outlet = outlet
-        self.handoff = handoff
+        self.handoff = handoff if handoff is not None else NoHandoff()
         self.commands = commands
         self.bridge = bridge
         self.control = control
@@ -173,6 +173,3 @@ class StageAgent:
         spans = tuple(self.clock.spans)
         self.clock.spans.clear()
         return spans
-
-
-

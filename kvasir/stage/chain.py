@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvasir.stage.engine import StageEngine
-from kvasir.wire.batch import BatchDescriptor, SamplingParams
-from kvasir.model.source import ModelSource
 from kvasir.config.plan import Plan, check_model_fit
-from kvasir.stage.sampling import Sampler
+from kvasir.model.source import ModelSource
 from kvasir.sched.scheduler import Emitted, ScheduledBatch, Scheduler
+from kvasir.stage.engine import StageEngine
+from kvasir.stage.sampling import Sampler
+from kvasir.wire.batch import BatchDescriptor, SamplingParams
 
 
 @dataclass
@@ -47,8 +47,8 @@ class Chain:
         self.sampler = Sampler(source.eos_token_ids, plan.model.max_seq_len)
         self._queue: deque[ScheduledBatch] = deque()
 
-    def submit(self, prompt: list[int], sampling: SamplingParams = SamplingParams()) -> int:
-        return self.scheduler.submit(prompt, sampling)
+    def submit(self, prompt: list[int], sampling: SamplingParams | None = None) -> int:
+        return self.scheduler.submit(prompt, sampling if sampling is not None else SamplingParams())
 
     def cancel(self, request_id: int) -> Emitted | None:
         return self.scheduler.cancel(request_id)

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from kvasir.config.devices import cuda_ordinal
-from kvasir.wire.batch import BatchDescriptor
-from kvasir.model.attention import build_batch
+from kvasir.config.devices import DTYPES, cuda_ordinal
+from kvasir.config.plan import Plan
 from kvasir.errors import BatchError
+from kvasir.model.attention import build_batch
 from kvasir.model.kv_cache import PagedKVCache
-from kvasir.config.devices import DTYPES
-from kvasir.model.loader import load_slice
+from kvasir.model.loader import head_dim, load_slice, slice_spec
 from kvasir.model.source import ModelSource
 from kvasir.model.stage_model import StageModel
-from kvasir.config.plan import Plan
-from kvasir.model.loader import head_dim, slice_spec
+from kvasir.wire.batch import BatchDescriptor
 
 
 class StageEngine:
     """Runs batch descriptors through one stage: frees released KV, then the layers."""
 
-    def __init__(self, plan: Plan, index: int, source: ModelSource, storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, plan: Plan, index: int, source: ModelSource, storage: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         """``index`` within the plan's ring; ``storage``: shared memory for the KV cache
         (a prefill stage's, which decode stages copy from)."""
         stage = plan.stages[index]

@@ -15,14 +15,13 @@ import time
 from collections import OrderedDict
 
 from kvasir.errors import BatchError
+from kvasir.model.kv_cache import PagedKVCache, flat_slots
+from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.control import HandoffWiring
 from kvasir.wire.head import KvHeld
 from kvasir.wire.kv import KvReady, Placement
-from kvasir.model.kv_cache import PagedKVCache, flat_slots
-from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.wire.transport import PullChannel, PushChannel
-
 
 DROPPED_KEPT = 65536  # ids of dropped requests a decode stage remembers (their late announcements are ignored)
 
@@ -63,7 +62,9 @@ class HandoffSender(NoHandoff):
         for row in descriptor.rows:
             if row.emit:  # in the prefill pool, the row that ends the prompt
                 table = tuple(self.cache.table(row.request_id))
-                ready = KvReady(row.request_id, self.index, self.layers, table, row.start + row.num_tokens, time.monotonic_ns())
+                ready = KvReady(
+                    row.request_id, self.index, self.layers, table, row.start + row.num_tokens, time.monotonic_ns()
+                )
                 for target in self.targets:
                     target.send(ready)
 
@@ -106,7 +107,9 @@ class KvReceiver(NoHandoff):
             match message:
                 case KvReady(request_id=rid, source=source):
                     if source not in self.sources:
-                        raise BatchError(f"KV of request {rid} announced by stage {source}, which shares no layers with stage {self.index}")
+                        raise BatchError(
+                            f"KV of request {rid} announced by stage {source}, which shares no layers with stage {self.index}"
+                        )
                     if rid not in self.dropped:  # a drop may overtake the announcement (another socket)
                         self.parts.setdefault(rid, {})[source] = message
                     touched.add(rid)

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from kvasir.errors import BatchError, RequestError
-from kvasir.wire.head import Adopted, BatchResult, CancelRequest, Enqueue, Handoff, KvDrop, KvHeld, KvPlaced
+from kvasir.sched.scheduler import Emitted, Scheduler
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import HandoffReport, RequestEnded
+from kvasir.wire.head import Adopted, BatchResult, CancelRequest, Enqueue, Handoff, KvDrop, KvHeld, KvPlaced
 from kvasir.wire.kv import Placement
-from kvasir.sched.scheduler import Emitted, Scheduler
 from kvasir.wire.transport import PullChannel, PushChannel
 
 Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
@@ -121,13 +121,17 @@ class PrefillHeadIntake(SchedulerIntake):
     """The prefill pool's head. Its tail hands each request to the decode head itself (no
     wait for this loop); the head parks the request, holding its blocks, until adopted."""
 
-    def __init__(self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel, decode_head: PushChannel, lease_s: float) -> None:
+    def __init__(
+        self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel, decode_head: PushChannel, lease_s: float
+    ) -> None:
         super().__init__(scheduler, inbox, bridge)
         self.decode_head = decode_head
         self.lease_s = lease_s
         self.handed: set[int] = set()  # parked: handed off, not yet adopted
         self.leases: OrderedDict[int, float] = OrderedDict()  # of those, placed by the decode head: since when
-        self.early: dict[int, float | None] = {}  # the decode head's word that overtook the tail's result: placed at, or None: adopted
+        self.early: dict[
+            int, float | None
+        ] = {}  # the decode head's word that overtook the tail's result: placed at, or None: adopted
 
     def receive(self) -> None:
         super().receive()
@@ -191,7 +195,9 @@ class PrefillHeadIntake(SchedulerIntake):
             self.scheduler.retire(rid)
             self.decode_head.send(CancelRequest(rid))
             self.bridge.send(
-                RequestEnded(rid, "stage_failed", f"the decode pool did not take the request's KV within {self.lease_s:g} s")
+                RequestEnded(
+                    rid, "stage_failed", f"the decode pool did not take the request's KV within {self.lease_s:g} s"
+                )
             )
 
     def counters(self) -> dict[str, int]:
@@ -288,7 +294,9 @@ class DecodeHeadIntake(SchedulerIntake):
         del self.placed[rid]
         self.scheduler.unpark(rid)
         self.prefill_head.send(Adopted(rid))
-        self.bridge.send(HandoffReport(rid, placed.nbytes, (placed.last_ns - placed.ready_ns) / 1e9, placed.copy_ns / 1e9))
+        self.bridge.send(
+            HandoffReport(rid, placed.nbytes, (placed.last_ns - placed.ready_ns) / 1e9, placed.copy_ns / 1e9)
+        )
 
     def _broadcast(self, message: Placement) -> None:
         for stage in self.stages:

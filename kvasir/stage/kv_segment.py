@@ -4,16 +4,19 @@ requests' K/V from (the launcher creates it)."""
 from __future__ import annotations
 
 import torch
-from kvasir.wire.control import KvSegment
-from kvasir.model.kv_cache import PagedKVCache
+
 from kvasir.config.devices import DTYPES
+from kvasir.model.kv_cache import PagedKVCache
 from kvasir.ring.shm import SHM_DIR, close_map, map_file
+from kvasir.wire.control import KvSegment
 
 
 def kv_segment_bytes(spec: KvSegment) -> int:
     """Keys and values of every layer of a prefill stage's cache."""
     layers = spec.layers[1] - spec.layers[0]
-    return PagedKVCache.bytes_needed(layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, DTYPES[spec.dtype])
+    return PagedKVCache.bytes_needed(
+        layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, DTYPES[spec.dtype]
+    )
 
 
 class KvSegmentMap:

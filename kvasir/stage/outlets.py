@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
+
 import msgspec
 import torch
 import zmq
-from kvasir.stage.heads import Work
-from kvasir.wire.batch import BatchDescriptor
-from kvasir.wire.head import BatchResult, Handoff
-from kvasir.wire.bridge import TokenEvents
-from kvasir.stage.sampling import Sampler
+
 from kvasir.ring.slots import SlotCredits, SlotError, SlotRing
+from kvasir.stage.heads import Work
+from kvasir.stage.sampling import Sampler
+from kvasir.wire.batch import BatchDescriptor
+from kvasir.wire.bridge import TokenEvents
+from kvasir.wire.head import BatchResult, Handoff
 from kvasir.wire.transport import PullChannel, PushChannel
 
 
@@ -114,4 +116,6 @@ class PrefillTailOutlet(TailOutlet):
         for token in result.tokens:
             if token.finish is None:
                 sampling, seed = self.sampler.spec(token.request_id)
-                self.decode_head.send(Handoff(token.request_id, lengths[token.request_id], token.token_id, sampling, seed, now))
+                self.decode_head.send(
+                    Handoff(token.request_id, lengths[token.request_id], token.token_id, sampling, seed, now)
+                )

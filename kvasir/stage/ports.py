@@ -4,8 +4,10 @@ intake), where its outputs go (an outlet) and its part in the KV hand-off betwee
 from __future__ import annotations
 
 from typing import Protocol
+
 import torch
 import zmq
+
 from kvasir.stage.heads import Work
 from kvasir.wire.batch import BatchDescriptor
 

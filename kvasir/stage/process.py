@@ -6,32 +6,33 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+
 import msgspec
 import torch
 import zmq
+
 from kvasir.config.devices import cuda_ordinal
-from kvasir.stage.engine import StageEngine
+from kvasir.logs import setup_logging
+from kvasir.model.source import resolve_source
+from kvasir.ring.attach import attach_ring
 from kvasir.ring.handshake import exchange_handles
+from kvasir.ring.slots import SlotRing
+from kvasir.sched.scheduler import Scheduler
+from kvasir.stage.agent import StageAgent
+from kvasir.stage.engine import StageEngine
 from kvasir.stage.handoff import HandoffSender, KvReceiver, NoHandoff, overlap
 from kvasir.stage.heads import DecodeHeadIntake, PrefillHeadIntake, SchedulerIntake
-from kvasir.logs import setup_logging
-from kvasir.wire.batch import BatchDescriptor, Credit
-from kvasir.wire.head import HeadMessage
-from kvasir.wire.bridge import BridgeMessage
-from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
-from kvasir.wire.kv import KvMessage
-from kvasir.model.source import resolve_source
-from kvasir.stage.sampling import Sampler
-from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.kv_segment import KvSegmentMap
-from kvasir.ring.slots import SlotRing
-from kvasir.ring.attach import attach_ring
-from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
-from kvasir.stage.agent import StageAgent
 from kvasir.stage.outlets import DownstreamOutlet, PrefillTailOutlet, TailOutlet
 from kvasir.stage.ports import HandoffRole, Intake, Outlet
+from kvasir.stage.sampling import Sampler
 from kvasir.stage.upstream import UpstreamIntake
-
+from kvasir.wire.batch import BatchDescriptor, Credit
+from kvasir.wire.bridge import BridgeMessage
+from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
+from kvasir.wire.head import HeadMessage
+from kvasir.wire.kv import KvMessage
+from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
 
 HANDSHAKE_TIMEOUT_S = 300.0  # as the launcher's start-up wait: it gives up on a stage no sooner
 
@@ -88,9 +89,14 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
         ring_in = attach_ring(settings.edges[w.local - 1], "consumer")
         closing.append(ring_in)
         rings.append(ring_in)
-        intake = UpstreamIntake(w.pull(BatchDescriptor, ends.stage_in(index)), ring_in, w.push(Credit, ends.credits(index - 1)))
+        intake = UpstreamIntake(
+            w.pull(BatchDescriptor, ends.stage_in(index)), ring_in, w.push(Credit, ends.credits(index - 1))
+        )
     if w.local == w.last:
-        sampler, head = Sampler(source.eos_token_ids, plan.model.max_seq_len), w.push(HeadMessage, ends.stage_in(w.head))
+        sampler, head = (
+            Sampler(source.eos_token_ids, plan.model.max_seq_len),
+            w.push(HeadMessage, ends.stage_in(w.head)),
+        )
         if settings.pool == "prefill":
             decode_head = w.push(HeadMessage, ends.stage_in(settings.handoff.decode_head))
             outlet: Outlet = PrefillTailOutlet(sampler, head, bridge, decode_head)
@@ -130,12 +136,16 @@ def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
     if settings.pool == "prefill":
         first = wiring.decode_head
         targets = [
-            w.push(KvMessage, ends.kv_in(first + j)) for j, theirs in enumerate(wiring.decode) if overlap(layers, theirs)
+            w.push(KvMessage, ends.kv_in(first + j))
+            for j, theirs in enumerate(wiring.decode)
+            if overlap(layers, theirs)
         ]
         return HandoffSender(settings.index, layers, engine.cache, targets)
     if settings.pool == "decode":
         inbox = w.pull(KvMessage, ends.kv_in(settings.index))
-        return KvReceiver(settings.index, layers, engine.cache, wiring, inbox, w.push(HeadMessage, ends.stage_in(wiring.decode_head)))
+        return KvReceiver(
+            settings.index, layers, engine.cache, wiring, inbox, w.push(HeadMessage, ends.stage_in(wiring.decode_head))
+        )
     return NoHandoff()
 
 
@@ -167,7 +177,7 @@ def run_stage(encoded: bytes) -> None:
         log.info("stage stopped")
     except Exception:
         log.exception("stage failed")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         for resource in closing:
             resource.close()

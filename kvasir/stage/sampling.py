@@ -8,7 +8,6 @@ from kvasir.errors import BatchError
 from kvasir.wire.batch import BatchDescriptor, NewRequest, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
 
-
 GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive token indices over the seed space
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+
+from kvasir.ring.slots import SlotRing
 from kvasir.stage.heads import Work
 from kvasir.wire.batch import BatchDescriptor, Credit
-from kvasir.ring.slots import SlotRing
 from kvasir.wire.transport import PullChannel, PushChannel
 
 
@@ -38,7 +39,9 @@ class UpstreamIntake:
         else:
             fits = descriptor.num_tokens == 0
         if not fits:
-            self.descriptors.drop(f"descriptor of batch {descriptor.batch_id} does not fit the edge (slot {descriptor.slot}, {descriptor.num_tokens} tokens)")
+            self.descriptors.drop(
+                f"descriptor of batch {descriptor.batch_id} does not fit the edge (slot {descriptor.slot}, {descriptor.num_tokens} tokens)"
+            )
         return fits
 
     def take(self, room: bool) -> Work | None:

@@ -4,10 +4,11 @@ with a ``type`` tag; the same bodies as msgpack on the socket)."""
 from __future__ import annotations
 
 from typing import Annotated
+
 import msgspec
+
 from kvasir.wire.base import MAX_STOP_TOKEN_IDS
 from kvasir.wire.bridge import BatchSpan, StageStats
-
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
 # length before its items, so an oversized list is refused without being walked). The
@@ -119,7 +120,9 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     last_failure_age_s: float | None = None  # seconds since it
     handoff: HandoffSummary | None = None  # disaggregated plans: KV hand-offs since start
     client_bytes_waiting: int = 0  # events queued in the bridge for clients that read slower than they are sent
-    clients_lost: int = 0  # clients the bridge gave up on (gone, or not reading): their requests cancelled, events dropped
+    clients_lost: int = (
+        0  # clients the bridge gave up on (gone, or not reading): their requests cancelled, events dropped
+    )
     malformed: int = 0  # internal messages the bridge dropped because they did not decode
 
 

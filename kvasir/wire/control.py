@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from typing import Literal
+
 import msgspec
+
 from kvasir.config.plan import Plan
 from kvasir.wire.base import Tagged, Wire
 

@@ -24,7 +24,9 @@ from pathlib import Path
 
 from kvasir.errors import KvasirError
 
-OURS = re.compile(r"^(kvasird\.lock|(client|events|bridge-in|control|command-bridge|((stage|credits|kv|command-stage)-[0-9]+))\.sock)$")
+OURS = re.compile(
+    r"^(kvasird\.lock|(client|events|bridge-in|control|command-bridge|((stage|credits|kv|command-stage)-[0-9]+))\.sock)$"
+)
 
 
 class RuntimeDirError(KvasirError):

@@ -78,7 +78,10 @@ class Endpoints:
 
     def bridge_files(self) -> list[Path]:
         """The socket files the bridge binds (a killed bridge leaves them behind)."""
-        return [Path(url.removeprefix("ipc://")) for url in (self.client, self.events, self.bridge_in, self.command("bridge"))]
+        return [
+            Path(url.removeprefix("ipc://"))
+            for url in (self.client, self.events, self.bridge_in, self.command("bridge"))
+        ]
 
 
 MAX_INTERNAL_MESSAGE = 64 * 1024 * 1024  # internal messages are small; a larger frame drops its connection
@@ -147,8 +150,12 @@ class PullChannel(Generic[T]):
         receiver's state in a way only a stray or hostile sender explains)."""
         self.dropped += 1
         if self.log is not None:
-            self.log.warning("dropped a malformed internal message", socket=self.socket.get(zmq.LAST_ENDPOINT).decode(),
-                             error=why, dropped=self.dropped)
+            self.log.warning(
+                "dropped a malformed internal message",
+                socket=self.socket.get(zmq.LAST_ENDPOINT).decode(),
+                error=why,
+                dropped=self.dropped,
+            )
 
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: combining pyzmq's flag enums costs more than the send

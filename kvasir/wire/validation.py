@@ -76,7 +76,9 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     if not _is_int(params.max_tokens) or params.max_tokens < 1:
         raise RequestError("invalid_request", f"max_tokens must be an integer >= 1, got {params.max_tokens!r}")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise RequestError("invalid_request", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(params.stop_token_ids)}")
+        raise RequestError(
+            "invalid_request", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(params.stop_token_ids)}"
+        )
     for tok in params.stop_token_ids:
         if not _is_int(tok) or not 0 <= tok < vocab_size:
             raise RequestError(

@@ -27,7 +27,7 @@ def test_greedy_on_cuda_matches_hf_generate(tiny_models, plan_for):
     for rid, text in zip(ids, texts):
         inputs = torch.tensor([text])
         expected = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=12, do_sample=False)
-        assert done[rid].token_ids == expected[0, len(text):].tolist()
+        assert done[rid].token_ids == expected[0, len(text) :].tolist()
 
 
 def test_bfloat16_on_cuda_runs_and_samples_in_vocab(tiny_models, plan_for):

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from daemon import Daemon
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from daemon import Daemon
 from kvasir.client import AsyncClient
+from kvasir.config.plan import load_plan, plan_toml
 from kvasir.errors import KvasirError
-from kvasir.wire.client import Finished
 from kvasir.model.convert import prepare
 from kvasir.model.source import resolve_source
-from kvasir.config.plan import load_plan, plan_toml
+from kvasir.wire.client import Finished
 
 pytestmark = [
     pytest.mark.gpu,
@@ -74,8 +74,10 @@ def test_default_model_on_one_gpu_matches_generate_float32(reference, prompts, t
     got = serve(PLAN, tmp_path, prompts)
     for prompt, tokens in zip(prompts, got):
         inputs = torch.tensor([prompt], device="cuda:0")
-        out = reference.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert tokens == out[0, len(prompt):].tolist()
+        out = reference.generate(
+            inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        assert tokens == out[0, len(prompt) :].tolist()
 
 
 def test_default_model_on_one_gpu_bfloat16_is_near_argmax(reference, prompts, tmp_path):

@@ -19,12 +19,12 @@ import asyncio
 
 import pytest
 import torch
+from daemon import settled
+from models import random_prompts
 from transformers import AutoModelForCausalLM
 
-from daemon import settled
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Finished, TokenOut
-from models import random_prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,11 +55,13 @@ def reference(folder, device: str, dtype=torch.float32):
 def hf_greedy(model, prompt: list[int], new_tokens: int = NEW) -> list[int]:
     inputs = torch.tensor([prompt], device=model.device)
     out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def edge_kinds(daemon) -> list[str]:
-    return [line.split("kind=")[1].split()[0] for line in daemon.log().splitlines() if " edge " in line and "kind=" in line]
+    return [
+        line.split("kind=")[1].split()[0] for line in daemon.log().splitlines() if " edge " in line and "kind=" in line
+    ]
 
 
 def check_near_argmax(model, prompts, outputs, margin: float) -> None:
@@ -93,8 +95,9 @@ def test_two_stages_on_one_gpu_over_cuda_ipc_match_generate_float32(start_daemon
 
 
 def test_three_gpu_stages_two_cuda_ipc_edges_with_more_batches_than_slots(start_daemon, tiny_models):
-    daemon = start_daemon(tiny_models["qwen2"], [(0, 2), (2, 4), (4, 6)], devices=["cuda:0"] * 3,
-                          max_rows=4, max_tokens=16, inflight=2).wait_ready()
+    daemon = start_daemon(
+        tiny_models["qwen2"], [(0, 2), (2, 4), (4, 6)], devices=["cuda:0"] * 3, max_rows=4, max_tokens=16, inflight=2
+    ).wait_ready()
     assert edge_kinds(daemon) == ["cuda-ipc", "cuda-ipc"]
     check_exact(daemon, tiny_models["qwen2"], "cuda:0", random_prompts(320, LENGTHS, seed=4))
 
@@ -108,14 +111,17 @@ def test_pinned_edges_between_cpu_and_gpu_stages_match_generate(start_daemon, ti
 
 
 def test_explicit_shared_memory_between_gpu_stages_still_works(start_daemon, tiny_models):
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], devices=["cuda:0", "cuda:0"],
-                          edges=["shm", None]).wait_ready()
+    daemon = start_daemon(
+        tiny_models["llama"], [(0, 3), (3, 6)], devices=["cuda:0", "cuda:0"], edges=["shm", None]
+    ).wait_ready()
     assert edge_kinds(daemon) == ["shm"]
     check_exact(daemon, tiny_models["llama"], "cuda:0", random_prompts(320, LENGTHS[:5], seed=6))
 
 
 def test_bfloat16_tokens_are_near_argmax_of_the_float32_reference(start_daemon, tiny_models):
-    daemon = start_daemon(tiny_models["qwen2"], [(0, 3), (3, 6)], devices=["cuda:0", "cuda:0"], dtype="bfloat16").wait_ready()
+    daemon = start_daemon(
+        tiny_models["qwen2"], [(0, 3), (3, 6)], devices=["cuda:0", "cuda:0"], dtype="bfloat16"
+    ).wait_ready()
     prompts = random_prompts(320, LENGTHS, seed=7)
     got = asyncio.run(greedy(daemon.runtime_dir, prompts))
     check_near_argmax(reference(tiny_models["qwen2"], "cuda:0"), prompts, got, BF16_MARGIN)

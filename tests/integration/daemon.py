@@ -19,14 +19,19 @@ def stage_count(splits) -> int:
 
 
 def write_plan(path: Path, source: Path, splits, **kw) -> Path:
-    values = dict(max_seq_len=256, max_rows=8, max_tokens=32, inflight=3, block_size=4, num_blocks=600, max_waiting=1024)
+    values = dict(
+        max_seq_len=256, max_rows=8, max_tokens=32, inflight=3, block_size=4, num_blocks=600, max_waiting=1024
+    )
     values["max_per_client"] = kw.get("max_waiting", 1024)
     values.update(kw)
-    supervise = "".join(f"{key} = {kw[key]}\n" for key in ("max_restarts", "restart_window_s", "heartbeat_timeout_s") if key in kw)
+    supervise = "".join(
+        f"{key} = {kw[key]}\n" for key in ("max_restarts", "restart_window_s", "heartbeat_timeout_s") if key in kw
+    )
     pools = splits.items() if isinstance(splits, dict) else [("", splits)]  # {"prefill": [...], "decode": [...]}
     stages = "".join(
         f"[[{pool + '.' if pool else ''}stages]]\nlayers = [{a}, {b}]\n" + _stage_keys(kw, i)
-        for pool, split in pools for i, (a, b) in enumerate(split)
+        for pool, split in pools
+        for i, (a, b) in enumerate(split)
     )
     if "lease_s" in kw:
         stages = f"[handoff]\nlease_s = {kw['lease_s']}\n" + stages
@@ -35,13 +40,17 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
             stages = f"[{pool}.kv]\nblock_size = {values['block_size']}\nnum_blocks = {kw[pool + '_blocks']}\n" + stages
     path.write_text(
         f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\ndtype = "{kw.get("dtype", "float32")}"\n'
-        f'[batch]\nmax_rows = {values["max_rows"]}\nmax_tokens = {values["max_tokens"]}\ninflight = {values["inflight"]}\n'
-        f'[kv]\nblock_size = {values["block_size"]}\nnum_blocks = {values["num_blocks"]}\n'
-        f'[bridge]\nmax_waiting = {values["max_waiting"]}\nmax_per_client = {values["max_per_client"]}\n'
-        + "".join(f"{key} = {kw[key]}\n" for key in ("max_client_queue", "max_client_bytes", "max_tokens_per_request") if key in kw)
+        f"[batch]\nmax_rows = {values['max_rows']}\nmax_tokens = {values['max_tokens']}\ninflight = {values['inflight']}\n"
+        f"[kv]\nblock_size = {values['block_size']}\nnum_blocks = {values['num_blocks']}\n"
+        f"[bridge]\nmax_waiting = {values['max_waiting']}\nmax_per_client = {values['max_per_client']}\n"
+        + "".join(
+            f"{key} = {kw[key]}\n"
+            for key in ("max_client_queue", "max_client_bytes", "max_tokens_per_request")
+            if key in kw
+        )
         + ("tcp_allow_local_unauthenticated = true\n" if kw.get("tcp_allow_local_unauthenticated") else "")
         + "".join(f'{key} = "{kw[key]}"\n' for key in ("tcp", "server_key", "client_keys") if key in kw)
-        + f'[supervise]\n{supervise}{stages}'
+        + f"[supervise]\n{supervise}{stages}"
     )
     return path
 
@@ -66,8 +75,16 @@ class Daemon:
         self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime_dir),
-             "--drain-timeout", str(drain_timeout)],
+            [
+                str(BIN / "kvasird"),
+                "start",
+                "--plan",
+                str(plan),
+                "--runtime-dir",
+                str(runtime_dir),
+                "--drain-timeout",
+                str(drain_timeout),
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
@@ -75,7 +92,7 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout_s: float = 180.0) -> "Daemon":
+    def wait_ready(self, timeout_s: float = 180.0) -> Daemon:
         wait_serving(self.process, self.runtime_dir, self.stages, timeout_s, self.log)
         return self
 
@@ -120,7 +137,8 @@ class TailReader:
         self.lines: queue.Queue = queue.Queue()
         self.process = subprocess.Popen(
             [str(BIN / "kvasir"), "tail", "--json", "--runtime-dir", str(runtime_dir), *args],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -12,14 +12,32 @@ from daemon import BIN, write_plan
 def bench(runtime_dir, *args):
     return subprocess.run(
         [str(BIN / "kvasir"), "bench", *args, "--runtime-dir", str(runtime_dir)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 def test_bench_closed_and_open_loop_report(tiny_models, start_daemon, tmp_path):
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_rows=8, max_tokens=64).wait_ready()
-    closed = bench(daemon.runtime_dir, "--requests", "24", "--warmup", "4", "--concurrency", "8",
-                   "--prompt-len", "8:24", "--output-len", "6", "--slo-ttft", "5", "--slo-tpot", "1", "--json")
+    closed = bench(
+        daemon.runtime_dir,
+        "--requests",
+        "24",
+        "--warmup",
+        "4",
+        "--concurrency",
+        "8",
+        "--prompt-len",
+        "8:24",
+        "--output-len",
+        "6",
+        "--slo-ttft",
+        "5",
+        "--slo-tpot",
+        "1",
+        "--json",
+    )
     assert closed.returncode == 0, closed.stderr
     report = json.loads(closed.stdout)
     assert set(report) == {"mode", "workload", "summary", "stages", "slo"}
@@ -72,9 +90,29 @@ def valid_png(path):
 def test_compare_runs_every_contender_with_exact_lengths_and_plots(tiny_models, tmp_path):
     plan = write_plan(tmp_path / "plan.toml", tiny_models["llama"], [(0, 3), (3, 6)], max_rows=8, max_tokens=64)
     run = subprocess.run(
-        [str(BIN / "kvasir"), "bench", "--compare", "--plan", str(plan), "--requests", "12", "--warmup", "2",
-         "--concurrency", "4", "--prompt-len", "4:12", "--output-len", "5", "--plot", str(tmp_path / "pics"), "--json"],
-        capture_output=True, text=True, timeout=600,
+        [
+            str(BIN / "kvasir"),
+            "bench",
+            "--compare",
+            "--plan",
+            str(plan),
+            "--requests",
+            "12",
+            "--warmup",
+            "2",
+            "--concurrency",
+            "4",
+            "--prompt-len",
+            "4:12",
+            "--output-len",
+            "5",
+            "--plot",
+            str(tmp_path / "pics"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
@@ -119,7 +157,8 @@ def test_timeline_spans_follow_one_batch_plan(tiny_models, start_daemon):
         assert lane and all(s.start_ns <= s.end_ns for s in lane)
         assert all(a.end_ns <= b.start_ns for a, b in zip(lane, lane[1:]))  # one batch at a time per stage
         assert sum(s.prefill_tokens + s.decode_tokens for s in lane) == sum(
-            st.tokens for st in with_timeline.stages if st.index == lanes.index(lane))
+            st.tokens for st in with_timeline.stages if st.index == lanes.index(lane)
+        )
     # every stage ran the same batches in the same order, each starting after its upstream
     # stage started it (its end may come after the downstream's: it is taken once the
     # descriptor has gone, and a tiny batch downstream can be done by then)
@@ -132,10 +171,33 @@ def test_timeline_spans_follow_one_batch_plan(tiny_models, start_daemon):
 def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     plan = write_plan(tmp_path / "plan.toml", tiny_models["llama"], [(0, 3), (3, 6)])
     sweep = subprocess.run(
-        [str(BIN / "kvasir"), "bench", "--plan", str(plan), "--rate-sweep", "--rate", "20", "--sweep-steps", "1",
-         "--requests", "6", "--warmup", "0", "--prompt-len", "4", "--output-len", "3",
-         "--slo-ttft", "60", "--slo-tpot", "60", "--json"],
-        capture_output=True, text=True, timeout=600,
+        [
+            str(BIN / "kvasir"),
+            "bench",
+            "--plan",
+            str(plan),
+            "--rate-sweep",
+            "--rate",
+            "20",
+            "--sweep-steps",
+            "1",
+            "--requests",
+            "6",
+            "--warmup",
+            "0",
+            "--prompt-len",
+            "4",
+            "--output-len",
+            "3",
+            "--slo-ttft",
+            "60",
+            "--slo-tpot",
+            "60",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert sweep.returncode == 0, sweep.stderr
     report = json.loads(sweep.stdout)
@@ -152,15 +214,28 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 and s["memcpy_gibps"] > 0 for s in sizes)
     assert not list(Path("/dev/shm").glob("kvasir-*-hop"))
     for device, why in (("gpu", "is not 'cpu' or 'cuda:N'"), ("cuda:99", "cuda:99: ")):  # cuda:99 is never here
-        bad = subprocess.run([str(BIN / "kvasir"), "bench", "--hop", "--hop-device", device], capture_output=True, text=True, timeout=120)
+        bad = subprocess.run(
+            [str(BIN / "kvasir"), "bench", "--hop", "--hop-device", device], capture_output=True, text=True, timeout=120
+        )
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
 
 
 def test_failover_kills_each_stage_in_turn_and_times_the_recovery(tiny_models, start_daemon):
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="failover").wait_ready()
     before = set(daemon.child_pids())
-    run = bench(daemon.runtime_dir, "--failover", "--rounds", "2", "--concurrency", "8", "--prompt-len", "8",
-                "--output-len", "100", "--json")
+    run = bench(
+        daemon.runtime_dir,
+        "--failover",
+        "--rounds",
+        "2",
+        "--concurrency",
+        "8",
+        "--prompt-len",
+        "8",
+        "--output-len",
+        "100",
+        "--json",
+    )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)["failover"]
     assert [r["stage"] for r in report["rounds"]] == [0, 1]
@@ -183,13 +258,40 @@ def test_failover_kills_each_stage_in_turn_and_times_the_recovery(tiny_models, s
 
 def test_compare_two_plans_colocated_and_disaggregated(tiny_models, tmp_path):
     colocated = write_plan(tmp_path / "colocated.toml", tiny_models["llama"], [(0, 3), (3, 6)], max_tokens=64)
-    disagg = write_plan(tmp_path / "disagg.toml", tiny_models["llama"],
-                        {"prefill": [(0, 2), (2, 6)], "decode": [(0, 4), (4, 6)]}, max_tokens=64)
+    disagg = write_plan(
+        tmp_path / "disagg.toml",
+        tiny_models["llama"],
+        {"prefill": [(0, 2), (2, 6)], "decode": [(0, 4), (4, 6)]},
+        max_tokens=64,
+    )
     run = subprocess.run(
-        [str(BIN / "kvasir"), "bench", "--compare", "--plan", str(colocated), "--plan", str(disagg),
-         "--requests", "12", "--warmup", "2", "--concurrency", "4", "--prompt-len", "60,8,8", "--output-len", "6",
-         "--slo-ttft", "60", "--slo-tpot", "60", "--json"],
-        capture_output=True, text=True, timeout=600,
+        [
+            str(BIN / "kvasir"),
+            "bench",
+            "--compare",
+            "--plan",
+            str(colocated),
+            "--plan",
+            str(disagg),
+            "--requests",
+            "12",
+            "--warmup",
+            "2",
+            "--concurrency",
+            "4",
+            "--prompt-len",
+            "60,8,8",
+            "--output-len",
+            "6",
+            "--slo-ttft",
+            "60",
+            "--slo-tpot",
+            "60",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr
     plans = json.loads(run.stdout)["plans"]

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from daemon import Daemon
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from daemon import Daemon
 from kvasir.client import AsyncClient
-from kvasir.wire.client import Finished
 from kvasir.model.convert import prepare
 from kvasir.model.source import resolve_source
+from kvasir.wire.client import Finished
 
 PLANS = Path(__file__).parents[2] / "plans"
 CHATS = ["What is the capital of France?", "Name a colour of the sky."]
@@ -42,7 +42,7 @@ def expected(smollm2):
         inputs = torch.tensor([ids])
         tokens = model.generate(
             inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW_TOKENS, do_sample=False
-        )[0, len(ids):].tolist()
+        )[0, len(ids) :].tolist()
         out[(text, chat)] = (len(ids), tokens, tokenizer.decode(tokens, skip_special_tokens=True))
     return out
 
@@ -50,9 +50,7 @@ def expected(smollm2):
 async def ask_all(runtime_dir):
     async with await AsyncClient.connect(runtime_dir) as client:
         keys = [(t, True) for t in CHATS] + [(t, False) for t in PLAIN]
-        streams = [
-            await client.submit(text, chat=chat, max_tokens=NEW_TOKENS, temperature=0) for text, chat in keys
-        ]
+        streams = [await client.submit(text, chat=chat, max_tokens=NEW_TOKENS, temperature=0) for text, chat in keys]
         return dict(zip(keys, [await s.result() for s in streams]))
 
 

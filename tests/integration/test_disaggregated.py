@@ -10,13 +10,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from daemon import BIN, alive, settled
-from kvasir.client import Client
-from kvasir.wire.client import ErrorEvent, Finished
 from models import hf_greedy, random_prompts, reference_model
 from test_ring import check_events, run_all
 from test_supervision import load_then, one_greedy, terminal_codes, wait_serving_again
+
+from kvasir.client import Client
+from kvasir.wire.client import ErrorEvent, Finished
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 48, 64, 90, 120, 2, 5, 17, 26, 40, 75, 101, 9]
 SPLITS = {
@@ -48,8 +48,12 @@ def test_disaggregated_output_equals_hf_generate(tiny_models, start_daemon, spli
     assert stats.handoff is not None and stats.handoff.count == handed > 0
     stats = settled(daemon.runtime_dir)
     assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages)  # every pool freed every request's blocks
-    shown = subprocess.run([str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)],
-                           capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     body = json.loads(shown.stdout)
     assert body["handoff"]["count"] == handed and body["handoff"]["kv_bytes"] > 0 and body["handoff"]["gibps"] > 0
     assert set(body["pools"]) == {"prefill", "decode"}

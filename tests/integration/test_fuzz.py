@@ -13,30 +13,57 @@ import msgspec
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kvasir.client import Client
-from kvasir.errors import PlanError
-from kvasir.config.plan import parse_plan
 from models import hf_greedy, reference_model
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True),
-                    st.text(max_size=20), st.binary(max_size=20))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                      max_leaves=8)
-FIELDS = ["type", "key", "prompt", "token_ids", "chat", "max_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop_token_ids", "ignore_eos", "request_id", "timeline"]
+from kvasir.client import Client
+from kvasir.config.plan import parse_plan
+from kvasir.errors import PlanError
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=8,
+)
+FIELDS = [
+    "type",
+    "key",
+    "prompt",
+    "token_ids",
+    "chat",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "request_id",
+    "timeline",
+]
 envelopes = st.fixed_dictionaries(
     {"type": st.sampled_from(["submit", "cancel", "stats", "token", "bogus"])},
     optional={name: values for name in FIELDS[1:]},
 )
 # a submit that decodes but carries bad values
-bad_submits = st.fixed_dictionaries({
-    "type": st.just("submit"), "key": st.integers(0, 2**40),
-    "token_ids": st.lists(st.integers(-5, 2**40), max_size=6),
-    "max_tokens": st.integers(-3, 3), "temperature": st.one_of(st.floats(-2, 5), st.just(float("nan"))),
-    "top_p": st.one_of(st.floats(-1, 2), st.just(float("inf"))), "top_k": st.integers(-3, 3),
-})
+bad_submits = st.fixed_dictionaries(
+    {
+        "type": st.just("submit"),
+        "key": st.integers(0, 2**40),
+        "token_ids": st.lists(st.integers(-5, 2**40), max_size=6),
+        "max_tokens": st.integers(-3, 3),
+        "temperature": st.one_of(st.floats(-2, 5), st.just(float("nan"))),
+        "top_p": st.one_of(st.floats(-1, 2), st.just(float("inf"))),
+        "top_k": st.integers(-3, 3),
+    }
+)
 frames = st.one_of(
     st.binary(max_size=64),  # random bytes and truncations
     envelopes.map(msgspec.msgpack.encode),
@@ -91,16 +118,39 @@ def test_fuzzed_plan_text_is_refused_cleanly_or_accepted(raw):
         assert str(exc) and "\n" not in str(exc)
 
 
-sections = st.dictionaries(st.sampled_from(["model", "batch", "kv", "bridge", "extra"]),
-                           st.dictionaries(st.sampled_from(["source", "dtype", "max_seq_len", "max_rows", "max_tokens",
-                                                            "inflight", "block_size", "num_blocks", "max_waiting", "x"]),
-                                           st.one_of(st.integers(-5, 5000), st.text(max_size=8), st.booleans(),
-                                                     st.lists(st.integers(-2, 40), max_size=3)), max_size=4),
-                           max_size=4)
-stage_lists = st.lists(st.fixed_dictionaries({"layers": st.lists(st.integers(-2, 40), max_size=3)},
-                                             optional={"device": st.sampled_from(["cpu", "cuda:0", "tpu", ""]),
-                                                       "threads": st.integers(-1, 4),
-                                                       "cpus": st.lists(st.integers(-1, 3), max_size=3)}), max_size=4)
+sections = st.dictionaries(
+    st.sampled_from(["model", "batch", "kv", "bridge", "extra"]),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "source",
+                "dtype",
+                "max_seq_len",
+                "max_rows",
+                "max_tokens",
+                "inflight",
+                "block_size",
+                "num_blocks",
+                "max_waiting",
+                "x",
+            ]
+        ),
+        st.one_of(st.integers(-5, 5000), st.text(max_size=8), st.booleans(), st.lists(st.integers(-2, 40), max_size=3)),
+        max_size=4,
+    ),
+    max_size=4,
+)
+stage_lists = st.lists(
+    st.fixed_dictionaries(
+        {"layers": st.lists(st.integers(-2, 40), max_size=3)},
+        optional={
+            "device": st.sampled_from(["cpu", "cuda:0", "tpu", ""]),
+            "threads": st.integers(-1, 4),
+            "cpus": st.lists(st.integers(-1, 3), max_size=3),
+        },
+    ),
+    max_size=4,
+)
 
 
 @settings(max_examples=1500, deadline=None, database=None)

@@ -17,14 +17,14 @@ import msgspec
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import hf_greedy, reference_model
 
 from kvasir.client import Client
-from kvasir.wire.head import Adopted, BatchResult, CancelRequest, KvDrop, KvHeld, KvPlaced
 from kvasir.wire.batch import BatchDescriptor, Credit, Row, SampledToken
-from kvasir.wire.control import Drained, Heartbeat, Ready
-from kvasir.wire.kv import Placement
 from kvasir.wire.bridge import RequestEnded, TokenEvents
-from models import hf_greedy, reference_model
+from kvasir.wire.control import Drained, Heartbeat, Ready
+from kvasir.wire.head import Adopted, BatchResult, CancelRequest, KvDrop, KvHeld, KvPlaced
+from kvasir.wire.kv import Placement
 
 NOBODY = 10**9  # a request id nothing in the daemon has
 # every internal message type, with values no real sender would use (a slot out of
@@ -82,9 +82,20 @@ def test_garbage_on_every_socket_of_the_runtime_dir(tiny_models, start_daemon):
     pools = {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}
     daemon = start_daemon(source, pools, max_seq_len=64, num_blocks=200).wait_ready()
     names = sorted(path.name for path in daemon.runtime_dir.glob("*.sock"))
-    for expected in ("client.sock", "events.sock", "bridge-in.sock", "control.sock", "command-bridge.sock",
-                     "command-stage-0.sock", "stage-0.sock", "stage-1.sock", "stage-2.sock", "credits-0.sock",
-                     "kv-2.sock", "kv-3.sock"):
+    for expected in (
+        "client.sock",
+        "events.sock",
+        "bridge-in.sock",
+        "control.sock",
+        "command-bridge.sock",
+        "command-stage-0.sock",
+        "stage-0.sock",
+        "stage-1.sock",
+        "stage-2.sock",
+        "credits-0.sock",
+        "kv-2.sock",
+        "kv-3.sock",
+    ):
         assert expected in names, names
     ctx = zmq.Context()
     sockets = {}

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import msgspec
 import zmq
+from daemon import settled
+from models import hf_greedy, random_prompts, reference_model
 
 from kvasir.client import AsyncClient, Client
 from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
-from models import hf_greedy, random_prompts, reference_model
-from daemon import settled
 
 enc = msgspec.msgpack.encode
 
@@ -31,8 +31,17 @@ def dealer(ctx: zmq.Context, runtime_dir: Path, reading: bool = True) -> zmq.Soc
 
 
 def submit(key: int, ids: list[int], max_tokens: int, **extra) -> bytes:
-    return enc({"type": "submit", "key": key, "token_ids": ids, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, **extra})
+    return enc(
+        {
+            "type": "submit",
+            "key": key,
+            "token_ids": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **extra,
+        }
+    )
 
 
 def rss_kib(pid: int) -> int:
@@ -65,8 +74,15 @@ def idle(runtime_dir: Path):
 
 def test_clients_that_vanish_or_stop_reading_leave_nothing_running(tiny_models, start_daemon):
     source = tiny_models["llama"]
-    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, num_blocks=800, max_waiting=5000,
-                          max_client_bytes=65536, heartbeat_timeout_s=5).wait_ready()
+    daemon = start_daemon(
+        source,
+        [(0, 3), (3, 6)],
+        max_seq_len=64,
+        num_blocks=800,
+        max_waiting=5000,
+        max_client_bytes=65536,
+        heartbeat_timeout_s=5,
+    ).wait_ready()
     prompts = random_prompts(320, [5, 11, 16, 7], seed=9)
     model = reference_model(source)
     ctx = zmq.Context()
@@ -96,8 +112,16 @@ def test_a_stats_flood_without_reading_is_bounded_and_starves_nobody(tiny_models
     them as fast as it can and reading none must not grow the bridge's memory without
     bound, nor keep its loop from beating its heartbeat (2 s here) or serving others."""
     source = tiny_models["llama"]
-    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, num_blocks=800, max_waiting=5000, max_rows=2,
-                          max_client_bytes=1 << 20, heartbeat_timeout_s=2).wait_ready()
+    daemon = start_daemon(
+        source,
+        [(0, 3), (3, 6)],
+        max_seq_len=64,
+        num_blocks=800,
+        max_waiting=5000,
+        max_rows=2,
+        max_client_bytes=1 << 20,
+        heartbeat_timeout_s=2,
+    ).wait_ready()
     prompts = random_prompts(320, [6] * 40, seed=3)
     asyncio.run(polite(daemon.runtime_dir, prompts, 20))  # timelines to send: hundreds of batch spans per stage
     bridge = bridge_pid(daemon)
@@ -143,8 +167,16 @@ def test_oversized_lists_and_texts_are_refused_before_any_walk(tiny_models, star
         "stop list of 2,000,000": (submit(1, [5, 6], 4, stop_token_ids=[0] * 2_000_000), "invalid_request", "<= 256"),
         "prompt of 2,000,000 ids": (submit(2, [5] * 2_000_000, 4), "invalid_request", "<= 1048576"),
         "prompt of 1,000,000 ids": (submit(3, [5] * 1_000_000, 4), "too_long", "prompt of 1000000 tokens"),
-        "15 MiB of text": (enc({"type": "submit", "key": 4, "prompt": "a" * (15 << 20)}), "invalid_request", "<= 4194304"),
-        "3 MiB of text": (enc({"type": "submit", "key": 5, "prompt": "ab " * (1 << 20)}), "too_long", "before tokenizing"),
+        "15 MiB of text": (
+            enc({"type": "submit", "key": 4, "prompt": "a" * (15 << 20)}),
+            "invalid_request",
+            "<= 4194304",
+        ),
+        "3 MiB of text": (
+            enc({"type": "submit", "key": 5, "prompt": "ab " * (1 << 20)}),
+            "too_long",
+            "before tokenizing",
+        ),
     }
     ctx = zmq.Context()
     decoder = msgspec.msgpack.Decoder(ClientEvent)
@@ -174,14 +206,28 @@ def test_one_clients_long_requests_do_not_keep_others_waiting(tiny_models, start
     refused. No wait on a stats figure: a fast machine may drain the queue between two
     stats samples."""
     source = tiny_models["llama"]
-    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, block_size=4, num_blocks=36, max_rows=4,
-                          max_waiting=1000, max_tokens_per_request=30).wait_ready()
+    daemon = start_daemon(
+        source,
+        [(0, 3), (3, 6)],
+        max_seq_len=64,
+        block_size=4,
+        num_blocks=36,
+        max_rows=4,
+        max_waiting=1000,
+        max_tokens_per_request=30,
+    ).wait_ready()
 
     async def main():
-        async with await AsyncClient.connect(daemon.runtime_dir) as hog, \
-                await AsyncClient.connect(daemon.runtime_dir) as other:
-            hogs = [asyncio.create_task((await hog.submit(token_ids=[5, 6, 7, 8], max_tokens=30, ignore_eos=True,
-                                                           temperature=0)).result()) for _ in range(24)]
+        async with (
+            await AsyncClient.connect(daemon.runtime_dir) as hog,
+            await AsyncClient.connect(daemon.runtime_dir) as other,
+        ):
+            hogs = [
+                asyncio.create_task(
+                    (await hog.submit(token_ids=[5, 6, 7, 8], max_tokens=30, ignore_eos=True, temperature=0)).result()
+                )
+                for _ in range(24)
+            ]
             too_many = await (await other.submit(token_ids=[5], max_tokens=31)).result()
             # Every hog request was accepted, so the bridge enqueued them all before this one.
             mine = await (await other.submit(token_ids=[9, 9, 9], max_tokens=4, temperature=0)).result()

@@ -16,58 +16,75 @@ import math
 import subprocess
 import sys
 
+from daemon import BIN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import hf_greedy, random_prompts, reference_model
 
 from kvasir.client import AsyncClient
 from kvasir.wire.base import MAX_STOP_TOKEN_IDS
 from kvasir.wire.client import ErrorEvent, Finished
-from daemon import BIN
-from models import hf_greedy, random_prompts, reference_model
 
 VOCAB = 320
 MAX_SEQ_LEN = 48
 
-legal = st.fixed_dictionaries({
-    "token_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_SEQ_LEN - 1),
-    "temperature": st.one_of(st.floats(0, sys.float_info.max), st.sampled_from([0.0, 5e-324, 1e-45, 1e-38, 1e308])),
-    "top_p": st.one_of(st.floats(5e-324, 1.0), st.sampled_from([5e-324, 1e-300, 1.0])),
-    "top_k": st.one_of(st.integers(0, 2**63 - 1), st.integers(0, VOCAB + 2)),
-    "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1), st.sampled_from([0, 2**63 - 1])),
-    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=MAX_STOP_TOKEN_IDS),
-    "max_tokens": st.one_of(st.integers(1, 2**64 - 1), st.integers(1, MAX_SEQ_LEN)),
-    "ignore_eos": st.booleans(),
-})
+legal = st.fixed_dictionaries(
+    {
+        "token_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_SEQ_LEN - 1),
+        "temperature": st.one_of(st.floats(0, sys.float_info.max), st.sampled_from([0.0, 5e-324, 1e-45, 1e-38, 1e308])),
+        "top_p": st.one_of(st.floats(5e-324, 1.0), st.sampled_from([5e-324, 1e-300, 1.0])),
+        "top_k": st.one_of(st.integers(0, 2**63 - 1), st.integers(0, VOCAB + 2)),
+        "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1), st.sampled_from([0, 2**63 - 1])),
+        "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=MAX_STOP_TOKEN_IDS),
+        "max_tokens": st.one_of(st.integers(1, 2**64 - 1), st.integers(1, MAX_SEQ_LEN)),
+        "ignore_eos": st.booleans(),
+    }
+)
 
 illegal = st.one_of(
-    st.fixed_dictionaries({"temperature": st.one_of(st.floats(max_value=-1e-300), st.just(math.nan), st.just(math.inf))}),
-    st.fixed_dictionaries({"top_p": st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0000001),
-                                              st.just(math.nan))}),
+    st.fixed_dictionaries(
+        {"temperature": st.one_of(st.floats(max_value=-1e-300), st.just(math.nan), st.just(math.inf))}
+    ),
+    st.fixed_dictionaries(
+        {"top_p": st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0000001), st.just(math.nan))}
+    ),
     st.fixed_dictionaries({"top_k": st.integers(-(2**63), -1)}),
     st.fixed_dictionaries({"seed": st.one_of(st.integers(-(2**63), -1), st.integers(2**63, 2**64 - 1))}),
     st.fixed_dictionaries({"max_tokens": st.integers(-(2**63), 0)}),
     st.fixed_dictionaries({"stop_token_ids": st.lists(st.integers(VOCAB, 2**40), min_size=1, max_size=3)}),
-    st.fixed_dictionaries({"stop_token_ids": st.lists(st.integers(0, 5), min_size=MAX_STOP_TOKEN_IDS + 1,
-                                                      max_size=MAX_STOP_TOKEN_IDS + 40)}),
+    st.fixed_dictionaries(
+        {
+            "stop_token_ids": st.lists(
+                st.integers(0, 5), min_size=MAX_STOP_TOKEN_IDS + 1, max_size=MAX_STOP_TOKEN_IDS + 40
+            )
+        }
+    ),
     st.fixed_dictionaries({"token_ids": st.lists(st.integers(VOCAB, 2**62), min_size=1, max_size=4)}),
 )
 
 
 async def run_batch(runtime_dir, legal_batch, illegal_batch, normal):
     """Send everything at once from three clients; each request's terminal event."""
-    async with await AsyncClient.connect(runtime_dir) as fuzz, await AsyncClient.connect(runtime_dir) as refused, \
-            await AsyncClient.connect(runtime_dir) as plain:
+    async with (
+        await AsyncClient.connect(runtime_dir) as fuzz,
+        await AsyncClient.connect(runtime_dir) as refused,
+        await AsyncClient.connect(runtime_dir) as plain,
+    ):
         streams = [await fuzz.submit(**values) for values in legal_batch]
         bad = [await refused.submit(**{"token_ids": [5, 6], **values}) for values in illegal_batch]
         normals = [await plain.submit(token_ids=ids, max_tokens=8, temperature=0) for ids in normal]
-        return ([await s.result() for s in streams], [await s.result() for s in bad],
-                [await s.result() for s in normals])
+        return (
+            [await s.result() for s in streams],
+            [await s.result() for s in bad],
+            [await s.result() for s in normals],
+        )
 
 
 def test_legal_values_are_served_and_nothing_restarts(tiny_models, start_daemon):
     source = tiny_models["llama"]
-    daemon = start_daemon(source, [(0, 2), (2, 4), (4, 6)], max_seq_len=MAX_SEQ_LEN, num_blocks=400,
-                          max_waiting=100_000).wait_ready()
+    daemon = start_daemon(
+        source, [(0, 2), (2, 4), (4, 6)], max_seq_len=MAX_SEQ_LEN, num_blocks=400, max_waiting=100_000
+    ).wait_ready()
     model = reference_model(source)
     normal = random_prompts(VOCAB, [3, 9, 17], seed=5)
     expected = [hf_greedy(model, ids, 8) for ids in normal]
@@ -91,9 +108,24 @@ def test_legal_values_are_served_and_nothing_restarts(tiny_models, start_daemon)
     assert seen["legal"] >= 200 and seen["illegal"] >= 48
     # the command-line recipe that used to crash the tail, six times (past max_restarts before)
     for _ in range(6):
-        run = subprocess.run([str(BIN / "kvasir"), "generate", "--ids", "5,6,7", "--temperature", "1e-38",
-                              "--max-tokens", "4", "--json", "--runtime-dir", str(daemon.runtime_dir)],
-                             capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [
+                str(BIN / "kvasir"),
+                "generate",
+                "--ids",
+                "5,6,7",
+                "--temperature",
+                "1e-38",
+                "--max-tokens",
+                "4",
+                "--json",
+                "--runtime-dir",
+                str(daemon.runtime_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == 0, run.stdout + run.stderr
         assert json.loads(run.stdout.splitlines()[-1])["type"] == "finished"
     with daemon.client() as client:

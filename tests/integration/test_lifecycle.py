@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 from daemon import BIN, alive, exited, wait_serving, write_plan
+from models import hf_greedy, reference_model
+
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Cancelled, ErrorEvent, Finished, TokenOut
-from models import hf_greedy, reference_model
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 
@@ -106,7 +107,11 @@ def test_stop_with_parent_drains_and_cleans_up_when_the_starter_is_killed(tiny_m
     runtime, log = tmp_path / "rt", tmp_path / "kvasird.log"
     # a starter that is not this test, as kvasir bench is for its daemons; kvasird is its child
     starter = subprocess.Popen(
-        ["sh", "-c", f'"{BIN}/kvasird" start --plan "{plan}" --runtime-dir "{runtime}" --stop-with-parent > "{log}" 2>&1 & wait']
+        [
+            "sh",
+            "-c",
+            f'"{BIN}/kvasird" start --plan "{plan}" --runtime-dir "{runtime}" --stop-with-parent > "{log}" 2>&1 & wait',
+        ]
     )
     launcher = None
     try:

@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 
 from daemon import BIN, exited, wait_serving, write_plan
+from models import hf_greedy, reference_model
+
 from kvasir.bench.daemon import stop_gracefully
 from kvasir.client import Client
 from kvasir.daemon.launcher import Launcher
-from kvasir.logs import setup_logging
 from kvasir.daemon.resolve import resolve_plan
-from models import hf_greedy, reference_model
+from kvasir.logs import setup_logging
 
 
 def test_a_stopped_and_resumed_process_group_is_not_killed_as_hung(tiny_models, tmp_path):
@@ -25,8 +26,12 @@ def test_a_stopped_and_resumed_process_group_is_not_killed_as_hung(tiny_models, 
     plan = write_plan(tmp_path / "plan.toml", source, [(0, 3), (3, 6)], heartbeat_timeout_s=2)
     runtime_dir = tmp_path / "rt"
     log = open(tmp_path / "kvasird.log", "wb")
-    process = subprocess.Popen([str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime_dir)],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime_dir)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_serving(process, runtime_dir, 2, 180, lambda: (tmp_path / "kvasird.log").read_text())
         os.killpg(process.pid, signal.SIGSTOP)
@@ -49,8 +54,12 @@ def test_a_sigterm_as_start_up_ends_drains_instead_of_being_forgotten(tiny_model
     the daemon counts as running: it must still drain and stop, not serve on."""
     plan_path = write_plan(tmp_path / "plan.toml", tiny_models["llama"], [(0, 3), (3, 6)])
     plan, source = resolve_plan(str(plan_path))
-    launcher = Launcher(plan=plan, source=source, runtime_dir=tmp_path / "rt",
-                        log=setup_logging("warning", role="launcher", pid=os.getpid()))
+    launcher = Launcher(
+        plan=plan,
+        source=source,
+        runtime_dir=tmp_path / "rt",
+        log=setup_logging("warning", role="launcher", pid=os.getpid()),
+    )
     opened = launcher._open
 
     def open_then_signalled(*args, **kw):
@@ -79,8 +88,12 @@ def test_kvasird_refuses_a_runtime_dir_that_holds_other_programs_files(tiny_mode
     shared.mkdir(mode=0o755)
     (shared / "docker.sock").write_text("")
     (shared / "notes.txt").write_text("keep me")
-    run = subprocess.run([str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(shared)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(shared)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1
     assert "holds files that are not kvasird's (docker.sock, notes.txt)" in run.stdout + run.stderr
     assert sorted(p.name for p in shared.iterdir()) == ["docker.sock", "notes.txt"]

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from test_lifecycle import children_of
+
 from kvasir.client import AsyncClient
 from kvasir.wire.client import ErrorEvent, Finished
-from test_lifecycle import children_of
 
 
 async def per_client(runtime_dir: Path):
     async with await AsyncClient.connect(runtime_dir) as greedy, await AsyncClient.connect(runtime_dir) as other:
-        mine = [await greedy.submit(token_ids=[5, 6, 7], max_tokens=60, temperature=0, ignore_eos=True) for _ in range(5)]
+        mine = [
+            await greedy.submit(token_ids=[5, 6, 7], max_tokens=60, temperature=0, ignore_eos=True) for _ in range(5)
+        ]
         theirs = await other.submit(token_ids=[5, 6, 7], max_tokens=3, temperature=0)
         results = await asyncio.gather(*(s.result() for s in mine))
         return results, await theirs.result()
@@ -90,8 +93,11 @@ def submit_raw(sock, count: int, max_tokens: int) -> None:
     from kvasir.wire.client import Submit
 
     for key in range(count):
-        sock.send(msgspec.msgpack.encode(Submit(key=key, token_ids=[5, 6, 7], max_tokens=max_tokens, temperature=0,
-                                                ignore_eos=True)))
+        sock.send(
+            msgspec.msgpack.encode(
+                Submit(key=key, token_ids=[5, 6, 7], max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            )
+        )
 
 
 def wait_idle(runtime_dir: Path, timeout_s: float = 60.0):

@@ -10,12 +10,12 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
-
 from daemon import BIN, alive, write_plan
+from models import hf_greedy, reference_model
+
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Accepted, Cancelled, ClientEvent, ErrorEvent, Finished, TokenOut
 from kvasir.wire.transport import Endpoints
-from models import hf_greedy, reference_model
 
 
 async def raw_exchange(runtime_dir, frames_list):
@@ -154,7 +154,9 @@ def test_one_stage_plan_exits_2_without_spawning(tmp_path, tiny_models):
     runtime = tmp_path / "rt"
     proc = subprocess.run(
         [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "a pipeline needs at least two stages: head and tail are different roles" in proc.stderr
@@ -165,7 +167,9 @@ def test_client_commands_without_a_daemon_exit_3(tmp_path):
     for args in (["generate", "--ids", "1,2"], ["stats"], ["tail"]):
         proc = subprocess.run(
             [str(BIN / "kvasir"), *args, "--runtime-dir", str(tmp_path / "none")],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 3, (args, proc.stderr)
         assert "no kvasird is running at runtime dir" in proc.stderr
@@ -176,7 +180,9 @@ def test_plan_this_machine_cannot_run_exits_2(tmp_path, tiny_models):
     plan.write_text(plan.read_text().replace("layers = [3, 6]", "layers = [3, 6]\ncpus = [4095]"))
     proc = subprocess.run(
         [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(tmp_path / "rt")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and "stages[1].cpus: CPUs [4095] are not available here" in proc.stderr
 
@@ -186,7 +192,9 @@ def test_ready_timeout_stops_every_child_and_exits_nonzero(tmp_path, tiny_models
     runtime = tmp_path / "rt"
     proc = subprocess.run(
         [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime), "--ready-timeout", "0.2"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert "not ready after" in proc.stderr

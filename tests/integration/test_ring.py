@@ -5,20 +5,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from daemon import TailReader
+from models import hf_greedy, random_prompts, reference_model
+
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, TokenOut
-from models import hf_greedy, random_prompts, reference_model
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 48, 64, 90, 120, 2, 5, 17, 26, 40, 75, 101, 9]
 
 
 async def run_all(runtime_dir, prompts, budgets):
     async with await AsyncClient.connect(runtime_dir) as client:
-        streams = [
-            await client.submit(token_ids=p, max_tokens=n, temperature=0) for p, n in zip(prompts, budgets)
-        ]
+        streams = [await client.submit(token_ids=p, max_tokens=n, temperature=0) for p, n in zip(prompts, budgets)]
         return [[event async for event in stream] for stream in streams]
 
 

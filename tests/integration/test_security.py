@@ -8,12 +8,12 @@ import socket
 import subprocess
 
 import pytest
-
 from daemon import BIN
+from models import hf_greedy, reference_model
+
 from kvasir.client import AsyncClient, NotAuthorised, Remote
 from kvasir.config.keys import generate
 from kvasir.wire.client import Finished
-from models import hf_greedy, reference_model
 
 
 def free_port() -> int:
@@ -38,8 +38,11 @@ def test_only_allow_listed_keys_are_served_over_tcp(tiny_models, start_daemon, t
     generate(strangers, ["mallory"])  # a valid key pair, not in keys/clients
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     daemon = start_daemon(
-        tiny_models["llama"], [(0, 3), (3, 6)], tcp=endpoint,
-        server_key=keys / "server.key_secret", client_keys=keys / "clients",
+        tiny_models["llama"],
+        [(0, 3), (3, 6)],
+        tcp=endpoint,
+        server_key=keys / "server.key_secret",
+        client_keys=keys / "clients",
     ).wait_ready()
     reference = hf_greedy(reference_model(tiny_models["llama"]), [7, 1, 7], 6)
     elsewhere = daemon.runtime_dir.parent / "nowhere"  # the remote path never needs the runtime dir
@@ -55,12 +58,27 @@ def test_only_allow_listed_keys_are_served_over_tcp(tiny_models, start_daemon, t
     asyncio.run(refused(elsewhere, Remote(endpoint)))  # plaintext against a CURVE endpoint
 
     # the command line, in a fresh process each time (its first connection is refused)
-    run = [str(BIN / "kvasir"), "generate", "--ids", "7,1,7", "--max-tokens", "6", "--temperature", "0", "--json",
-           "--connect", endpoint, "--server-key", str(keys / "server.key")]
+    run = [
+        str(BIN / "kvasir"),
+        "generate",
+        "--ids",
+        "7,1,7",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--json",
+        "--connect",
+        endpoint,
+        "--server-key",
+        str(keys / "server.key"),
+    ]
     ok = subprocess.run(run + ["--key", str(keys / "alice.key_secret")], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout.splitlines()[-1])["token_ids"] == reference
-    no = subprocess.run(run + ["--key", str(strangers / "mallory.key_secret")], capture_output=True, text=True, timeout=60)
+    no = subprocess.run(
+        run + ["--key", str(strangers / "mallory.key_secret")], capture_output=True, text=True, timeout=60
+    )
     assert no.returncode == 3 and "refused this client" in no.stderr, no.stderr
 
     # the local socket in the runtime dir is unaffected

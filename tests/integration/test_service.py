@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon import Daemon, write_plan
 
 ROOT = Path(__file__).parents[2]
@@ -57,9 +56,19 @@ def test_kvasird_notifies_ready_watchdog_and_stopping(tiny_models, tmp_path, mon
 
 def test_unit_file_verifies_and_keeps_its_promises(tmp_path):
     unit = (ROOT / "systemd" / "kvasird.service").read_text()
-    for line in ("Type=notify", "ExecStart=/opt/kvasir/bin/kvasird start --plan /etc/kvasir/plan.toml",
-                 "RuntimeDirectory=kvasir", "Restart=on-failure", "NoNewPrivileges=yes", "ProtectSystem=strict",
-                 "ProtectHome=yes", "PrivateTmp=yes", "WatchdogSec=", "MemoryMax=", "PrivateDevices=yes"):
+    for line in (
+        "Type=notify",
+        "ExecStart=/opt/kvasir/bin/kvasird start --plan /etc/kvasir/plan.toml",
+        "RuntimeDirectory=kvasir",
+        "Restart=on-failure",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "WatchdogSec=",
+        "MemoryMax=",
+        "PrivateDevices=yes",
+    ):
         assert line in unit, line
     stop = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1))
     drain = int(re.search(r"--drain-timeout (\d+)", unit).group(1))

@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
+from models import save_tiny_model
 
 from kvasir.client import AsyncClient, Client
-from models import save_tiny_model
 
 SPLITS = [(0, 2), (2, 4), (4, 6)]
 
@@ -68,14 +68,19 @@ def test_top_draws_frames_from_live_stats(tiny_models, start_daemon):
 
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)]).wait_ready()
     with Client(daemon.runtime_dir) as client:
+
         def load():
             for _ in range(6):
                 client.generate(token_ids=[5, 6, 7], max_tokens=40, temperature=0)
 
         worker = threading.Thread(target=load)
         worker.start()
-        run = subprocess.run([str(BIN / "kvasir"), "top", "--interval", "0.6", "--count", "3",
-                              "--runtime-dir", str(daemon.runtime_dir)], capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [str(BIN / "kvasir"), "top", "--interval", "0.6", "--count", "3", "--runtime-dir", str(daemon.runtime_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         worker.join()
     assert run.returncode == 0, run.stderr
     frames = [line for line in run.stdout.splitlines() if line.startswith("kvasir  up")]
@@ -88,8 +93,12 @@ def test_top_draws_frames_from_live_stats(tiny_models, start_daemon):
     import pty
 
     main, side = pty.openpty()
-    live = subprocess.Popen([str(BIN / "kvasir"), "top", "--interval", "0.3", "--runtime-dir", str(daemon.runtime_dir)],
-                            stdin=side, stdout=side, stderr=side)
+    live = subprocess.Popen(
+        [str(BIN / "kvasir"), "top", "--interval", "0.3", "--runtime-dir", str(daemon.runtime_dir)],
+        stdin=side,
+        stdout=side,
+        stderr=side,
+    )
     os.close(side)
     seen = b""
     deadline = time.monotonic() + 30
@@ -99,6 +108,10 @@ def test_top_draws_frames_from_live_stats(tiny_models, start_daemon):
     os.write(main, b"q")
     assert live.wait(10) == 0
     os.close(main)
-    gone = subprocess.run([str(BIN / "kvasir"), "top", "--count", "1", "--runtime-dir", str(daemon.runtime_dir / "none")],
-                          capture_output=True, text=True, timeout=60)
+    gone = subprocess.run(
+        [str(BIN / "kvasir"), "top", "--count", "1", "--runtime-dir", str(daemon.runtime_dir / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert gone.returncode == 3

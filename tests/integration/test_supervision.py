@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon import BIN, alive
+from models import hf_greedy, reference_model
+
 from kvasir.client import AsyncClient, Client, NoDaemon
 from kvasir.wire.client import Cancelled, ErrorEvent, Finished
-from models import hf_greedy, reference_model
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 
@@ -46,7 +46,9 @@ async def load_then(daemon, count: int, strike, max_tokens: int = 200):
         struck = time.monotonic()
         strike()
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        late = await asyncio.wait_for((await client.submit(token_ids=[1, 2], max_tokens=2, temperature=0)).result(), 120)
+        late = await asyncio.wait_for(
+            (await client.submit(token_ids=[1, 2], max_tokens=2, temperature=0)).result(), 120
+        )
         return events, struck, max(ended.values()), late
 
 
@@ -120,12 +122,22 @@ def test_a_hung_stage_is_found_by_heartbeat_and_replaced(tiny_models, start_daem
     assert "stage-1" in failure.message and "hung" in failure.message, failure.message
     stats = wait_serving_again(daemon.runtime_dir, daemon.stages)
     assert stats.restarts == 1 and "no heartbeat" in stats.last_failure
-    shown = subprocess.run([str(BIN / "kvasir"), "stats", "--runtime-dir", str(daemon.runtime_dir)],
-                           capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [str(BIN / "kvasir"), "stats", "--runtime-dir", str(daemon.runtime_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert shown.returncode == 0 and "serving," in shown.stdout and "restarts 1" in shown.stdout
     assert "last failure" in shown.stdout and "stage-1" in shown.stdout and "hung" in shown.stdout
-    body = json.loads(subprocess.run([str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)],
-                                     capture_output=True, text=True, timeout=60).stdout)
+    body = json.loads(
+        subprocess.run(
+            [str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    )
     assert body["restarts"] == 1 and body["state"] == "serving" and body["last_failure_age_s"] >= 0
     assert not alive(before[1])  # the hung process was killed, not left stopped
     reference = reference_model(tiny_models["llama"])

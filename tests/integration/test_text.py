@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from transformers import AutoTokenizer
-
 from daemon import BIN
+from transformers import AutoTokenizer
 
 
 def kvasir(runtime_dir, *args) -> subprocess.CompletedProcess:
@@ -21,7 +20,9 @@ def test_generate_streams_text_and_applies_the_chat_template(tiny_models, start_
     daemon = start_daemon(folder, [(0, 3), (3, 6)]).wait_ready()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     for extra in ([], ["--chat"]):
-        as_json = kvasir(daemon.runtime_dir, "generate", "hello ring", "--max-tokens", "16", "--temperature", "0", "--json", *extra)
+        as_json = kvasir(
+            daemon.runtime_dir, "generate", "hello ring", "--max-tokens", "16", "--temperature", "0", "--json", *extra
+        )
         assert as_json.returncode == 0, as_json.stderr
         events = [json.loads(line) for line in as_json.stdout.splitlines()]
         assert [e["type"] for e in events][0] == "accepted" and events[-1]["type"] == "finished"

@@ -92,7 +92,11 @@ def test_length_specs_and_jobs(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hi"}\n\n{"token_ids": [1, 2], "max_tokens": 4}\n')
     cycled = file_jobs(path, 3, LengthSpec(9, 9), seed=0)
-    assert [(j.text, j.token_ids, j.max_tokens) for j in cycled] == [("hi", None, 9), (None, [1, 2], 4), ("hi", None, 9)]
+    assert [(j.text, j.token_ids, j.max_tokens) for j in cycled] == [
+        ("hi", None, 9),
+        (None, [1, 2], 4),
+        ("hi", None, 9),
+    ]
     path.write_text("[1]\n")
     with pytest.raises(WorkloadError, match="needs"):
         file_jobs(path, 1, LengthSpec(1, 1), seed=0)

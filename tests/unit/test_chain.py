@@ -23,9 +23,7 @@ def prompts(vocab, lengths=LENGTHS, seed=1):
 def test_greedy_tokens_match_hf_generate(tiny_models, plan_for, family, stages):
     # 32-token batches split the 120-token prompt into four chunks; 80 blocks of 4 tokens
     # hold only a few requests at once, so later ones wait and reuse released blocks.
-    plan, source = plan_for(
-        tiny_models[family], SPLITS[stages], max_rows=6, max_tokens=32, inflight=3, num_blocks=80
-    )
+    plan, source = plan_for(tiny_models[family], SPLITS[stages], max_rows=6, max_tokens=32, inflight=3, num_blocks=80)
     seen = []
     chain = Chain(plan, source, trace=seen.append)
     texts = prompts(source.vocab_size)

@@ -64,10 +64,21 @@ def test_folder_without_weights_exits_2_before_spawning(tmp_path, tiny_models):
     folder.mkdir()
     shutil.copy(tiny_models["llama"] / "config.json", folder / "config.json")
     plan = tmp_path / "plan.toml"
-    plan.write_text('[model]\nsource = "model"\nmax_seq_len = 64\n[[stages]]\nlayers = [0, 3]\n[[stages]]\nlayers = [3, 6]\n')
+    plan.write_text(
+        '[model]\nsource = "model"\nmax_seq_len = 64\n[[stages]]\nlayers = [0, 3]\n[[stages]]\nlayers = [3, 6]\n'
+    )
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(tmp_path / "rt")],
-        capture_output=True, text=True, timeout=120,
+        [
+            str(Path(sys.executable).parent / "kvasird"),
+            "start",
+            "--plan",
+            str(plan),
+            "--runtime-dir",
+            str(tmp_path / "rt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and "has no *.safetensors weights" in proc.stderr
     assert not (tmp_path / "rt").exists()
@@ -94,8 +105,12 @@ def test_sigterm_during_a_conversion_removes_its_temporary_folder(tmp_path):
     import time
 
     env = {**os.environ, "KVASIR_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "kvasir"), "model", "prepare", "smollm2-135m"],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "kvasir"), "model", "prepare", "smollm2-135m"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".smollm2-135m.*")):
         assert proc.poll() is None and time.monotonic() < deadline, "the conversion never started"

@@ -8,17 +8,17 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-
-from kvasir.cli.main import kvasir
-from kvasir.errors import PlanError
-from kvasir.daemon.footprint import MIB, break_even_gibps, handoff_ms
-from kvasir.bridge.ledger import HandoffLog, Pending
-from kvasir.wire.head import BatchResult
-from kvasir.wire.batch import NewRequest, SampledToken, SamplingParams
-from kvasir.config.plan import parse_plan, plan_toml
-from kvasir.stage.sampling import RequestSampler
-from kvasir.sched.scheduler import Scheduler
 from models import make_plan
+
+from kvasir.bridge.ledger import HandoffLog, Pending
+from kvasir.cli.main import kvasir
+from kvasir.config.plan import parse_plan, plan_toml
+from kvasir.daemon.footprint import MIB, break_even_gibps, handoff_ms
+from kvasir.errors import PlanError
+from kvasir.sched.scheduler import Scheduler
+from kvasir.stage.sampling import RequestSampler
+from kvasir.wire.batch import NewRequest, SampledToken, SamplingParams
+from kvasir.wire.head import BatchResult
 
 POOLS = """
 [[prefill.stages]]
@@ -39,7 +39,11 @@ def disagg_text(source: str, extra: str = "") -> str:
 
 
 def test_pools_are_rings_of_their_own_with_their_own_widths():
-    plan = parse_plan(disagg_text("x", "[prefill.batch]\nmax_rows = 2\nmax_tokens = 64\n[decode.kv]\nblock_size = 8\nnum_blocks = 64\n"))
+    plan = parse_plan(
+        disagg_text(
+            "x", "[prefill.batch]\nmax_rows = 2\nmax_tokens = 64\n[decode.kv]\nblock_size = 8\nnum_blocks = 64\n"
+        )
+    )
     (p_name, prefill), (d_name, decode) = plan.pools()
     assert (p_name, d_name) == ("prefill", "decode") and plan.disaggregated
     assert [s.layers for s in prefill.stages] == [(0, 2), (2, 5), (5, 6)]
@@ -55,7 +59,10 @@ def test_pools_are_rings_of_their_own_with_their_own_widths():
     [
         (POOLS + "[[stages]]\nlayers = [0, 6]\n", "instead of [[stages]]"),
         (POOLS.split("[[decode")[0], "needs a [decode] pool"),
-        (POOLS.replace("[[decode.stages]]\nlayers = [0, 4]\n", ""), "decode.stages: a pipeline needs at least two stages"),
+        (
+            POOLS.replace("[[decode.stages]]\nlayers = [0, 4]\n", ""),
+            "decode.stages: a pipeline needs at least two stages",
+        ),
         (POOLS.replace("layers = [2, 5]", "layers = [3, 5]"), "prefill.stages[1].layers: gap"),
         ("[prefill.batch]\nmax_rows = 0\n" + POOLS, "prefill.batch.max_rows must be a positive integer"),
         ("[handoff]\nlease_s = 0\n" + POOLS, "handoff.lease_s must be a positive number"),
@@ -84,7 +91,13 @@ def test_plan_check_prices_the_handoff(tmp_path, tiny_models):
     assert result.exit_code == 0, result.output
     assert "62.5 ms" in result.output and "3.125 GiB/s" in result.output
     roles = [line.split()[1:3] for line in result.output.splitlines() if line[:1].isdigit()]
-    assert roles == [["prefill", "head"], ["prefill", "middle"], ["prefill", "tail"], ["decode", "head"], ["decode", "tail"]]
+    assert roles == [
+        ["prefill", "head"],
+        ["prefill", "middle"],
+        ["prefill", "tail"],
+        ["decode", "head"],
+        ["decode", "tail"],
+    ]
     body = json.loads(runner.invoke(kvasir, ["plan", "check", "--json", str(path), "--link-gibps", "8"]).output)
     # K and V x 6 layers x 2 kv heads x head dim 16 x 4 bytes
     per_token = 2 * 6 * 2 * 16 * 4
@@ -156,12 +169,12 @@ def test_a_decode_stage_copies_its_layers_out_of_differently_split_prefill_stage
 
     import zmq
 
+    from kvasir.model.kv_cache import PagedKVCache
     from kvasir.stage.handoff import KvReceiver
+    from kvasir.stage.kv_segment import KvSegmentMap
     from kvasir.wire.control import HandoffWiring, KvSegment
     from kvasir.wire.head import HeadMessage
     from kvasir.wire.kv import KvMessage, KvReady, Placement
-    from kvasir.model.kv_cache import PagedKVCache
-    from kvasir.stage.kv_segment import KvSegmentMap
     from kvasir.wire.transport import PullChannel, PushChannel
 
     tag = f"kvasir-test-{os.getpid()}-{secrets.token_hex(3)}"

@@ -13,15 +13,15 @@ import zmq
 from click.testing import CliRunner
 
 from kvasir.cli.main import kvasir
-from kvasir.ring.edges import EdgeChoice, choose_edge, pool_edges
 from kvasir.config.devices import cuda_ordinal
-from kvasir.errors import PlanError
-from kvasir.ring.handshake import HandleExchange, HandshakeError, exchange_handles
-from kvasir.wire.control import Command, ControlMessage, CudaMemoryHandle, EdgeHandles, EdgeSpec, WorkerSettings
 from kvasir.config.plan import parse_plan
+from kvasir.errors import PlanError
+from kvasir.ring.attach import attach_ring, create_ring
+from kvasir.ring.edges import EdgeChoice, choose_edge, pool_edges
+from kvasir.ring.handshake import HandleExchange, HandshakeError, exchange_handles
 from kvasir.ring.shm import SHM_DIR
 from kvasir.ring.slots import SlotError
-from kvasir.ring.attach import attach_ring, create_ring
+from kvasir.wire.control import Command, ControlMessage, CudaMemoryHandle, EdgeHandles, EdgeSpec, WorkerSettings
 from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 
@@ -62,7 +62,7 @@ def test_impossible_edge_kinds_are_refused_naming_the_key(stages, expected):
 
 def test_pool_stages_name_their_pool():
     text = (
-        "[[prefill.stages]]\nlayers = [0, 3]\nedge = \"x\"\n[[prefill.stages]]\nlayers = [3, 6]\n"
+        '[[prefill.stages]]\nlayers = [0, 3]\nedge = "x"\n[[prefill.stages]]\nlayers = [3, 6]\n'
         "[[decode.stages]]\nlayers = [0, 3]\n[[decode.stages]]\nlayers = [3, 6]\n"
     )
     assert "prefill.stages[0].edge = 'x'" in refused(text)
@@ -119,7 +119,9 @@ def test_a_pipeline_has_one_edge_between_each_pair():
 
 def write_plan(folder, source, *stages: str):
     path = folder / "plan.toml"
-    body = "".join(f"[[stages]]\nlayers = [{a}, {b}]\n{extra}\n" for (a, b), extra in zip([(0, 2), (2, 4), (4, 6)], stages))
+    body = "".join(
+        f"[[stages]]\nlayers = [{a}, {b}]\n{extra}\n" for (a, b), extra in zip([(0, 2), (2, 4), (4, 6)], stages)
+    )
     path.write_text(f'[model]\nsource = "{source}"\nmax_seq_len = 256\n[kv]\nblock_size = 16\nnum_blocks = 32\n{body}')
     return path
 
@@ -139,10 +141,25 @@ def test_plan_check_shows_each_edge_and_why(tmp_path, tiny_models):
 
 # -- the launcher pairs halves --------------------------------------------------------------------
 def half(edge: str, side: str, index: int, events: int = 2, memory: bool = False) -> EdgeHandles:
-    handle = CudaMemoryHandle(device=0, handle=b"\x01" * 64, size=4096, offset=512, ref_counter=b"/torch_1_2",
-                              ref_counter_offset=3, event=b"\x02" * 64, event_sync=True)
-    return EdgeHandles(edge=edge, side=side, index=index, pid=100 + index, device=0,
-                       events=tuple(bytes([index, k]) * 32 for k in range(events)), memory=handle if memory else None)
+    handle = CudaMemoryHandle(
+        device=0,
+        handle=b"\x01" * 64,
+        size=4096,
+        offset=512,
+        ref_counter=b"/torch_1_2",
+        ref_counter_offset=3,
+        event=b"\x02" * 64,
+        event_sync=True,
+    )
+    return EdgeHandles(
+        edge=edge,
+        side=side,
+        index=index,
+        pid=100 + index,
+        device=0,
+        events=tuple(bytes([index, k]) * 32 for k in range(events)),
+        memory=handle if memory else None,
+    )
 
 
 def test_the_launcher_sends_each_side_the_other_half_once_both_are_in():
@@ -175,8 +192,9 @@ def test_handles_are_bytes_in_msgspec_messages_both_ways():
     command = msgspec.msgpack.decode(msgspec.msgpack.encode(Command("attach", handles=(consumer,))), type=Command)
     assert command.handles == (consumer,)
     with pytest.raises(msgspec.ValidationError):  # a handle must be bytes, not text
-        msgspec.msgpack.decode(msgspec.msgpack.encode({**msgspec.structs.asdict(consumer), "events": ["x"]}),
-                               type=EdgeHandles)
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode({**msgspec.structs.asdict(consumer), "events": ["x"]}), type=EdgeHandles
+        )
 
 
 # -- a stage waits for its halves -----------------------------------------------------------------
@@ -184,8 +202,16 @@ class StandInRing:
     """The handshake side of a CUDA IPC ring, with no CUDA behind it."""
 
     def __init__(self, name: str, side: str, index: int) -> None:
-        self.spec = EdgeSpec(kind="cuda-ipc", name=name, slots=2, max_tokens=4, hidden=8, dtype="float32",
-                             producer="cuda:0", consumer="cuda:0")
+        self.spec = EdgeSpec(
+            kind="cuda-ipc",
+            name=name,
+            slots=2,
+            max_tokens=4,
+            hidden=8,
+            dtype="float32",
+            producer="cuda:0",
+            consumer="cuda:0",
+        )
         self.side = side
         self.mine = half(name, side, index, memory=side == "consumer")
         self.peer: EdgeHandles | None = None
@@ -257,8 +283,16 @@ def test_a_stage_with_no_cuda_ipc_edge_sends_nothing(wires):
 
 # -- which end makes what ---------------------------------------------------------------------------
 def test_the_launcher_makes_shared_memory_edges_only():
-    spec = EdgeSpec(kind="cuda-ipc", name=f"kvasir-test-{os.getpid()}", slots=2, max_tokens=4, hidden=8, dtype="float32",
-                    producer="cuda:0", consumer="cuda:0")
+    spec = EdgeSpec(
+        kind="cuda-ipc",
+        name=f"kvasir-test-{os.getpid()}",
+        slots=2,
+        max_tokens=4,
+        hidden=8,
+        dtype="float32",
+        producer="cuda:0",
+        consumer="cuda:0",
+    )
     with pytest.raises(SlotError, match="not made by the launcher"):
         create_ring(spec)
     with pytest.raises(SlotError, match="neither producer nor consumer"):
@@ -270,21 +304,28 @@ def test_the_launcher_makes_shared_memory_edges_only():
 def test_launcher_prepares_each_edge_by_kind(tmp_path, tiny_models):
     """A plan's edges as the launcher wires them: shared memory made for shm and pinned
     edges, nothing made but a pairing for CUDA IPC ones (the stages make those)."""
+    from kvasir.config.plan import load_plan
     from kvasir.daemon.launcher import Launcher
     from kvasir.logs import setup_logging
     from kvasir.model.source import resolve_source
-    from kvasir.config.plan import load_plan
 
     path = write_plan(tmp_path, tiny_models["llama"], 'device = "cpu"', 'device = "cuda:0"', 'device = "cuda:0"')
     plan = load_plan(path)
-    launcher = Launcher(plan, resolve_source(str(tiny_models["llama"])), tmp_path / "rt", setup_logging("error", role="test"))
+    launcher = Launcher(
+        plan, resolve_source(str(tiny_models["llama"])), tmp_path / "rt", setup_logging("error", role="test")
+    )
     try:
         launcher.prepare()
         edges = launcher.layout.places[1].edges
-        assert [(e.kind, e.producer, e.consumer) for e in edges] == [("pinned", "cpu", "cuda:0"), ("cuda-ipc", "cuda:0", "cuda:0")]
+        assert [(e.kind, e.producer, e.consumer) for e in edges] == [
+            ("pinned", "cpu", "cuda:0"),
+            ("cuda-ipc", "cuda:0", "cuda:0"),
+        ]
         assert [r.spec.name for r in launcher.layout.rings] == [edges[0].name]  # the pinned edge's shared memory only
         assert launcher.exchange.edges == {edges[1].name: (1, 2)}
-        settings = WorkerSettings(role="stage", index=1, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=edges)
+        settings = WorkerSettings(
+            role="stage", index=1, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=edges
+        )
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(settings), type=WorkerSettings).edges == edges
         check_the_launcher_passes_halves_between_its_children(launcher, edges[1].name, tmp_path)
     finally:
@@ -304,7 +345,9 @@ def check_the_launcher_passes_halves_between_its_children(launcher, edge: str, t
         process = subprocess.Popen(["sleep", "60"])
         at = f"ipc://{tmp_path}/stage-{k}.sock"
         inboxes.append(PullChannel(make_socket(launcher.ctx, zmq.PULL, bind=at), Command))
-        launcher.stages.append(Child(f"stage-{k}", process, PushChannel[Command](make_socket(launcher.ctx, zmq.PUSH, connect=at))))
+        launcher.stages.append(
+            Child(f"stage-{k}", process, PushChannel[Command](make_socket(launcher.ctx, zmq.PUSH, connect=at)))
+        )
     pids = [c.process.pid for c in launcher.stages]
     producer = msgspec.structs.replace(half(edge, "producer", 1), pid=pids[1])
     consumer = msgspec.structs.replace(half(edge, "consumer", 2, memory=True), pid=pids[2])
@@ -324,8 +367,16 @@ def test_pinned_slots_on_a_cpu_side_are_plain_shared_memory():
 
     from kvasir.ring.gpu_slots import CudaIpcSlotRing, PinnedSlotRing
 
-    spec = EdgeSpec(kind="pinned", name=f"kvasir-test-pinned-{os.getpid()}", slots=2, max_tokens=4, hidden=8,
-                    dtype="float32", producer="cpu", consumer="cpu")
+    spec = EdgeSpec(
+        kind="pinned",
+        name=f"kvasir-test-pinned-{os.getpid()}",
+        slots=2,
+        max_tokens=4,
+        hidden=8,
+        dtype="float32",
+        producer="cpu",
+        consumer="cpu",
+    )
     made = create_ring(spec)
     producer, consumer = attach_ring(spec, "producer"), attach_ring(spec, "consumer")
     try:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-
-from kvasir.stage.heads import RecentIds, SchedulerIntake
-from kvasir.wire.head import BatchResult, CancelRequest, Enqueue, HeadMessage
-from kvasir.wire.bridge import BridgeMessage, RequestEnded
-from kvasir.wire.batch import SamplingParams
-from kvasir.sched.scheduler import Scheduler
-from kvasir.wire.transport import PullChannel, PushChannel
 from models import make_plan
+
+from kvasir.sched.scheduler import Scheduler
+from kvasir.stage.heads import RecentIds, SchedulerIntake
+from kvasir.wire.batch import SamplingParams
+from kvasir.wire.bridge import BridgeMessage, RequestEnded
+from kvasir.wire.head import BatchResult, CancelRequest, Enqueue, HeadMessage
+from kvasir.wire.transport import PullChannel, PushChannel
 
 
 @pytest.fixture

@@ -21,7 +21,9 @@ def test_keys_generate_makes_pairs_an_allow_list_and_private_secrets(tmp_path):
         assert load_public(folder / f"{name}.key") == public
         assert zmq.curve_public(secret) == public  # a real pair
         assert mode(folder / f"{name}.key_secret") == 0o600
-    assert sorted(allowed_keys(folder / "clients")) == sorted(load_public(folder / f"{n}.key") for n in ("alice", "bob"))
+    assert sorted(allowed_keys(folder / "clients")) == sorted(
+        load_public(folder / f"{n}.key") for n in ("alice", "bob")
+    )
     server = (folder / "server.key_secret").read_bytes()
     again = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), "--client", "carol"])
     assert again.exit_code == 0 and (folder / "server.key_secret").read_bytes() == server  # kept

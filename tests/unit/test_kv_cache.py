@@ -3,14 +3,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvasir.stage.engine import StageEngine
 from kvasir.errors import BatchError
-from kvasir.wire.batch import BatchDescriptor, Row
 from kvasir.model.kv_cache import PagedKVCache
+from kvasir.stage.engine import StageEngine
+from kvasir.wire.batch import BatchDescriptor, Row
 
 
 def cache():
-    return PagedKVCache(2, num_blocks=4, block_size=4, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
+    return PagedKVCache(
+        2, num_blocks=4, block_size=4, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu")
+    )
 
 
 def test_slots_follow_the_block_table():

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvasir.stage.engine import StageEngine
 from kvasir.errors import ModelSourceError
 from kvasir.model.loader import SliceSpec, build_skeleton, load_slice
 from kvasir.model.source import resolve_source
+from kvasir.stage.engine import StageEngine
 
 
 def layer_params(names):
@@ -35,7 +35,10 @@ def test_two_stage_split_reads_disjoint_halves(tiny_models, plan_for):
     assert "model.norm.weight" not in head.tensors_read
     assert head.model.slice.norm is None and head.model.slice.lm_head is None
     assert tail.model.slice.embed_tokens is None
-    assert set(tail.tensors_read) - layer_params(tail.tensors_read) == {"model.norm.weight", "model.embed_tokens.weight"}
+    assert set(tail.tensors_read) - layer_params(tail.tensors_read) == {
+        "model.norm.weight",
+        "model.embed_tokens.weight",
+    }
     assert torch.equal(tail.model.slice.lm_head.weight, all_tensors["model.embed_tokens.weight"])
 
 
@@ -99,5 +102,7 @@ def test_bad_sources(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelSourceError, match="config.json is unreadable"):
         resolve_source(str(tmp_path))
-    with pytest.raises(ModelSourceError, match="is not converted into the cache .* run `kvasir model prepare smollm2-135m`"):
+    with pytest.raises(
+        ModelSourceError, match="is not converted into the cache .* run `kvasir model prepare smollm2-135m`"
+    ):
         resolve_source("smollm2-135m").require_weights()

@@ -28,8 +28,15 @@ def test_no_pickle_in_the_package():
 
 
 def test_the_scan_catches_what_it_looks_for():
-    for line in ("import pickle", "from pickle import loads", "sock.recv_pyobj()", "torch.load(path)",
-                 "import cloudpickle", "np.load(f, allow_pickle=True)", "from multiprocessing import Queue"):
+    for line in (
+        "import pickle",
+        "from pickle import loads",
+        "sock.recv_pyobj()",
+        "torch.load(path)",
+        "import cloudpickle",
+        "np.load(f, allow_pickle=True)",
+        "from multiprocessing import Queue",
+    ):
         assert FORBIDDEN.search(line), line
     for line in ("import msgspec", "safe_open(path)", "torch.frombuffer(buf)"):
         assert not FORBIDDEN.search(line), line

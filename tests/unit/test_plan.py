@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvasir.cli.main import kvasir
-from kvasir.errors import PlanError
 from kvasir.config.plan import check_model_fit, load_plan, parse_plan
+from kvasir.errors import PlanError
 
 TWO = """
 [[stages]]
@@ -45,7 +45,7 @@ def test_defaults_fill_omitted_keys():
 def test_explicit_values_are_kept():
     plan = parse_plan(
         '[model]\nsource="x"\ndtype="bfloat16"\nmax_seq_len=64\n[batch]\nmax_rows=2\nmax_tokens=8\ninflight=1\n'
-        '[kv]\nblock_size=8\nnum_blocks=8\n' + TWO.replace('[3, 6]', '[3, 6]\ndevice="cuda:1"\nthreads=2\ncpus=[0, 1]')
+        "[kv]\nblock_size=8\nnum_blocks=8\n" + TWO.replace("[3, 6]", '[3, 6]\ndevice="cuda:1"\nthreads=2\ncpus=[0, 1]')
     )
     assert plan.model.dtype == "bfloat16" and plan.batch.inflight == 1
     assert plan.stages[1].device == "cuda:1" and plan.stages[1].cpus == (0, 1)
@@ -159,7 +159,9 @@ def test_missing_file(tmp_path):
 def write_plan(folder: Path, source: str, splits) -> Path:
     stages = "".join(f"[[stages]]\nlayers = [{a}, {b}]\n" for a, b in splits)
     path = folder / "plan.toml"
-    path.write_text(f'[model]\nsource = "{source}"\nmax_seq_len = 256\n[kv]\nblock_size = 16\nnum_blocks = 32\n{stages}')
+    path.write_text(
+        f'[model]\nsource = "{source}"\nmax_seq_len = 256\n[kv]\nblock_size = 16\nnum_blocks = 32\n{stages}'
+    )
     return path
 
 
@@ -168,11 +170,11 @@ def test_plan_check_prints_each_stage(tmp_path, tiny_models):
     result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    start = lines.index(next(l for l in lines if l.startswith("stage"))) + 1
+    start = lines.index(next(line for line in lines if line.startswith("stage"))) + 1
     table = lines[start : start + 3]
-    assert [l.split()[1] for l in table] == ["head", "middle", "tail"]
-    assert [l.split(":")[0] for l in lines[start + 3 : start + 5]] == ["edge     0 -> 1", "edge     1 -> 2"]
-    assert all(l.endswith("shm (both stages on cpu)") for l in lines[start + 3 : start + 5])
+    assert [row.split()[1] for row in table] == ["head", "middle", "tail"]
+    assert [row.split(":")[0] for row in lines[start + 3 : start + 5]] == ["edge     0 -> 1", "edge     1 -> 2"]
+    assert all(row.endswith("shm (both stages on cpu)") for row in lines[start + 3 : start + 5])
     assert lines[start + 5].startswith("hand-off")  # then the price of handing KV between pools
     assert "[0, 2)" in table[0] and "[2, 5)" in table[1] and "[5, 6)" in table[2]
 
@@ -225,7 +227,9 @@ def test_installed_console_script_exits_2_on_a_bad_plan(tmp_path):
     )
     good = subprocess.run(
         [str(script), "plan", "check", str(Path(__file__).parents[2] / "plans" / "smollm2-3stage.toml")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert good.returncode == 0, good.stderr
     assert "middle" in good.stdout and "[11, 22)" in good.stdout
@@ -252,7 +256,8 @@ def test_plan_toml_reads_back_equal(name):
     plan = load_plan(Path(__file__).parents[2] / "plans" / name)
     assert parse_plan(plan_toml(plan)) == plan
     pinned = msgspec.structs.replace(
-        plan, stages=(msgspec.structs.replace(plan.stages[0], cpus=(0, 1)), *plan.stages[1:]),
+        plan,
+        stages=(msgspec.structs.replace(plan.stages[0], cpus=(0, 1)), *plan.stages[1:]),
         model=msgspec.structs.replace(plan.model, source='/models/a "quoted" dir'),
     )
     assert parse_plan(plan_toml(pinned)) == pinned
@@ -262,13 +267,17 @@ def test_supervision_settings():
     assert "supervise.max_restarts must be >= 0" in refused("[supervise]\nmax_restarts = -1\n" + TWO)
     for key in ("restart_window_s", "heartbeat_timeout_s"):
         for bad in ("0", "-1.5", "inf", "nan"):
-            assert f"supervise.{key} must be a positive number of seconds" in refused(f"[supervise]\n{key} = {bad}\n" + TWO)
+            assert f"supervise.{key} must be a positive number of seconds" in refused(
+                f"[supervise]\n{key} = {bad}\n" + TWO
+            )
     assert "heartbeat_timeout_s = 0.5 is too short" in refused("[supervise]\nheartbeat_timeout_s = 0.5\n" + TWO)
     plan = parse_plan("[supervise]\nmax_restarts = 0\nheartbeat_timeout_s = 5\n" + TWO)
     assert plan.supervise.max_restarts == 0 and plan.supervise.heartbeat_timeout_s == 5.0
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:7070", "tcp://*:7070", "tcp://10.1.2.3:7070", "tcp://example.org:1"])
+@pytest.mark.parametrize(
+    "endpoint", ["tcp://0.0.0.0:7070", "tcp://*:7070", "tcp://10.1.2.3:7070", "tcp://example.org:1"]
+)
 def test_a_reachable_tcp_endpoint_needs_keys(endpoint):
     message = refused(f'[bridge]\ntcp = "{endpoint}"\n' + TWO)
     assert "is reachable from other hosts: it needs bridge.server_key and bridge.client_keys" in message
@@ -283,7 +292,9 @@ def test_loopback_tcp_goes_without_keys_only_when_the_plan_says_so(endpoint):
     assert "bridge.tcp_allow_local_unauthenticated = true" in message
     allowed = f'[bridge]\ntcp = "{endpoint}"\ntcp_allow_local_unauthenticated = true\n' + TWO
     assert parse_plan(allowed).bridge.server_key is None
-    keyed = f'[bridge]\ntcp = "{endpoint}"\nserver_key = "s"\nclient_keys = "c"\ntcp_allow_local_unauthenticated = true\n'
+    keyed = (
+        f'[bridge]\ntcp = "{endpoint}"\nserver_key = "s"\nclient_keys = "c"\ntcp_allow_local_unauthenticated = true\n'
+    )
     assert "has keys: leave it out" in refused(keyed + TWO)
     far = '[bridge]\ntcp = "tcp://0.0.0.0:1"\ntcp_allow_local_unauthenticated = true\n' + TWO
     assert "is reachable from other hosts" in refused(far)

@@ -26,8 +26,19 @@ def mode(path: Path) -> int:
 
 
 def test_kvasirs_own_names():
-    for name in ("kvasird.lock", "client.sock", "events.sock", "bridge-in.sock", "control.sock", "stage-0.sock",
-                 "stage-12.sock", "credits-3.sock", "kv-4.sock", "command-bridge.sock", "command-stage-2.sock"):
+    for name in (
+        "kvasird.lock",
+        "client.sock",
+        "events.sock",
+        "bridge-in.sock",
+        "control.sock",
+        "stage-0.sock",
+        "stage-12.sock",
+        "credits-3.sock",
+        "kv-4.sock",
+        "command-bridge.sock",
+        "command-stage-2.sock",
+    ):
         assert is_ours(name), name
     for name in ("docker.sock", "stage-.sock", "client.sock.bak", "x", "stage-1.socket", "../client.sock"):
         assert not is_ours(name), name
@@ -123,8 +134,12 @@ def test_a_squatted_dir_gets_no_prompt_and_a_clear_error(tmp_path):
         with pytest.raises(RuntimeDirError, match="refusing to connect"):
             Client(squatted, timeout_s=2.0)
         kvasir = Path(sys.executable).parent / "kvasir"
-        run = subprocess.run([str(kvasir), "generate", "hello", "--runtime-dir", str(squatted)],
-                             capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [str(kvasir), "generate", "hello", "--runtime-dir", str(squatted)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == 3 and "refusing to connect" in run.stderr, run.stderr
         assert impostor.poll(200) == 0  # nothing reached it
     finally:
@@ -144,7 +159,7 @@ def test_a_user_other_than_root_accepts_only_its_own_or_roots_dir():
             rt = tmp / f"rt-{owner}"
             rt.mkdir(mode=0o755)
             os.chown(rt, owner, owner)
-            assert as_nobody(lambda: check_client_dir(rt)) == verdict, owner
+            assert as_nobody(lambda rt=rt: check_client_dir(rt)) == verdict, owner
     finally:
         shutil.rmtree(tmp)
 

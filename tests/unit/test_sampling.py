@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvasir.errors import BatchError
-from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SamplingParams
 from kvasir.stage.sampling import RequestSampler, Sampler
+from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SamplingParams
 
 VOCAB = 50
 

@@ -3,21 +3,37 @@ tests/integration/test_stats.py)."""
 
 from __future__ import annotations
 
-from kvasir.wire.client import DaemonStats
-from kvasir.wire.bridge import StageStats
 from kvasir.cli.top import bar, frame
+from kvasir.wire.bridge import StageStats
+from kvasir.wire.client import DaemonStats
 
 
 def stage(index, layers, wall_s, busy_s, batches, **kw) -> StageStats:
-    values = dict(pid=100 + index, starved_s=0.0, blocked_s=0.0, rows=0, tokens=batches * 4, inflight=0,
-                  kv_requests=0, kv_blocks=7)
+    values = dict(
+        pid=100 + index,
+        starved_s=0.0,
+        blocked_s=0.0,
+        rows=0,
+        tokens=batches * 4,
+        inflight=0,
+        kv_requests=0,
+        kv_blocks=7,
+    )
     values.update(kw)
     return StageStats(index=index, layers=layers, wall_s=wall_s, busy_s=busy_s, batches=batches, **values)
 
 
 def snapshot(uptime_s, stages, tokens_out) -> DaemonStats:
-    return DaemonStats(uptime_s=uptime_s, requests=5, in_flight=3, tokens_out=tokens_out, waiting_limit=64,
-                       vocab_size=100, max_seq_len=256, stages=stages)
+    return DaemonStats(
+        uptime_s=uptime_s,
+        requests=5,
+        in_flight=3,
+        tokens_out=tokens_out,
+        waiting_limit=64,
+        vocab_size=100,
+        max_seq_len=256,
+        stages=stages,
+    )
 
 
 def test_bar_shares():
@@ -28,7 +44,9 @@ def test_bar_shares():
 
 def test_a_cpu_ring_frame_shows_the_head_and_each_stages_shares():
     before = snapshot(10.0, [stage(0, (0, 15), 9.0, 4.0, 10), stage(1, (15, 30), 9.0, 3.0, 10)], 100)
-    after = snapshot(12.0, [stage(0, (0, 15), 11.0, 5.0, 30, waiting=4, inflight=2), stage(1, (15, 30), 11.0, 3.5, 30)], 140)
+    after = snapshot(
+        12.0, [stage(0, (0, 15), 11.0, 5.0, 30, waiting=4, inflight=2), stage(1, (15, 30), 11.0, 3.5, 30)], 140
+    )
     lines = frame(before, after)
     assert "queued 4   batches in flight 2" in lines[0] and "20.0 tokens/s out" in lines[0]
     assert lines[1].startswith("stage  layers") and "device" not in lines[1] and "pool" not in lines[1]
@@ -38,13 +56,26 @@ def test_a_cpu_ring_frame_shows_the_head_and_each_stages_shares():
 
 
 def test_gpu_stages_show_their_device_and_memory_and_a_restarted_stage_waits():
-    before = snapshot(10.0, [stage(0, (0, 10), 9.0, 4.0, 10, device="cuda:0"),
-                             stage(1, (10, 20), 9.0, 3.0, 10, device="cuda:1"), stage(2, (20, 30), 9.0, 3.0, 10)], 0)
-    after = snapshot(12.0, [
-        stage(0, (0, 10), 11.0, 5.0, 30, device="cuda:0", gpu_bytes=3 * 2**29),
-        stage(1, (10, 20), 1.0, 0.5, 2, pid=999, device="cuda:1", gpu_bytes=2**30),  # a new process since the last snapshot
-        stage(2, (20, 30), 11.0, 3.5, 30),
-    ], 0)
+    before = snapshot(
+        10.0,
+        [
+            stage(0, (0, 10), 9.0, 4.0, 10, device="cuda:0"),
+            stage(1, (10, 20), 9.0, 3.0, 10, device="cuda:1"),
+            stage(2, (20, 30), 9.0, 3.0, 10),
+        ],
+        0,
+    )
+    after = snapshot(
+        12.0,
+        [
+            stage(0, (0, 10), 11.0, 5.0, 30, device="cuda:0", gpu_bytes=3 * 2**29),
+            stage(
+                1, (10, 20), 1.0, 0.5, 2, pid=999, device="cuda:1", gpu_bytes=2**30
+            ),  # a new process since the last snapshot
+            stage(2, (20, 30), 11.0, 3.5, 30),
+        ],
+        0,
+    )
     lines = frame(before, after)
     assert lines[1].endswith("device   GPU memory")
     assert lines[2].endswith("cuda:0     1.50 GiB")
@@ -62,8 +93,9 @@ def test_a_disaggregated_frame_names_each_pool_and_its_head():
             for k, (pool, layers) in enumerate(pools)
         ]
 
-    after = snapshot(12.0, stages(11.0, prefill=dict(waiting=6, inflight=1, handing_off=2),
-                                  decode=dict(waiting=3, inflight=2)), 50)
+    after = snapshot(
+        12.0, stages(11.0, prefill=dict(waiting=6, inflight=1, handing_off=2), decode=dict(waiting=3, inflight=2)), 50
+    )
     lines = frame(snapshot(10.0, stages(9.0), 10), after)
     assert "prefill: queued 6, batches in flight 1, handing off 2" in lines[0]
     assert "decode: queued 3, batches in flight 2" in lines[0]
