@@ -31,6 +31,7 @@ from kvasir.ring.attach import attach_ring, create_ring
 from kvasir.ring.shm import segment_prefix
 from kvasir.stage.outlets import DownstreamOutlet
 from kvasir.stage.upstream import UpstreamIntake
+from kvasir.units import KIB, gib_per_s
 from kvasir.wire.batch import BatchDescriptor, Credit, Row
 from kvasir.wire.control import EdgeHandles, EdgeSpec
 from kvasir.wire.transport import PullChannel, PushChannel, make_socket
@@ -186,7 +187,7 @@ def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int, de
                 "tokens": tokens,
                 "bytes": nbytes,
                 "memcpy_us": copy_us,
-                "memcpy_gibps": nbytes / (copy_us * 1e-6) / 2**30,
+                "memcpy_gibps": gib_per_s(nbytes, copy_us * 1e-6),
                 "zmq_rtt_us": rtt_us,
                 "hop_us": hop_us,
                 "hop_over_zmq_rtt": hop_us / rtt_us,
@@ -212,7 +213,7 @@ def print_hop(report: dict, echo) -> None:
     )
     for s in report["sizes"]:
         echo(
-            f"{s['tokens']:5d} tokens {s['bytes'] / 1024:9.1f} KiB  {s['memcpy_us']:7.1f} us {s['memcpy_gibps']:6.2f} GiB/s"
+            f"{s['tokens']:5d} tokens {s['bytes'] / KIB:9.1f} KiB  {s['memcpy_us']:7.1f} us {s['memcpy_gibps']:6.2f} GiB/s"
             f"   {s['zmq_rtt_us']:8.1f} us   {s['hop_us']:8.1f} us   {s['hop_over_zmq_rtt']:6.2f}x"
         )
 

@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvasir.units import gib_per_s
+
 
 @dataclass(frozen=True)
 class RequestRecord:
@@ -178,6 +180,6 @@ def handoff_figures(records: Sequence[RequestRecord]) -> dict | None:
         "requests": len(moved),
         "kv_bytes_mean": sum(nbytes) / len(nbytes),
         "seconds": Distribution.of([r.handoff[1] for r in moved]).__dict__,
-        "copy_gibps": sum(nbytes) / (1 << 30) / copying if copying > 0 else 0.0,
+        "copy_gibps": gib_per_s(sum(nbytes), copying),
         "second_token_gap": Distribution.of(gaps).__dict__,
     }

@@ -24,6 +24,7 @@ from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.config.plan import plan_toml
 from kvasir.errors import KvasirError
+from kvasir.wire.shares import PARTS, Shares, by_pool
 
 
 @dataclass(frozen=True)
@@ -88,14 +89,15 @@ def _figures(results: list[LoadResult], slo) -> dict:
 
 
 def pool_fractions(stages: list[dict]) -> dict:
-    """Busy / starved / blocked per pool: the mean over its stages."""
-    pools: dict[str, list[dict]] = {}
-    for stage in stages:
-        pools.setdefault(stage["pool"] or "ring", []).append(stage)
-    return {
-        name: {part: sum(s[part] for s in members) / len(members) for part in ("busy", "starved", "blocked")}
-        for name, members in pools.items()
-    }
+    """Busy / starved / blocked per pool ("ring" for a colocated plan) from stage_fractions():
+    its stages' seconds summed, so weighted by seconds (kvasir/wire/shares.py)."""
+    pools = by_pool((stage["pool"] or "ring", _window_shares(stage)) for stage in stages)
+    return {name: {part: shares.fraction(part) for part in PARTS} for name, shares in pools.items()}
+
+
+def _window_shares(stage: dict) -> Shares:
+    wall = stage["window_s"]
+    return Shares(wall, stage["busy"] * wall, stage["starved"] * wall, stage["blocked"] * wall)
 
 
 def run_plans(

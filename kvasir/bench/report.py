@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvasir.units import MIB
+
 Echo = Callable[[str], None]
 
 NAMES = {
@@ -115,7 +117,7 @@ def print_plans(report: dict, echo: Echo) -> None:
         h = entry["handoff"]
         if h is not None:
             echo(
-                f"    hand-off: {h['kv_bytes_mean'] / (1 << 20):.2f} MiB of KV per request, p50 {h['seconds']['p50'] * 1e3:.1f} ms "
+                f"    hand-off: {h['kv_bytes_mean'] / MIB:.2f} MiB of KV per request, p50 {h['seconds']['p50'] * 1e3:.1f} ms "
                 f"p99 {h['seconds']['p99'] * 1e3:.1f} ms, copies at {h['copy_gibps']:.2f} GiB/s; first-to-second token "
                 f"p50 {h['second_token_gap']['p50'] * 1e3:.0f} ms p99 {h['second_token_gap']['p99'] * 1e3:.0f} ms"
             )

@@ -14,6 +14,7 @@ from kvasir.bench.metrics import RequestRecord, summarise
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.wire.client import DaemonStats, Finished, TokenOut
+from kvasir.wire.shares import stage_shares
 
 
 @dataclass
@@ -144,7 +145,8 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
         b = old.get(s.index)
         if b is None:
             continue
-        wall = max(s.wall_s - b.wall_s, 1e-9)
+        shares = stage_shares(s, b)
+        wall = max(shares.wall_s, 1e-9)
         batches = s.batches - b.batches
         out.append(
             {
@@ -152,11 +154,11 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
                 "pool": s.pool,
                 "layers": list(s.layers),
                 "window_s": wall,
-                "busy": (s.busy_s - b.busy_s) / wall,
+                "busy": shares.busy,
                 "hop_s": s.hop_s - b.hop_s,
-                "hop_of_busy": (s.hop_s - b.hop_s) / max(s.busy_s - b.busy_s, 1e-9),
-                "starved": (s.starved_s - b.starved_s) / wall,
-                "blocked": (s.blocked_s - b.blocked_s) / wall,
+                "hop_of_busy": (s.hop_s - b.hop_s) / max(shares.busy_s, 1e-9),
+                "starved": shares.starved,
+                "blocked": shares.blocked,
                 "batches_per_s": batches / wall,
                 "rows_per_batch": (s.rows - b.rows) / batches if batches else 0.0,
                 "tokens_per_batch": (s.tokens - b.tokens) / batches if batches else 0.0,

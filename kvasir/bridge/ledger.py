@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer
+from kvasir.units import gib_per_s
 from kvasir.wire.batch import SampledToken
 from kvasir.wire.client import Finished, HandoffSummary, HandoffTimings, Timings, Usage
 from kvasir.wire.transport import BatchedSocket
 
-GIB = 1 << 30
 RECENT_HANDOFFS = 4096  # hand-offs the percentiles are taken over
 
 
@@ -142,7 +142,7 @@ class HandoffLog:
         self.count += 1
         self.kv_bytes += nbytes
         self.recent.append((nbytes, seconds, copy_s))
-        return HandoffTimings(kv_bytes=nbytes, seconds=seconds, copy_s=copy_s, gibps=_gibps(nbytes, copy_s))
+        return HandoffTimings(kv_bytes=nbytes, seconds=seconds, copy_s=copy_s, gibps=gib_per_s(nbytes, copy_s))
 
     def summary(self) -> HandoffSummary | None:
         if not self.count:
@@ -155,9 +155,5 @@ class HandoffLog:
             kv_bytes=self.kv_bytes,
             p50_s=times[len(times) // 2],
             p99_s=times[min(len(times) - 1, int(len(times) * 0.99))],
-            gibps=_gibps(moved, copying),
+            gibps=gib_per_s(moved, copying),
         )
-
-
-def _gibps(nbytes: int, seconds: float) -> float:
-    return nbytes / GIB / seconds if seconds > 0 else 0.0

@@ -28,6 +28,7 @@ from kvasir.config.plan import BridgeSpec
 from kvasir.errors import RequestError
 from kvasir.logs import setup_logging
 from kvasir.model.source import resolve_source
+from kvasir.units import MIB
 from kvasir.wire.batch import SampledToken
 from kvasir.wire.bridge import BatchSpan, BridgeMessage, HandoffReport, RequestEnded, StageStats, TokenEvents
 from kvasir.wire.client import (
@@ -46,7 +47,7 @@ from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettin
 from kvasir.wire.head import CancelRequest, Enqueue
 from kvasir.wire.transport import BatchedSocket, Endpoints, make_socket
 
-MAX_CLIENT_MESSAGE = 16 * 1024 * 1024  # a client sending more is disconnected by ZMQ
+MAX_CLIENT_MESSAGE = 16 * MIB  # a client sending more is disconnected by ZMQ
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
 

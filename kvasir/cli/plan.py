@@ -8,8 +8,9 @@ import click
 import msgspec
 
 from kvasir.cli.common import RUNTIME_DIR, fail
+from kvasir.cli.table import table_lines
 from kvasir.errors import KvasirError
-from kvasir.units import format_bytes
+from kvasir.units import MIB, format_bytes
 
 
 @click.group()
@@ -106,7 +107,7 @@ def plan_check(
 
 
 def _handoff_costs(plan, source, link_gibps, interference_ms, lengths, sizes_mib) -> dict:
-    from kvasir.daemon.footprint import MIB, break_even_gibps, handoff_ms, kv_bytes_per_token
+    from kvasir.daemon.footprint import break_even_gibps, handoff_ms, kv_bytes_per_token
 
     per_token = kv_bytes_per_token(plan, source)
     rows = [{"prompt_tokens": n, "kv_bytes": n * per_token} for n in lengths]
@@ -130,7 +131,7 @@ def _print_costs(costs: dict) -> None:
     header = ("prompt", "kv", "hand-off", "break-even")
     rows = [header]
     for row in costs["sizes"]:
-        mib = row["kv_bytes"] / (1 << 20)
+        mib = row["kv_bytes"] / MIB
         rows.append(
             (
                 f"{row['prompt_tokens']} tokens" if row["prompt_tokens"] else "-",
@@ -139,9 +140,8 @@ def _print_costs(costs: dict) -> None:
                 f"{row['break_even_gibps']:.4g} GiB/s",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for line in table_lines(rows, indent="  "):
+        click.echo(line)
 
 
 def _print_plan(path, resolved, source, stages) -> None:
@@ -191,9 +191,8 @@ def _print_plan(path, resolved, source, stages) -> None:
                 slots,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for line in table_lines(rows):
+        click.echo(line)
     for s in stages:
         if s.edge:
             click.echo(f"edge     {s.index - 1} -> {s.index}: {s.edge} ({s.edge_reason})")

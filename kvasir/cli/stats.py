@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections import Counter
 
 import click
 import msgspec
 
 from kvasir.cli.common import RUNTIME_DIR, connect, remote_options
+from kvasir.cli.table import table_lines
 from kvasir.units import format_bytes
+from kvasir.wire.bridge import StageStats
+from kvasir.wire.shares import PARTS, by_pool, stage_shares
 
 
 @click.command()
@@ -35,12 +40,11 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
     body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f not in ("stages", "timeline")}
     body["stages"] = [msgspec.structs.asdict(stage) for stage in daemon.stages]
     body = msgspec.to_builtins(body)
-    for stage in body["stages"]:
-        wall = stage["wall_s"] or 1.0
-        for part in ("busy", "starved", "blocked"):
-            stage[f"{part}_fraction"] = stage[f"{part}_s"] / wall
-    if any(stage["pool"] for stage in body["stages"]):
-        body["pools"] = _pool_totals(body["stages"])
+    for stage, figures in zip(body["stages"], daemon.stages):
+        shares = stage_shares(figures)
+        stage.update({f"{part}_fraction": shares.fraction(part) for part in PARTS})
+    if any(stage.pool for stage in daemon.stages):
+        body["pools"] = _pool_totals(daemon.stages)
     if as_json:
         click.echo(json.dumps(body))
         return
@@ -103,9 +107,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
             )
             for row, s in zip(rows[1:], body["stages"])
         ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for line in table_lines(rows):
+        click.echo(line)
     for name, pool in body.get("pools", {}).items():
         click.echo(
             f"{name} pool ({pool['stages']} stages): busy {pool['busy_fraction']:.0%}, "
@@ -113,18 +116,13 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         )
 
 
-def _pool_totals(stages: list[dict]) -> dict:
-    """Busy / starved / blocked per pool: seconds summed over its stages, fractions of their wall time."""
-    pools: dict[str, dict] = {}
-    for stage in stages:
-        pool = pools.setdefault(
-            stage["pool"], {"stages": 0, "wall_s": 0.0, "busy_s": 0.0, "starved_s": 0.0, "blocked_s": 0.0}
-        )
-        pool["stages"] += 1
-        for key in ("wall_s", "busy_s", "starved_s", "blocked_s"):
-            pool[key] += stage[key]
-    for pool in pools.values():
-        wall = pool["wall_s"] or 1.0
-        for part in ("busy", "starved", "blocked"):
-            pool[f"{part}_fraction"] = pool[f"{part}_s"] / wall
-    return pools
+def _pool_totals(stages: list[StageStats]) -> dict:
+    """Busy / starved / blocked per pool: its stages' seconds summed, and their shares
+    (weighted by seconds, kvasir/wire/shares.py)."""
+    counts = Counter(stage.pool for stage in stages)
+    pools = by_pool((stage.pool, stage_shares(stage)) for stage in stages)
+    return {
+        name: {"stages": counts[name], **dataclasses.asdict(shares)}
+        | {f"{part}_fraction": shares.fraction(part) for part in PARTS}
+        for name, shares in pools.items()
+    }

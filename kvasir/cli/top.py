@@ -22,8 +22,10 @@ import click
 
 from kvasir.cli.common import RUNTIME_DIR, connect
 from kvasir.errors import KvasirError
+from kvasir.units import GIB
 from kvasir.wire.bridge import StageStats
 from kvasir.wire.client import DaemonStats
+from kvasir.wire.shares import stage_shares
 
 BAR = 24
 HEADER = (
@@ -56,7 +58,7 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
     for s in after.stages:
         line = _stage_line(old.get(s.index), s)
         if gpus and s.device != "cpu":
-            line = f"{line:<{len(HEADER)}}  {s.device:<8} {s.gpu_bytes / 2**30:6.2f} GiB"  # under the header's column
+            line = f"{line:<{len(HEADER)}}  {s.device:<8} {s.gpu_bytes / GIB:6.2f} GiB"  # under the header's column
         lines.append((f"{s.pool:<9}" if pooled else "") + line)
     return lines
 
@@ -82,11 +84,8 @@ def _stage_line(b: StageStats | None, s: StageStats) -> str:
     if b is None or b.pid != s.pid or s.wall_s <= b.wall_s:
         return f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  (waiting for the stage's next report)"
     wall = s.wall_s - b.wall_s
-    busy, starved, blocked = (
-        (s.busy_s - b.busy_s) / wall,
-        (s.starved_s - b.starved_s) / wall,
-        (s.blocked_s - b.blocked_s) / wall,
-    )
+    shares = stage_shares(s, b)
+    busy, starved, blocked = shares.busy, shares.starved, shares.blocked
     return (
         f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  [{bar(busy, starved, blocked)}]  {busy:4.0%} {starved:5.0%} {blocked:5.0%}"
         f"  {(s.batches - b.batches) / wall:9.1f}  {(s.tokens - b.tokens) / wall:8.1f}   {s.kv_blocks:9d}"

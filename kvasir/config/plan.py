@@ -15,6 +15,7 @@ import msgspec
 
 from kvasir.config.devices import check_edge_request
 from kvasir.errors import PlanError
+from kvasir.units import MIB
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:(0|[1-9][0-9]*))?)$")
@@ -48,7 +49,7 @@ class BridgeSpec(_Section):
     max_client_queue: int = (
         100_000  # events waiting for one client; beyond, it is not reading: its requests are cancelled
     )
-    max_client_bytes: int = 32 << 20  # bytes of events waiting for one client; beyond, as max_client_queue
+    max_client_bytes: int = 32 * MIB  # bytes of events waiting for one client; beyond, as max_client_queue
     max_tokens_per_request: int | None = (
         None  # a request asking for more is refused (None: no ceiling; max_seq_len caps)
     )

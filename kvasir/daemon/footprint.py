@@ -14,9 +14,7 @@ from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import build_skeleton, count_parameters, head_dim, slice_spec
 from kvasir.model.source import ModelSource
 from kvasir.ring.edges import pool_edges, torch_peer_access
-
-MIB = 1 << 20
-GIB = 1 << 30
+from kvasir.units import GIB
 
 
 @dataclass(frozen=True)

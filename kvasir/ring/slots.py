@@ -14,12 +14,12 @@ interface. The launcher creates the shared-memory files of ``shm`` and ``pinned`
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Protocol
 
 import torch
 
 from kvasir.config.devices import DTYPES
+from kvasir.freelist import FreeList
 from kvasir.ring.shm import SHM_DIR, SlotError, close_map, map_file
 from kvasir.wire.control import EdgeSpec
 
@@ -85,24 +85,21 @@ class ShmSlotRing:
 
 
 class SlotCredits:
-    """The producer's side of an edge: which slots are free to write."""
+    """The producer's side of an edge: which slots are free to write (kvasir/freelist.py)."""
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
-        self._free: deque[int] = deque(range(slots))
-        self._busy: set[int] = set()
+        self._list = FreeList(slots, SlotError, "credit for slot")
 
     @property
     def available(self) -> bool:
-        return bool(self._free)
+        return self._list.free > 0
 
     def take(self) -> int:
-        slot = self._free.popleft()
-        self._busy.add(slot)
-        return slot
+        taken = self._list.take(1)
+        if taken is None:
+            raise SlotError("no free slot to take (check available first)")
+        return taken[0]
 
     def give_back(self, slot: int) -> None:
-        if slot not in self._busy:
-            raise SlotError(f"credit for slot {slot}, which is not in use")
-        self._busy.remove(slot)
-        self._free.append(slot)
+        self._list.give_back([slot])

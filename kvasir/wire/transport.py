@@ -15,6 +15,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 
+from kvasir.units import MIB
+
 T = TypeVar("T")
 
 
@@ -84,7 +86,7 @@ class Endpoints:
         ]
 
 
-MAX_INTERNAL_MESSAGE = 64 * 1024 * 1024  # internal messages are small; a larger frame drops its connection
+MAX_INTERNAL_MESSAGE = 64 * MIB  # internal messages are small; a larger frame drops its connection
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None) -> zmq.Socket:

@@ -13,10 +13,11 @@ from models import make_plan
 from kvasir.bridge.ledger import HandoffLog, Pending
 from kvasir.cli.main import kvasir
 from kvasir.config.plan import parse_plan, plan_toml
-from kvasir.daemon.footprint import MIB, break_even_gibps, handoff_ms
+from kvasir.daemon.footprint import break_even_gibps, handoff_ms
 from kvasir.errors import PlanError
 from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.sampling import RequestSampler
+from kvasir.units import MIB
 from kvasir.wire.batch import NewRequest, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
 
