@@ -68,7 +68,7 @@ class Remote:
     def configure(self, sock) -> None:
         if (self.client_key is None) != (self.server_key is None):
             raise KvasirError("a CURVE connection needs both the client's key pair and the server's public key")
-        if self.client_key is not None:
+        if self.client_key is not None and self.server_key is not None:
             public, secret = load_pair(self.client_key)
             sock.curve_publickey, sock.curve_secretkey = public, secret
             sock.curve_serverkey = load_public(self.server_key)
@@ -114,6 +114,8 @@ class RequestStream:
         last = None
         async for event in self:
             last = event
+        if not isinstance(last, TERMINAL):
+            raise KvasirError(f"request {self.request_id}: the stream ended without a terminal event")
         return last
 
 
@@ -309,8 +311,8 @@ class AsyncClient:
                 | Cancelled(request_id=rid)
                 | ErrorEvent(request_id=rid)
             ):
-                stream = self._by_id.get(rid)
-                if stream is not None:
+                stream = self._by_id.get(rid) if rid is not None else None
+                if stream is not None and rid is not None:
                     stream._put(event)
                     if isinstance(event, TERMINAL):
                         del self._by_id[rid]

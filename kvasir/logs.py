@@ -7,8 +7,10 @@ import sys
 
 import structlog
 
+Logger = structlog.typing.FilteringBoundLogger  # what setup_logging returns
 
-def setup_logging(level: str = "info", **context: object) -> structlog.stdlib.BoundLogger:
+
+def setup_logging(level: str = "info", **context: object) -> Logger:
     """Configure structlog for this process and return a logger bound to ``context``."""
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kvasir.bench.workload import Job
+from kvasir.errors import KvasirError
 
 
 def load_reference(folder: Path, threads: int):
@@ -29,12 +30,13 @@ def static_batches(model, jobs: list[Job], batch_size: int, pad_id: int) -> tupl
     started = time.perf_counter()
     for first in range(0, len(jobs), batch_size):
         group = jobs[first : first + batch_size]
-        width = max(len(j.token_ids) for j in group)
+        prompts = [_ids(job) for job in group]
+        width = max(len(prompt) for prompt in prompts)
         ids = torch.full((len(group), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(group), width), dtype=torch.long)
-        for row, job in enumerate(group):
-            ids[row, width - len(job.token_ids) :] = torch.tensor(job.token_ids)
-            mask[row, width - len(job.token_ids) :] = 1
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         new = max(j.max_tokens for j in group)
         with torch.inference_mode():
             out = model.generate(
@@ -50,7 +52,13 @@ def continuous(model, jobs: list[Job]) -> tuple[int, float]:
     new = max(j.max_tokens for j in jobs)
     config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     started = time.perf_counter()
-    outputs = model.generate_batch([j.token_ids for j in jobs], generation_config=config, progress_bar=False)
+    outputs = model.generate_batch([_ids(j) for j in jobs], generation_config=config, progress_bar=False)
     elapsed = time.perf_counter() - started
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
     return tokens, elapsed
+
+
+def _ids(job: Job) -> list[int]:
+    if job.token_ids is None:
+        raise KvasirError("the transformers baselines run token-id prompts only")
+    return job.token_ids

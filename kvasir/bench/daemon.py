@@ -104,6 +104,8 @@ class ManagedDaemon:
         self.stop()
 
     def _wait_ready(self) -> None:
+        if self.process is None:
+            raise BenchDaemonError("the daemon was not started")
         wait_serving(self.process, self.runtime_dir, self.stages, self.ready_timeout_s, self.log_tail)
 
     def log_tail(self, lines: int = 20) -> str:

@@ -18,7 +18,7 @@ import time
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.errors import KvasirError
-from kvasir.wire.client import ErrorEvent, Finished, TokenOut
+from kvasir.wire.client import Cancelled, ErrorEvent, Finished, TokenOut
 
 
 async def _serving(client: AsyncClient, restarts: int, stages: int, timeout_s: float = 600.0):
@@ -59,8 +59,8 @@ async def _round(client: AsyncClient, jobs: list[Job], victim: int) -> dict:
         probe = await (await client.submit(token_ids=[1], max_tokens=1, temperature=0)).result()
         if isinstance(probe, Finished):
             break
-        if probe.code != "restarting":
-            raise KvasirError(f"a request after the failure ended {probe.code}: {probe.message}")
+        if not isinstance(probe, ErrorEvent) or probe.code != "restarting":
+            raise KvasirError(f"a request after the failure ended {_how(probe)}")
         await asyncio.sleep(0.05)
     codes: dict[str, int] = {}
     for code, _ in outcome:
@@ -100,3 +100,7 @@ def print_failover(report: dict, echo) -> None:
     t, b = report["told_s"], report["serving_again_s"]
     echo(f"failure -> every client told: median {t['median']:.3f} s, max {t['max']:.3f} s")
     echo(f"failure -> serving again:     median {b['median']:.2f} s, max {b['max']:.2f} s")
+
+
+def _how(event: Cancelled | ErrorEvent) -> str:
+    return f"{event.code}: {event.message}" if isinstance(event, ErrorEvent) else "cancelled"

@@ -22,13 +22,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import torch
 import zmq
 
 from kvasir.ring.attach import attach_ring, create_ring
+from kvasir.ring.handshake import IpcRing
 from kvasir.ring.shm import segment_prefix
+from kvasir.ring.slots import ShmSlotRing, SlotRing
 from kvasir.stage.outlets import DownstreamOutlet
 from kvasir.stage.upstream import UpstreamIntake
 from kvasir.units import KIB, gib_per_s
@@ -71,8 +74,9 @@ def consumer_main(argv: list[str]) -> None:
     pings = make_socket(ctx, zmq.PULL, bind=ping_at)
     credits = make_socket(ctx, zmq.PUSH, connect=credits_at)
     if cuda:  # the producer's half came with the arguments; ours goes back first thing
-        ring.attach(msgspec.json.decode(argv[2].encode(), type=EdgeHandles))
-        credits.send(msgspec.msgpack.encode(ring.local_half(1, os.getpid())))
+        ipc = cast(IpcRing, ring)  # a cuda-ipc edge's ring
+        ipc.attach(msgspec.json.decode(argv[2].encode(), type=EdgeHandles))
+        credits.send(msgspec.msgpack.encode(ipc.local_half(1, os.getpid())))
     descriptors = PullChannel[BatchDescriptor](make_socket(ctx, zmq.PULL, bind=descriptors_at), BatchDescriptor)
     intake = UpstreamIntake(descriptors, ring, PushChannel[Credit](credits))
     poller = zmq.Poller()
@@ -108,21 +112,24 @@ def hop_report(iterations: int = 400, device: str = "cpu") -> dict:
         folder = Path(tmp)
         edge = _edge(device)
         argv = [sys.executable, "-m", "kvasir.bench.hop", str(folder), msgspec.json.encode(edge).decode()]
+        ring: SlotRing
+        ipc: IpcRing | None = None
         if device == "cpu":
             ring = create_ring(edge)
         else:
             torch.cuda.set_device(torch.device(device))
             ring = attach_ring(edge, "producer")
-            argv.append(msgspec.json.encode(ring.local_half(0, os.getpid())).decode())
+            ipc = cast(IpcRing, ring)  # a cuda-ipc edge's ring
+            argv.append(msgspec.json.encode(ipc.local_half(0, os.getpid())).decode())
         ctx = zmq.Context()
         descriptors_at, credits_at, ping_at = _endpoints(folder)
         credits = make_socket(ctx, zmq.PULL, bind=credits_at)
         child = subprocess.Popen(argv)
         try:
-            if device != "cpu":
+            if ipc is not None:
                 if not credits.poll(120_000):
                     raise RuntimeError("the hop consumer sent no CUDA IPC handles within 120 s")
-                ring.attach(msgspec.msgpack.decode(credits.recv(), type=EdgeHandles))
+                ipc.attach(msgspec.msgpack.decode(credits.recv(), type=EdgeHandles))
             pings = make_socket(ctx, zmq.PUSH, connect=ping_at)
             descriptors = make_socket(ctx, zmq.PUSH, connect=descriptors_at)
             outlet = DownstreamOutlet(
@@ -136,7 +143,7 @@ def hop_report(iterations: int = 400, device: str = "cpu") -> dict:
                 child.kill()
                 child.wait()
             ring.close()
-            if device == "cpu":
+            if isinstance(ring, ShmSlotRing):  # the cpu edge's shared memory, made here
                 ring.unlink()
             ctx.destroy(linger=0)
     return report

@@ -1,6 +1,6 @@
 """Latency statistics and goodput, as pure functions over per-request records.
 
-Definitions (MISSION.md): TTFT is submission to first token; inter-token latency (ITL)
+Definitions (docs/architecture.md, Benchmark figures): TTFT is submission to first token; inter-token latency (ITL)
 is the gap between consecutive tokens of one request; time per output token (TPOT) is a
 request's mean ITL; goodput is the highest request rate at which at least ``attain`` of
 the requests meet both the TTFT and the TPOT targets.
@@ -170,16 +170,16 @@ def summarise(records: Sequence[RequestRecord], duration_s: float, slo: tuple[fl
 def handoff_figures(records: Sequence[RequestRecord]) -> dict | None:
     """What moving KV between pools cost the finished requests: bytes, time, bandwidth,
     and the first-to-second token gap it lands in (None when nothing was handed off)."""
-    moved = [r for r in records if r.ok and r.handoff is not None]
+    moved = [(r, r.handoff) for r in records if r.ok and r.handoff is not None]
     if not moved:
         return None
-    nbytes = [r.handoff[0] for r in moved]
-    copying = sum(r.handoff[2] for r in moved)
-    gaps = [r.token_times_s[1] - r.token_times_s[0] for r in moved if len(r.token_times_s) > 1]
+    nbytes = [handoff[0] for _, handoff in moved]
+    copying = sum(handoff[2] for _, handoff in moved)
+    gaps = [r.token_times_s[1] - r.token_times_s[0] for r, _ in moved if len(r.token_times_s) > 1]
     return {
         "requests": len(moved),
         "kv_bytes_mean": sum(nbytes) / len(nbytes),
-        "seconds": Distribution.of([r.handoff[1] for r in moved]).__dict__,
+        "seconds": Distribution.of([handoff[1] for _, handoff in moved]).__dict__,
         "copy_gibps": gib_per_s(sum(nbytes), copying),
         "second_token_gap": Distribution.of(gaps).__dict__,
     }

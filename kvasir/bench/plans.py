@@ -49,7 +49,8 @@ def prepare_plans(paths: list[Path], folder: Path) -> list[PlanRun]:
     from kvasir.daemon.resolve import resolve_plan
     from kvasir.model.convert import prepare
 
-    runs, models = [], set()
+    runs: list[PlanRun] = []
+    models: set[str] = set()
     for k, path in enumerate(paths):
         plan, source = resolve_plan(path)
         source = prepare(source)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer
 from kvasir.units import gib_per_s
+from kvasir.wire.base import FinishReason
 from kvasir.wire.batch import SampledToken
 from kvasir.wire.client import Finished, HandoffSummary, HandoffTimings, Timings, Usage
 from kvasir.wire.transport import BatchedSocket
@@ -51,7 +52,7 @@ class Pending:
             ready.append(self.early.pop(len(self.token_ids) + len(ready)))
         return ready
 
-    def finished(self, rid: int, reason: str) -> Finished:
+    def finished(self, rid: int, reason: FinishReason) -> Finished:
         n = len(self.token_ids)
         return Finished(
             request_id=rid,

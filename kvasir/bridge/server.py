@@ -78,7 +78,7 @@ class Bridge:
         self.control = make_socket(ctx, zmq.PUSH, connect=ends.control)
         self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
         self.tcp = plan.bridge.tcp
-        self.authenticator = None
+        self.authenticator: AsyncioAuthenticator | None = None
         self.remote_io = self._remote(ctx, plan.bridge) if self.tcp is not None else None
         self.inbox_io = BatchedSocket(self.inbox)
         self.ctx = ctx
@@ -120,8 +120,9 @@ class Bridge:
             while not self.stopped.is_set():
                 done, _ = await asyncio.wait([*self._tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    if task is not stopped and not task.cancelled() and task.exception() is not None:
-                        raise task.exception()  # a broken loop is fatal: the launcher sees us exit
+                    failure = None if task is stopped or task.cancelled() else task.exception()
+                    if failure is not None:
+                        raise failure  # a broken loop is fatal: the launcher sees us exit
         finally:
             for task in [*self._tasks, stopped]:
                 task.cancel()
@@ -328,10 +329,11 @@ class Bridge:
         """The ROUTER for remote clients over TCP. With keys it is a CURVE server and ZAP
         lets in only the clients whose public keys are in ``client_keys``."""
         sock = self._client_router(ctx)
-        if spec.server_key is not None:
-            self.authenticator = AsyncioAuthenticator(ctx)
-            self.authenticator.start()
-            self.authenticator.configure_curve(domain="*", location=spec.client_keys)
+        if spec.server_key is not None and spec.client_keys is not None:  # the plan gives both or neither
+            authenticator = AsyncioAuthenticator(ctx)
+            authenticator.start()
+            authenticator.configure_curve(domain="*", location=spec.client_keys)
+            self.authenticator = authenticator
             sock.curve_publickey, sock.curve_secretkey = load_pair(spec.server_key)
             sock.curve_server = True
         return BatchedSocket(sock)

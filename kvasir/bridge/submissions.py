@@ -53,10 +53,10 @@ class Submissions:
         return envelope.key if envelope.type in ("submit", "stats") else None
 
     def _prompt_ids(self, msg: Submit) -> list[int]:
-        if (msg.prompt is None) == (msg.token_ids is None):
-            raise RequestError("invalid_request", "give exactly one of prompt (text) or token_ids")
-        if msg.token_ids is not None:
+        if msg.token_ids is not None and msg.prompt is None:
             return check_prompt(msg.token_ids, self.vocab_size, self.max_seq_len)
+        if msg.prompt is None or msg.token_ids is not None:
+            raise RequestError("invalid_request", "give exactly one of prompt (text) or token_ids")
         if self.tokenizer is None:
             raise RequestError("invalid_request", "this model has no tokenizer: submit token ids instead of text")
         check_prompt_text(msg.prompt, self.max_seq_len)

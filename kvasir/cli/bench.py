@@ -498,7 +498,7 @@ def _hop_device(device: str) -> str:
         raise click.BadParameter(f"{device!r} is not 'cpu' or 'cuda:N'", param_hint="--hop-device")
     if not torch.cuda.is_available():
         raise click.BadParameter(f"{device}: CUDA is not available here", param_hint="--hop-device")
-    ordinal = cuda_ordinal(device)
+    ordinal = cuda_ordinal(device) or 0  # the pattern above: cuda or cuda:N
     if ordinal >= torch.cuda.device_count():
         raise click.BadParameter(
             f"{device}: this machine has {torch.cuda.device_count()} CUDA devices", param_hint="--hop-device"

@@ -45,7 +45,7 @@ def plan() -> None:
     "--handoff-mib",
     type=float,
     multiple=True,
-    help="Also price a hand-off of this many MiB (repeatable; e.g. 64 for MISSION.md's worked balance).",
+    help="Also price a hand-off of this many MiB (repeatable; e.g. 64 for the worked balance in docs/architecture.md).",
 )
 @RUNTIME_DIR
 def plan_check(

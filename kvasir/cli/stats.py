@@ -65,7 +65,7 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
             f"hand-offs {h['count']}, {format_bytes(h['kv_bytes'])} of KV; time p50 {h['p50_s'] * 1000:.2f} ms, "
             f"p99 {h['p99_s'] * 1000:.2f} ms; copies at {h['gibps']:.2f} GiB/s"
         )
-    header = (
+    header: tuple[str, ...] = (
         "stage",
         "layers",
         "pid",
@@ -78,7 +78,7 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         "inflight",
         "kv reqs",
     )
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for s in body["stages"]:
         rows.append(
             (
@@ -116,10 +116,10 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         )
 
 
-def _pool_totals(stages: list[StageStats]) -> dict:
+def _pool_totals(stages: list[StageStats]) -> dict[str, dict]:
     """Busy / starved / blocked per pool: its stages' seconds summed, and their shares
     (weighted by seconds, kvasir/wire/shares.py)."""
-    counts = Counter(stage.pool for stage in stages)
+    counts: Counter[str] = Counter(stage.pool for stage in stages)
     pools = by_pool((stage.pool, stage_shares(stage)) for stage in stages)
     return {
         name: {"stages": counts[name], **dataclasses.asdict(shares)}

@@ -65,7 +65,7 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
 
 def _queues(stages: list[StageStats], pooled: bool) -> str:
     """The head's queue and batches in flight; in a disaggregated plan, each pool's head."""
-    heads = {}
+    heads: dict[str, StageStats] = {}
     for s in sorted(stages, key=lambda s: s.index):
         heads.setdefault(s.pool, s)  # a pool's head is its first stage
 

@@ -4,6 +4,8 @@ Nothing here imports the model loader or transformers."""
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
 from kvasir.errors import PlanError
@@ -11,10 +13,12 @@ from kvasir.errors import PlanError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-EDGE_KINDS = ("auto", "cuda-ipc", "pinned", "shm")
+EdgeKind = Literal["shm", "pinned", "cuda-ipc"]  # what an edge is (kvasir/ring/edges.py picks)
+EdgeRequest = Literal["auto", "cuda-ipc", "pinned", "shm"]  # what a plan may ask for
+EDGE_KINDS: tuple[str, ...] = get_args(EdgeRequest)
 
 
-IPC = "cuda-ipc"
+IPC: Literal["cuda-ipc"] = "cuda-ipc"
 
 
 def cuda_ordinal(device: str) -> int | None:

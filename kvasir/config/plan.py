@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -26,24 +27,24 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     pass
 
 
-class ModelSpec(_Section):
+class ModelSpec(_Section, frozen=True):
     source: str = "smollm2-135m"
     dtype: str = "float32"
     max_seq_len: int = 2048
 
 
-class BatchSpec(_Section):
+class BatchSpec(_Section, frozen=True):
     max_rows: int = 32
     max_tokens: int = 256
     inflight: int = 3
 
 
-class KvSpec(_Section):
+class KvSpec(_Section, frozen=True):
     block_size: int = 16
     num_blocks: int = 1024
 
 
-class BridgeSpec(_Section):
+class BridgeSpec(_Section, frozen=True):
     max_waiting: int = 1024  # requests in the daemon before new ones are refused "overloaded"
     max_per_client: int = 256  # requests one client connection may have in the daemon at once
     max_client_queue: int = (
@@ -59,13 +60,13 @@ class BridgeSpec(_Section):
     client_keys: str | None = None  # folder of the CURVE public keys (*.key) of the clients let in
 
 
-class SuperviseSpec(_Section):
+class SuperviseSpec(_Section, frozen=True):
     max_restarts: int = 5  # ring restarts allowed within restart_window_s before the daemon gives up
     restart_window_s: float = 600.0
     heartbeat_timeout_s: float = 30.0  # a child silent this long is hung: killed and restarted
 
 
-class StageSpec(_Section):
+class StageSpec(_Section, frozen=True):
     layers: tuple[int, int]
     device: str = "cpu"
     threads: int = 1
@@ -73,7 +74,7 @@ class StageSpec(_Section):
     edge: str | None = None  # slot kind of the edge to the next stage: auto (default) | cuda-ipc | pinned | shm
 
 
-class PoolSpec(_Section):
+class PoolSpec(_Section, frozen=True):
     """One pool of a disaggregated plan: its own pipeline, optionally its own widths and cache."""
 
     stages: tuple[StageSpec, ...] = ()
@@ -81,14 +82,15 @@ class PoolSpec(_Section):
     kv: KvSpec | None = None  # default: the plan's [kv]
 
 
-class HandoffSpec(_Section):
+class HandoffSpec(_Section, frozen=True):
     lease_s: float = 60.0  # prefill KV not confirmed by the decode pool within this is freed (request failed)
 
 
-POOLS = ("prefill", "decode")
+Pool = Literal["", "prefill", "decode"]  # "" in a colocated plan
+POOLS: tuple[Pool, ...] = ("prefill", "decode")
 
 
-class Plan(_Section):
+class Plan(_Section, frozen=True):
     model: ModelSpec = ModelSpec()
     batch: BatchSpec = BatchSpec()
     kv: KvSpec = KvSpec()
@@ -112,7 +114,7 @@ class Plan(_Section):
         """Every stage process, in global order: the prefill pool's, then the decode pool's."""
         return tuple(stage for _, view in self.pools() for stage in view.stages)
 
-    def pools(self) -> list[tuple[str, Plan]]:
+    def pools(self) -> list[tuple[Pool, Plan]]:
         """Each pool as a plan of its own (one ring: its stages, widths and cache); a
         colocated plan is one pool named ""."""
         if not self.disaggregated:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 
-from kvasir.config.plan import Plan
+from kvasir.config.plan import Plan, Pool
 from kvasir.wire.control import EdgeSpec
 from kvasir.wire.transport import PushChannel
 
@@ -23,7 +23,7 @@ class Child:
 class StagePlace:
     """Where a stage process sits: its pool (its ring's plan), global index and ring edges."""
 
-    pool: str
+    pool: Pool
     plan: Plan
     first: int  # global index of the pool's first stage
     edges: list[EdgeSpec]

@@ -7,21 +7,24 @@ a plan can be checked before any weights are read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kvasir.config.devices import DTYPES
-from kvasir.config.plan import Plan
+from kvasir.config.plan import Plan, Pool
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import build_skeleton, count_parameters, head_dim, slice_spec
 from kvasir.model.source import ModelSource
 from kvasir.ring.edges import pool_edges, torch_peer_access
 from kvasir.units import GIB
 
+StageRole = Literal["head", "middle", "tail"]
+
 
 @dataclass(frozen=True)
 class StageFootprint:
     index: int  # global: a disaggregated plan numbers the prefill pool's stages first
-    pool: str  # "prefill" | "decode" | "" (colocated)
-    role: str  # head | middle | tail
+    pool: Pool
+    role: StageRole
     layers: tuple[int, int]
     device: str
     threads: int
@@ -48,7 +51,7 @@ def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
     return out
 
 
-def _pool_footprint(plan: Plan, source: ModelSource, pool: str, first: int) -> list[StageFootprint]:
+def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> list[StageFootprint]:
     dtype = DTYPES[plan.model.dtype]
     config = source.config
     slot = boundary_slot_bytes(plan, source)
@@ -57,7 +60,7 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: str, first: int) -> l
     for index, stage in enumerate(plan.stages):
         spec = slice_spec(plan, index)
         params = count_parameters(build_skeleton(source, spec))
-        role = "head" if spec.is_head else "tail" if spec.is_tail else "middle"
+        role: StageRole = "head" if spec.is_head else "tail" if spec.is_tail else "middle"
         kv = PagedKVCache.bytes_needed(
             stage.layers[1] - stage.layers[0],
             plan.kv.num_blocks,
@@ -86,7 +89,7 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: str, first: int) -> l
     return out
 
 
-# -- the price of disaggregation (MISSION.md: the worked balance) --------------------------
+# -- the price of a hand-off (docs/architecture.md, The price of a hand-off) ---------------------
 def kv_bytes_per_token(plan: Plan, source: ModelSource) -> int:
     """K and V of every layer for one prompt token: what a hand-off moves per token."""
     config = source.config

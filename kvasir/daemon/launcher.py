@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import zmq
@@ -24,12 +25,17 @@ from kvasir.daemon.layout import Layout, LayoutError, lay_out
 from kvasir.daemon.notify import ServiceNotifier
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
 from kvasir.errors import KvasirError
+from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
 from kvasir.ring.handshake import HandleExchange, HandshakeError
 from kvasir.ring.shm import segment_prefix, sweep_stale_segments
+from kvasir.wire.base import Role
 from kvasir.wire.control import Command, ControlMessage, Drained, EdgeHandles, Heartbeat, Ready, WorkerSettings
 from kvasir.wire.rundir import RuntimeDirError, make_runtime_dir
 from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+
+DaemonPhase = Literal["starting", "running", "draining", "stopping", "stopped"]
+RingState = Literal["up", "down", "starting"]  # the children, while the daemon runs
 
 
 class LaunchError(KvasirError):
@@ -60,11 +66,11 @@ class Launcher:
     plan: Plan
     source: ModelSource
     runtime_dir: Path
-    log: object
+    log: Logger
     timeouts: Timeouts = field(default_factory=Timeouts)
     stats_interval_s: float = 0.5
     log_level: str = "info"
-    state: str = "starting"
+    state: DaemonPhase = "starting"
     exit_code: int = 0
     notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
     parent_pid: int | None = None  # stop (drain) once this process is no longer the parent
@@ -81,7 +87,7 @@ class Launcher:
         sup = self.plan.supervise
         self.policy = RestartPolicy(sup.max_restarts, sup.restart_window_s)
         self.heartbeats = Heartbeats(sup.heartbeat_timeout_s)
-        self.ring = "up"
+        self.ring: RingState = "up"
         self.restarts = 0
         self.last_failure = ""
         self._respawn_at = 0.0
@@ -129,7 +135,7 @@ class Launcher:
             self.bridge = self._spawn("bridge", 0)
             self._new_bridge = True
 
-    def _spawn(self, role: str, index: int) -> Child:
+    def _spawn(self, role: Role, index: int) -> Child:
         place = self.layout.places[index] if role == "stage" else StagePlace("", self.plan, 0, [])
         settings = WorkerSettings(
             role=role,
@@ -146,8 +152,9 @@ class Launcher:
         )
         name = f"stage-{index}" if role == "stage" else "bridge"
         process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE)
-        process.stdin.write(msgspec.msgpack.encode(settings))
-        process.stdin.close()
+        if process.stdin is not None:  # always, with stdin=PIPE
+            process.stdin.write(msgspec.msgpack.encode(settings))
+            process.stdin.close()
         command = PushChannel[Command](make_socket(self.ctx, zmq.PUSH, connect=self.ends.command(name)))
         self.log.info("spawned", child=name, pid=process.pid)
         return Child(name, process, command)
@@ -175,6 +182,8 @@ class Launcher:
         """Every child is ready: the bridge takes requests (a new bridge binds the client
         endpoint first, and binding an ipc socket makes its file)."""
         pids = tuple(c.process.pid for c in self.stages)
+        if self.bridge is None:
+            raise LaunchError("no bridge to open")
         self.bridge.command.send(Command("serve", message=self.last_failure, restarts=restarts, pids=pids))
         while self._new_bridge and not self.ends.client_path.exists():
             dead = self._dead()
@@ -279,16 +288,16 @@ class Launcher:
         running = self.state == "running"
         self.log.error("child failed", reason=reason)
         self.last_failure = reason
-        bridge_alive = self.bridge is not None and self.bridge.process.poll() is None
+        bridge = self.bridge
         self._kill(self.stages)
         self.stages = []
-        if not bridge_alive:
-            self._kill([self.bridge])
+        if bridge is None or bridge.process.poll() is not None:
+            self._kill([bridge] if bridge is not None else [])
             self.bridge = None
             for path in self.ends.bridge_files():
                 path.unlink(missing_ok=True)
         elif running:
-            self.bridge.command.send(Command("ring_down", "stage_failed", reason))
+            bridge.command.send(Command("ring_down", "stage_failed", reason))
         delay = self.policy.failed(time.monotonic()) if running else None
         if delay is None:
             if running:
@@ -329,6 +338,8 @@ class Launcher:
                 self._failed(f"not ready after {self.timeouts.ready_s:.0f} s: {late}")
 
     def _control_messages(self, timeout_ms: int) -> list:
+        if self._control is None:  # before prepare()
+            return []
         if self._control.socket.poll(timeout_ms):
             return self._control.drain()
         return []

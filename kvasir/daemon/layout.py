@@ -58,8 +58,11 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout) ->
         first = len(layout.places)
         edges = []
         for k, choice in enumerate(pool_edges(view.stages, peer_access)):
+            kind = choice.kind
+            if kind == "auto":
+                raise LayoutError(f"edge {first + k} -> {first + k + 1}: {choice.reason} (no CUDA to ask here)")
             spec = EdgeSpec(
-                kind=choice.kind,
+                kind=kind,
                 name=f"{prefix}-edge{first + k}",
                 slots=view.batch.inflight,
                 max_tokens=view.batch.max_tokens,
@@ -68,12 +71,10 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout) ->
                 producer=view.stages[k].device,
                 consumer=view.stages[k + 1].device,
             )
-            if choice.kind in SHARED_MEMORY_KINDS:
+            if kind in SHARED_MEMORY_KINDS:
                 layout.rings.append(create_ring(spec))
-            elif choice.kind == "cuda-ipc":
-                layout.ipc_edges[spec.name] = (first + k, first + k + 1)
             else:
-                raise LayoutError(f"edge {first + k} -> {first + k + 1}: {choice.reason} (no CUDA to ask here)")
+                layout.ipc_edges[spec.name] = (first + k, first + k + 1)
             log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
             edges.append(spec)
         layout.places += [StagePlace(pool, view, first, edges) for _ in view.stages]

@@ -30,7 +30,7 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
 def resolve_keys(plan: Plan, base: Path) -> Plan:
     """The plan with absolute key paths, once both load (PlanError naming the key if not)."""
     bridge = plan.bridge
-    if bridge.server_key is None:
+    if bridge.server_key is None or bridge.client_keys is None:  # the plan check: both or neither
         return plan
     server_key, client_keys = base / bridge.server_key, base / bridge.client_keys
     try:

@@ -8,6 +8,7 @@ function; nothing is kept in module-level state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +148,7 @@ def paged_attention(
     """
     if kvasir is None:
         raise RuntimeError("kvasir_paged attention called without its batch metadata (kvasir=...)")
-    layer = module.layer_idx - kvasir.first_layer
+    layer = cast(int, module.layer_idx) - kvasir.first_layer
     k_cache = kvasir.cache.keys[layer]
     v_cache = kvasir.cache.values[layer]
     k_cache.index_copy_(0, kvasir.write_slots, key[0].transpose(0, 1))

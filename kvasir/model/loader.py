@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -37,13 +38,15 @@ class SliceModules(nn.Module):
     def __init__(self, model: nn.Module, spec: SliceSpec) -> None:
         super().__init__()
         start, end = spec.layers
-        inner = model.model
+        inner: Any = model.model  # a transformers decoder (LlamaModel, Qwen2Model, ...)
         self.first_layer = start
-        self.embed_tokens = inner.embed_tokens if spec.is_head else None
+        # transformers' modules (typed Any: they are the model's own classes); None where
+        # the stage has no such part
+        self.embed_tokens: Any = inner.embed_tokens if spec.is_head else None
         self.layers = nn.ModuleList(inner.layers[start:end])
-        self.norm = inner.norm if spec.is_tail else None
-        self.lm_head = model.lm_head if spec.is_tail else None
-        self.rotary_type = type(inner.rotary_emb)
+        self.norm: Any = inner.norm if spec.is_tail else None
+        self.lm_head: Any = model.lm_head if spec.is_tail else None
+        self.rotary_type: Any = type(inner.rotary_emb)
 
     def checkpoint_names(self) -> dict[str, str]:
         """Map each of this slice's parameter names to its name in the checkpoint."""

@@ -4,6 +4,7 @@ stage attaches its end (``cuda-ipc`` rings still need the handle exchange, kvasi
 from __future__ import annotations
 
 from kvasir.ring.slots import ShmSlotRing, SlotError, SlotRing
+from kvasir.wire.base import Side
 from kvasir.wire.control import EdgeSpec
 
 SHARED_MEMORY_KINDS = ("shm", "pinned")  # edges whose buffers the launcher creates
@@ -16,7 +17,7 @@ def create_ring(spec: EdgeSpec) -> ShmSlotRing:
     return ShmSlotRing(spec, create=True)
 
 
-def attach_ring(spec: EdgeSpec, side: str) -> SlotRing:
+def attach_ring(spec: EdgeSpec, side: Side) -> SlotRing:
     """A stage's end of an edge: ``side`` is "producer" or "consumer". A ``cuda-ipc``
     ring still needs the handle exchange (kvasir/ring/handshake.py) before use."""
     if side not in ("producer", "consumer"):

@@ -1,6 +1,6 @@
 """Which slot ring each stage-to-stage edge uses, and the start-up exchange of CUDA IPC handles.
 
-Kinds (DESIGN.md section 4):
+Kinds (docs/architecture.md, Edge kinds):
     shm       POSIX shared memory (CPU stages; works for any pair, through pageable memory)
     pinned    the same shared memory, registered as page-locked with CUDA by each GPU
               side, so copies to and from the device are DMA copies that need no staging
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
-from kvasir.config.devices import IPC, cuda_ordinal
+from kvasir.config.devices import IPC, EdgeRequest, cuda_ordinal
 
 
 @dataclass(frozen=True)
 class EdgeChoice:
-    kind: str  # shm | pinned | cuda-ipc; "auto" while undecided (peer access unknown here)
+    kind: EdgeRequest  # "auto" while undecided (peer access unknown here)
     reason: str
 
 
@@ -44,9 +45,9 @@ def choose_edge(
     if requested not in (None, "auto"):
         reason = "as the plan says"
         if requested == IPC and a != b:
-            if peer_access is not None and not peer_access(a, b):
+            if peer_access is not None and a is not None and b is not None and not peer_access(a, b):
                 reason = f"as the plan says; {producer} has no peer access to {consumer}, so the driver copies through host memory"
-        return EdgeChoice(requested, reason)
+        return EdgeChoice(cast(EdgeRequest, requested), reason)  # check_edge_request checked it
     if a is None and b is None:
         return EdgeChoice("shm", "both stages on cpu")
     if a is None or b is None:

@@ -22,19 +22,20 @@ import torch
 
 from kvasir.config.devices import DTYPES, cuda_ordinal
 from kvasir.ring.slots import ShmSlotRing, SlotError, check_slot, edge_bytes
+from kvasir.wire.base import Side
 from kvasir.wire.control import CudaMemoryHandle, EdgeHandles, EdgeSpec
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 
 
-def _side_device(spec: EdgeSpec, side: str) -> str:
+def _side_device(spec: EdgeSpec, side: Side) -> str:
     return spec.producer if side == "producer" else spec.consumer
 
 
 class PinnedSlotRing(ShmSlotRing):
     """Shared-memory slots, page-locked on the CUDA side(s) of the edge."""
 
-    def __init__(self, spec: EdgeSpec, side: str) -> None:
+    def __init__(self, spec: EdgeSpec, side: Side) -> None:
         super().__init__(spec, create=False)
         self.side = side
         device = _side_device(spec, side)
@@ -113,7 +114,7 @@ def import_memory(memory: CudaMemoryHandle, dtype: torch.dtype, shape: tuple[int
         needed *= n
     if storage.nbytes() < needed:
         raise SlotError(f"shared CUDA memory holds {storage.nbytes()} bytes, the slots need {needed}")
-    return torch.empty(0, dtype=dtype, device=torch.device("cuda", memory.device)).set_(storage, 0, shape)
+    return torch.empty(0, dtype=dtype, device=torch.device("cuda", memory.device)).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch's stub lacks this overload
 
 
 def _ipc_event(device: torch.device) -> torch.cuda.Event:
@@ -125,7 +126,7 @@ def _ipc_event(device: torch.device) -> torch.cuda.Event:
 class CudaIpcSlotRing:
     """Slots on the consumer's GPU; ``attach`` (with the other side's handles) before use."""
 
-    def __init__(self, spec: EdgeSpec, side: str) -> None:
+    def __init__(self, spec: EdgeSpec, side: Side) -> None:
         ordinal = cuda_ordinal(_side_device(spec, side))
         if ordinal is None or cuda_ordinal(spec.producer) is None or cuda_ordinal(spec.consumer) is None:
             raise SlotError(
@@ -149,11 +150,11 @@ class CudaIpcSlotRing:
             pid=pid,
             device=self.device.index,
             events=tuple(bytes(event.ipc_handle()) for event in self._own),
-            memory=export_memory(self._slots) if self.side == "consumer" else None,
+            memory=export_memory(self._slots) if self._slots is not None and self.side == "consumer" else None,
         )
 
     def attach(self, peer: EdgeHandles) -> None:
-        other = "consumer" if self.side == "producer" else "producer"
+        other: Side = "consumer" if self.side == "producer" else "producer"
         expected = cuda_ordinal(_side_device(self.spec, other))
         if peer.edge != self.spec.name or peer.side != other:
             raise SlotError(f"edge {self.spec.name}: got the {peer.side} half of {peer.edge}")
@@ -170,22 +171,24 @@ class CudaIpcSlotRing:
             self._slots = import_memory(peer.memory, self._dtype, self._shape)
         self._peer = [torch.cuda.Event.from_ipc_handle(peer.device, handle) for handle in peer.events]
 
-    def _check(self, slot: int, num_tokens: int) -> None:
-        if not self._peer:
+    def _checked(self, slot: int, num_tokens: int) -> torch.Tensor:
+        """The slot buffers, once the handles are exchanged and the slot and size fit."""
+        if not self._peer or self._slots is None:
             raise SlotError(f"edge {self.spec.name}: used before the CUDA IPC handles were exchanged")
         check_slot(self.spec, slot, num_tokens)
+        return self._slots
 
     def write(self, slot: int, boundary: torch.Tensor) -> None:
-        self._check(slot, boundary.shape[0])
+        slots = self._checked(slot, boundary.shape[0])
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self._peer[slot])  # the consumer's last read of this slot is done
-        self._slots[slot, : boundary.shape[0]].copy_(boundary, non_blocking=True)  # runs on this device's stream
+        slots[slot, : boundary.shape[0]].copy_(boundary, non_blocking=True)  # runs on this device's stream
         self._own[slot].record(stream)
 
     def read(self, slot: int, num_tokens: int) -> torch.Tensor:
-        self._check(slot, num_tokens)
+        slots = self._checked(slot, num_tokens)
         torch.cuda.current_stream(self.device).wait_event(self._peer[slot])  # the producer's copy is done
-        return self._slots[slot, :num_tokens]
+        return slots[slot, :num_tokens]
 
     def release(self, slot: int) -> None:
         self._own[slot].record(torch.cuda.current_stream(self.device))  # after the work reading the slot

@@ -17,6 +17,7 @@ from typing import Protocol
 import zmq
 
 from kvasir.errors import KvasirError
+from kvasir.wire.base import Side
 from kvasir.wire.control import Command, EdgeHandles, EdgeSpec
 
 
@@ -64,7 +65,7 @@ class IpcRing(Protocol):
     """A slot ring that needs the other side's handles before it can be used."""
 
     spec: EdgeSpec
-    side: str  # "producer" | "consumer"
+    side: Side
 
     def local_half(self, index: int, pid: int) -> EdgeHandles: ...
 

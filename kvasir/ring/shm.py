@@ -31,7 +31,7 @@ def sweep_stale_segments(directory: Path = SHM_DIR) -> list[tuple[Path, int]]:
     with SIGKILL, or by the OOM killer, cannot remove its own). Segments of live
     processes, other users' files and other names are left alone. Returns the removed
     files with their sizes."""
-    removed = []
+    removed: list[tuple[Path, int]] = []
     try:
         entries = list(directory.iterdir())
     except OSError:

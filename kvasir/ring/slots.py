@@ -77,7 +77,7 @@ class ShmSlotRing:
         pass  # reads happen in place and the CPU work reading it has finished
 
     def close(self) -> None:
-        self._slots = None
+        self._slots = None  # type: ignore[assignment]  # the mapping closes once no view of it is left
         close_map(self._map)
 
     def unlink(self) -> None:

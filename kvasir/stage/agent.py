@@ -29,7 +29,7 @@ SPANS_PER_REPORT = 2048  # batch spans a stage keeps between two stats reports
 
 @dataclass
 class Clock:
-    """Busy, starved and blocked seconds, and what passed through (DESIGN.md section 5)."""
+    """Busy, starved and blocked seconds, and what passed through (kvasir/wire/shares.py)."""
 
     started: float
     busy_s: float = 0.0
@@ -59,7 +59,7 @@ class StageAgent:
         self.engine = engine
         self.intake = intake
         self.outlet = outlet
-        self.handoff = handoff if handoff is not None else NoHandoff()
+        self.handoff: HandoffRole = handoff if handoff is not None else NoHandoff()
         self.commands = commands
         self.bridge = bridge
         self.control = control
@@ -68,7 +68,7 @@ class StageAgent:
         self.log = log
         self.clock = Clock(started=time.monotonic())
         self.poller = zmq.Poller()
-        for sock in [commands.socket, *intake.sockets, *outlet.sockets, *handoff.sockets]:
+        for sock in [commands.socket, *intake.sockets, *outlet.sockets, *self.handoff.sockets]:
             self.poller.register(sock, zmq.POLLIN)
         self._stopping = False
         self._next_stats = 0.0

@@ -138,7 +138,12 @@ class KvReceiver(NoHandoff):
     def _copy(self, rid: int, part: KvReady, table: list[int]) -> int:
         """Copy one prefill stage's share of a request's K/V into this stage's blocks."""
         source = self.sources[part.source]
-        lo, hi = overlap(part.layers, self.layers)
+        span = overlap(part.layers, self.layers)
+        if span is None:
+            raise BatchError(
+                f"request {rid}: stage {part.source}'s layers {part.layers} miss this stage's {self.layers}"
+            )
+        lo, hi = span
         first = source.spec.layers[0]
         src = flat_slots(rid, part.blocks, source.spec.block_size, 0, part.num_tokens)
         if src.numel() and int(src.max()) >= source.keys.shape[1]:

@@ -35,7 +35,7 @@ class KvSegmentMap:
         self.keys, self.values = flat.view(2, *shape).unbind(0)
 
     def close(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = None  # type: ignore[assignment]  # the mapping closes once no view of it is left
         close_map(self._map)
 
     def unlink(self) -> None:

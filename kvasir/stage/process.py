@@ -6,16 +6,18 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import torch
 import zmq
 
 from kvasir.config.devices import cuda_ordinal
-from kvasir.logs import setup_logging
+from kvasir.errors import KvasirError
+from kvasir.logs import Logger, setup_logging
 from kvasir.model.source import resolve_source
 from kvasir.ring.attach import attach_ring
-from kvasir.ring.handshake import exchange_handles
+from kvasir.ring.handshake import IpcRing, exchange_handles
 from kvasir.ring.slots import SlotRing
 from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.agent import StageAgent
@@ -29,7 +31,7 @@ from kvasir.stage.sampling import Sampler
 from kvasir.stage.upstream import UpstreamIntake
 from kvasir.wire.batch import BatchDescriptor, Credit
 from kvasir.wire.bridge import BridgeMessage
-from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
+from kvasir.wire.control import Command, ControlMessage, HandoffWiring, Ready, WorkerSettings
 from kvasir.wire.head import HeadMessage
 from kvasir.wire.kv import KvMessage
 from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
@@ -45,7 +47,7 @@ class Wiring:
     settings: WorkerSettings
     ctx: zmq.Context
     ends: Endpoints
-    log: object = None
+    log: Logger
 
     @property
     def local(self) -> int:
@@ -58,6 +60,13 @@ class Wiring:
     @property
     def head(self) -> int:
         return self.settings.first
+
+    @property
+    def handoff(self) -> HandoffWiring:
+        """A pool's hand-off wiring (the launcher gives it to every stage of a disaggregated plan)."""
+        if self.settings.handoff is None:
+            raise KvasirError(f"stage {self.settings.index} of the {self.settings.pool} pool has no hand-off wiring")
+        return self.settings.handoff
 
     def push(self, kind, endpoint: str) -> PushChannel:
         return PushChannel[kind](make_socket(self.ctx, zmq.PUSH, connect=endpoint))
@@ -75,7 +84,7 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
     source = resolve_source(plan.model.source)
     segment = None
     if settings.pool == "prefill":
-        segment = KvSegmentMap(settings.handoff.prefill[w.local], create=False)
+        segment = KvSegmentMap(w.handoff.prefill[w.local], create=False)
     engine = StageEngine(plan, w.local, source, storage=(segment.keys, segment.values) if segment else None)
     bridge = w.push(BridgeMessage, ends.bridge_in)
     commands = w.pull(Command, ends.command(f"stage-{index}"))
@@ -98,7 +107,7 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
             w.push(HeadMessage, ends.stage_in(w.head)),
         )
         if settings.pool == "prefill":
-            decode_head = w.push(HeadMessage, ends.stage_in(settings.handoff.decode_head))
+            decode_head = w.push(HeadMessage, ends.stage_in(w.handoff.decode_head))
             outlet: Outlet = PrefillTailOutlet(sampler, head, bridge, decode_head)
         else:
             outlet = TailOutlet(sampler, head, bridge)
@@ -112,7 +121,7 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
         )
     handoff = _handoff(w, engine)
     closing.append(handoff)
-    ipc = [ring for ring in rings if ring.spec.kind == "cuda-ipc"]
+    ipc = [cast(IpcRing, ring) for ring in rings if ring.spec.kind == "cuda-ipc"]  # CudaIpcSlotRing
     exchange_handles(ipc, index, control, commands, settings.launcher_pid, HANDSHAKE_TIMEOUT_S)
     return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log, handoff), closing
 
@@ -121,19 +130,20 @@ def _head_intake(w: Wiring, scheduler: Scheduler, bridge: PushChannel) -> Intake
     settings, ends = w.settings, w.ends
     inbox = w.pull(HeadMessage, ends.stage_in(settings.index))
     if settings.pool == "prefill":
-        decode_head = w.push(HeadMessage, ends.stage_in(settings.handoff.decode_head))
-        return PrefillHeadIntake(scheduler, inbox, bridge, decode_head, settings.handoff.lease_s)
+        decode_head = w.push(HeadMessage, ends.stage_in(w.handoff.decode_head))
+        return PrefillHeadIntake(scheduler, inbox, bridge, decode_head, w.handoff.lease_s)
     if settings.pool == "decode":
-        first = settings.handoff.decode_head
-        stages = [w.push(KvMessage, ends.kv_in(first + j)) for j in range(len(settings.handoff.decode))]
+        first = w.handoff.decode_head
+        stages = [w.push(KvMessage, ends.kv_in(first + j)) for j in range(len(w.handoff.decode))]
         return DecodeHeadIntake(scheduler, inbox, bridge, w.push(HeadMessage, ends.stage_in(0)), stages)
     return SchedulerIntake(scheduler, inbox, bridge)
 
 
 def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
-    settings, ends, wiring = w.settings, w.ends, w.settings.handoff
+    settings, ends = w.settings, w.ends
     layers = engine.spec.layers
     if settings.pool == "prefill":
+        wiring = w.handoff
         first = wiring.decode_head
         targets = [
             w.push(KvMessage, ends.kv_in(first + j))
@@ -142,6 +152,7 @@ def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
         ]
         return HandoffSender(settings.index, layers, engine.cache, targets)
     if settings.pool == "decode":
+        wiring = w.handoff
         inbox = w.pull(KvMessage, ends.kv_in(settings.index))
         return KvReceiver(
             settings.index, layers, engine.cache, wiring, inbox, w.push(HeadMessage, ends.stage_in(wiring.decode_head))

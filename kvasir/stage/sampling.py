@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvasir.errors import BatchError
+from kvasir.wire.base import FinishReason
 from kvasir.wire.batch import BatchDescriptor, NewRequest, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
 
@@ -63,7 +64,7 @@ class RequestSampler:
         self.draws += 1
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
-    def finish(self, token: int, length: int) -> str | None:
+    def finish(self, token: int, length: int) -> FinishReason | None:
         """Finish reason after appending ``token``; ``length`` = prompt + output so far."""
         self.generated += 1
         if token in self.stop_ids:

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+# States and names that travel, as Literal types: msgspec refuses any other value while
+# decoding, so a receiver never compares against a string it does not know.
+Role = Literal["stage", "bridge"]  # a child process of the launcher
+Side = Literal["producer", "consumer"]  # a stage's end of an edge
+FinishReason = Literal["stop", "length"]
+DaemonState = Literal["serving", "restarting", "draining"]
 
 MAX_STOP_TOKEN_IDS = 256  # stop token ids of one request
 

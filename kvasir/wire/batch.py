@@ -3,11 +3,11 @@ new requests, the tail's sampled tokens, and the credits that free boundary slot
 
 from __future__ import annotations
 
-from kvasir.wire.base import Wire
+from kvasir.wire.base import FinishReason, Wire
 
 
 # -- requests and batches -------------------------------------------------------------
-class SamplingParams(Wire):
+class SamplingParams(Wire, frozen=True):
     """How the tail picks tokens for one request and when it stops."""
 
     temperature: float = 1.0  # 0 = greedy
@@ -19,7 +19,7 @@ class SamplingParams(Wire):
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids (benchmarks)
 
 
-class NewRequest(Wire):
+class NewRequest(Wire, frozen=True):
     """A request's spec, sent in the descriptor of its first batch only."""
 
     request_id: int
@@ -28,7 +28,7 @@ class NewRequest(Wire):
     generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
 
 
-class Row(Wire):
+class Row(Wire, frozen=True):
     """One request's share of a packed batch: ``num_tokens`` tokens from ``start``."""
 
     request_id: int
@@ -38,7 +38,7 @@ class Row(Wire):
     emit: bool  # the row ends at the request's newest token: the tail samples after it
 
 
-class BatchDescriptor(Wire):
+class BatchDescriptor(Wire, frozen=True):
     """The composition of one physical batch, decided once by the head.
 
     A descriptor with no rows only carries releases (slot -1, no boundary).
@@ -53,15 +53,15 @@ class BatchDescriptor(Wire):
     scheduled_ns: int  # CLOCK_MONOTONIC time the head fixed the composition
 
 
-class SampledToken(Wire):
+class SampledToken(Wire, frozen=True):
     request_id: int
     token_id: int
     index: int  # position in the request's output
-    finish: str | None  # None while running, else "stop" | "length"
+    finish: FinishReason | None  # None while running
     scheduled_ns: int = 0  # on a request's first token: when its first batch was scheduled
 
 
-class Credit(Wire):
+class Credit(Wire, frozen=True):
     """A consumer hands a boundary slot back to its producer."""
 
     slot: int

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from kvasir.config.plan import Pool
 from kvasir.wire.base import Tagged, Wire
 from kvasir.wire.batch import SampledToken
 
 
 # -- stages to the bridge -----------------------------------------------------------------
-class TokenEvents(Tagged):
+class TokenEvents(Tagged, frozen=True):
     tokens: tuple[SampledToken, ...]
 
 
-class RequestEnded(Tagged):
+class RequestEnded(Tagged, frozen=True):
     """The head ended a request without a token: cancelled, or refused (code + message)."""
 
     request_id: int
@@ -19,7 +20,7 @@ class RequestEnded(Tagged):
     message: str = ""
 
 
-class BatchSpan(Wire):
+class BatchSpan(Wire, frozen=True):
     """One batch on one stage: when the stage took it and handed it on, and what it held."""
 
     batch_id: int
@@ -29,7 +30,7 @@ class BatchSpan(Wire):
     decode_tokens: int  # tokens of single-token rows
 
 
-class StageStats(Tagged):
+class StageStats(Tagged, frozen=True):
     index: int
     layers: tuple[int, int]
     pid: int
@@ -46,7 +47,7 @@ class StageStats(Tagged):
     waiting: int = 0  # requests queued for admission (head only; 0 elsewhere)
     hop_s: float = 0.0  # of busy and waiting time: spent handing boundaries over (slots, descriptors, credits)
     spans: tuple[BatchSpan, ...] = ()  # batches run since the previous report (the bridge keeps a bounded timeline)
-    pool: str = ""  # "prefill" | "decode" in a disaggregated plan; "" in a colocated one
+    pool: Pool = ""
     handoff_bytes: int = 0  # decode stages: KV bytes received from the prefill pool
     handoff_s: float = 0.0  # decode stages: of busy time, spent copying them
     handing_off: int = 0  # prefill head: requests handed to the decode pool, not yet taken (their blocks held)
@@ -55,7 +56,7 @@ class StageStats(Tagged):
     gpu_reserved_bytes: int = 0  # CUDA stages: device memory reserved by the caching allocator
 
 
-class HandoffReport(Tagged):
+class HandoffReport(Tagged, frozen=True):
     """Decode head -> bridge: one request's KV hand-off, measured."""
 
     request_id: int

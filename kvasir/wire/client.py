@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvasir.wire.base import MAX_STOP_TOKEN_IDS
+from kvasir.wire.base import MAX_STOP_TOKEN_IDS, DaemonState, FinishReason
 from kvasir.wire.bridge import BatchSpan, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
@@ -24,7 +24,7 @@ class _Client(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field
     pass
 
 
-class Submit(_Client, tag="submit"):
+class Submit(_Client, frozen=True, tag="submit"):
     key: int  # the client's own handle for the request, echoed in Accepted
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
     token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
@@ -38,11 +38,11 @@ class Submit(_Client, tag="submit"):
     ignore_eos: bool = False
 
 
-class Cancel(_Client, tag="cancel"):
+class Cancel(_Client, frozen=True, tag="cancel"):
     request_id: int
 
 
-class StatsQuery(_Client, tag="stats"):
+class StatsQuery(_Client, frozen=True, tag="stats"):
     key: int
     timeline: bool = False  # include each stage's recent batch spans
 
@@ -50,12 +50,12 @@ class StatsQuery(_Client, tag="stats"):
 ClientMessage = Submit | Cancel | StatsQuery
 
 
-class Accepted(_Client, tag="accepted"):
+class Accepted(_Client, frozen=True, tag="accepted"):
     key: int
     request_id: int
 
 
-class TokenOut(_Client, tag="token"):
+class TokenOut(_Client, frozen=True, tag="token"):
     request_id: int
     index: int
     token_id: int
@@ -84,20 +84,20 @@ class HandoffTimings(msgspec.Struct, frozen=True, kw_only=True):
     gibps: float  # effective bandwidth of the copy: kv_bytes / copy_s, in GiB/s
 
 
-class Finished(_Client, tag="finished"):
+class Finished(_Client, frozen=True, tag="finished"):
     request_id: int
-    reason: str  # "stop" | "length"
+    reason: FinishReason
     token_ids: list[int]
     usage: Usage
     timings: Timings
     handoff: HandoffTimings | None = None
 
 
-class Cancelled(_Client, tag="cancelled"):
+class Cancelled(_Client, frozen=True, tag="cancelled"):
     request_id: int
 
 
-class ErrorEvent(_Client, tag="error"):
+class ErrorEvent(_Client, frozen=True, tag="error"):
     code: str
     message: str
     request_id: int | None = None
@@ -114,7 +114,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     max_seq_len: int
     stages: list[StageStats]
     timeline: list[list[BatchSpan]] = []  # per stage, oldest first (only when asked for)
-    state: str = "serving"  # "serving" | "restarting" (a child failed; new requests get "restarting") | "draining"
+    state: DaemonState = "serving"  # "restarting": a child failed, new requests get "restarting"
     restarts: int = 0  # ring restarts since the daemon started
     last_failure: str | None = None  # what the last failure was (a child's exit, a missed heartbeat)
     last_failure_age_s: float | None = None  # seconds since it
@@ -134,7 +134,7 @@ class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):
     gibps: float  # effective copy bandwidth over the most recent hand-offs: their bytes / their copy time
 
 
-class StatsReply(_Client, tag="stats"):
+class StatsReply(_Client, frozen=True, tag="stats"):
     key: int
     stats: DaemonStats
 

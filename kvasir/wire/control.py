@@ -7,8 +7,9 @@ from typing import Literal
 
 import msgspec
 
-from kvasir.config.plan import Plan
-from kvasir.wire.base import Tagged, Wire
+from kvasir.config.devices import EdgeKind
+from kvasir.config.plan import Plan, Pool
+from kvasir.wire.base import Role, Side, Tagged, Wire
 
 
 # -- the launcher and its children -------------------------------------------------------
@@ -40,7 +41,7 @@ class HandoffWiring(msgspec.Struct, frozen=True, kw_only=True):
 class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One stage-to-stage edge: its slot ring's kind, name, geometry and both ends' devices."""
 
-    kind: str  # "shm" | "pinned" | "cuda-ipc" (kvasir/ring/edges.py)
+    kind: EdgeKind
     name: str
     slots: int
     max_tokens: int
@@ -50,7 +51,7 @@ class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):
     consumer: str = "cpu"  # the reading stage's device (where CUDA IPC slots live)
 
 
-class CudaMemoryHandle(Wire):
+class CudaMemoryHandle(Wire, frozen=True):
     """A CUDA allocation exported for another process (torch's storage sharing, as bytes)."""
 
     device: int
@@ -63,13 +64,13 @@ class CudaMemoryHandle(Wire):
     event_sync: bool
 
 
-class EdgeHandles(Tagged):
+class EdgeHandles(Tagged, frozen=True):
     """Stage -> launcher -> the edge's other stage: one side's CUDA IPC handles, sent once
     at start-up. The consumer's half names its slot buffers and its "slot read" events,
     the producer's its "slot written" events (one interprocess event per slot)."""
 
     edge: str  # EdgeSpec.name
-    side: str  # "producer" | "consumer"
+    side: Side
     index: int  # the sending stage's global index
     pid: int
     device: int  # where the events (and the consumer's buffers) live
@@ -80,33 +81,33 @@ class EdgeHandles(Tagged):
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a child process needs, handed over as msgpack bytes (never pickle)."""
 
-    role: str  # "stage" | "bridge"
+    role: Role
     index: int  # stage index (0 for the bridge)
     plan: Plan  # model.source already resolved to an absolute path or alias
     runtime_dir: str
     launcher_pid: int
     edges: list[EdgeSpec]  # edge k runs from the pool's stage k to its stage k+1
-    pool: str = ""  # "prefill" | "decode" (plan is then that pool's view), "" colocated
+    pool: Pool = ""  # a pool's stage: plan is then that pool's view
     first: int = 0  # global index of the pool's first stage (index is global)
     handoff: HandoffWiring | None = None
     stats_interval_s: float = 0.5
     log_level: str = "info"
 
 
-class Ready(Tagged):
-    role: str
+class Ready(Tagged, frozen=True):
+    role: Role
     index: int
     pid: int
 
 
-class Drained(Tagged):
+class Drained(Tagged, frozen=True):
     pass
 
 
-class Heartbeat(Tagged):
+class Heartbeat(Tagged, frozen=True):
     """A child's loop is still turning (sent about twice a second); silence means hung."""
 
-    role: str
+    role: Role
     index: int
     pid: int
 
@@ -117,7 +118,7 @@ ControlMessage = Ready | Drained | Heartbeat | EdgeHandles
 CommandKind = Literal["serve", "ring_down", "attach", "drain", "stop"]
 
 
-class Command(Wire):
+class Command(Wire, frozen=True):
     # "serve" (bridge: every stage is ready; bind the client endpoints, or after a restart
     # take requests again) | "ring_down" (bridge: the stages failed and are restarting) |
     # "attach" (stage: CUDA IPC handles of its edges' other sides) | "drain" | "stop"

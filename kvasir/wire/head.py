@@ -8,25 +8,25 @@ from kvasir.wire.batch import SampledToken, SamplingParams
 
 
 # -- the head's inbox ---------------------------------------------------------------------
-class Enqueue(Tagged):
+class Enqueue(Tagged, frozen=True):
     request_id: int
     token_ids: tuple[int, ...]
     sampling: SamplingParams
     client: int = 0  # the bridge's number for the submitting client (fair admission across clients)
 
 
-class CancelRequest(Tagged):
+class CancelRequest(Tagged, frozen=True):
     request_id: int
 
 
-class BatchResult(Tagged):
+class BatchResult(Tagged, frozen=True):
     """What the tail sends back to the head for one batch: it closes the ring."""
 
     batch_id: int
     tokens: tuple[SampledToken, ...]
 
 
-class Handoff(Tagged):
+class Handoff(Tagged, frozen=True):
     """Prefill tail -> decode head: a request's prompt is done and its first token sampled
     (and not its last); its KV is on its way from the prefill stages to the decode stages."""
 
@@ -38,7 +38,7 @@ class Handoff(Tagged):
     ready_ns: int  # when the prefill tail handed it over
 
 
-class KvDrop(Tagged):
+class KvDrop(Tagged, frozen=True):
     """Prefill head -> decode head: a request whose prompt KV was announced to the decode
     stages ended in the prefill pool (finished at its first token, cancelled, failed);
     the decode stages forget its parts."""
@@ -46,7 +46,7 @@ class KvDrop(Tagged):
     request_id: int
 
 
-class KvHeld(Tagged):
+class KvHeld(Tagged, frozen=True):
     """Decode stage -> decode head: the stage holds its layers of a request's KV."""
 
     request_id: int
@@ -56,14 +56,14 @@ class KvHeld(Tagged):
     held_ns: int  # when it was done (CLOCK_MONOTONIC)
 
 
-class KvPlaced(Tagged):
+class KvPlaced(Tagged, frozen=True):
     """Decode head -> prefill head: the request has decode blocks and is being copied; the
     hand-off lease starts now (waiting for decode blocks is back-pressure, not a fault)."""
 
     request_id: int
 
 
-class Adopted(Tagged):
+class Adopted(Tagged, frozen=True):
     """Decode head -> prefill head: every decode stage holds the request's KV (or it was
     dropped); the prefill pool frees the request's blocks."""
 

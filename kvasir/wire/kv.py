@@ -7,7 +7,7 @@ from kvasir.wire.base import Tagged
 
 
 # -- KV hand-off to a decode stage ----------------------------------------------------------------
-class KvReady(Tagged):
+class KvReady(Tagged, frozen=True):
     """Prefill stage -> decode stage: a request's prompt KV for ``layers`` sits in the
     prefill stage's cache segment at ``blocks`` (held there until the decode head adopts it)."""
 
@@ -19,7 +19,7 @@ class KvReady(Tagged):
     sent_ns: int
 
 
-class Placement(Tagged):
+class Placement(Tagged, frozen=True):
     """Decode head -> decode stage: the request's decode blocks (copy its parts there once
     they are all announced); no blocks = forget the request's parts and table."""
 

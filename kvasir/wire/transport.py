@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import msgspec
 import zmq
@@ -89,7 +89,14 @@ class Endpoints:
 MAX_INTERNAL_MESSAGE = 64 * MIB  # internal messages are small; a larger frame drops its connection
 
 
-def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None) -> zmq.Socket:
+SocketT = TypeVar("SocketT", bound=zmq.Socket)
+
+
+def make_socket(
+    ctx: zmq.Context[SocketT], kind: int, *, bind: str | None = None, connect: str | None = None
+) -> SocketT:
+    """A socket of ``ctx``'s kind (an asyncio context makes asyncio sockets), with no
+    linger and the internal message size limit, bound or connected."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_INTERNAL_MESSAGE)
@@ -139,7 +146,7 @@ class PullChannel(Generic[T]):
         catching zmq.Again)."""
         out = []
         sock, decode = self.socket, self._decoder.decode
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             frame = sock.recv(zmq.NOBLOCK)
             try:
                 out.append(decode(frame))
@@ -154,7 +161,7 @@ class PullChannel(Generic[T]):
         if self.log is not None:
             self.log.warning(
                 "dropped a malformed internal message",
-                socket=self.socket.get(zmq.LAST_ENDPOINT).decode(),
+                socket=cast(bytes, self.socket.get(zmq.LAST_ENDPOINT)).decode(),
                 error=why,
                 dropped=self.dropped,
             )
@@ -178,14 +185,14 @@ class BatchedSocket:
 
     def __init__(self, sock, max_batch: int = 512) -> None:
         self.socket = sock  # bind, connect, options and close stay with the caller
-        self.shadow = zmq.Socket.shadow(sock.underlying)
+        self.shadow: zmq.Socket = zmq.Socket.shadow(sock.underlying)
         self.max_batch = max_batch
         self._waiters: list[tuple[int, Any]] = []  # (zmq.POLLIN | zmq.POLLOUT, future)
 
     def _wake(self) -> None:
         if not self._waiters:
             return
-        events = self.shadow.get(zmq.EVENTS)
+        events = cast(int, self.shadow.get(zmq.EVENTS))
         for event, future in self._waiters:
             if events & event and not future.done():
                 future.set_result(None)
@@ -209,7 +216,7 @@ class BatchedSocket:
         """At least one message (frames lists with ``multipart``), at most ``max_batch``."""
         recv = self.shadow.recv_multipart if multipart else self.shadow.recv
         while True:
-            out = []
+            out: list = []
             try:
                 while len(out) < self.max_batch:
                     out.append(recv(NOBLOCK))

@@ -76,8 +76,8 @@ def test_bad_disaggregated_plans_are_refused_naming_the_key(text, fragment):
     assert fragment in str(info.value)
 
 
-def test_mission_worked_balance():
-    """MISSION.md: 64 MiB at 1 GiB/s takes 62.5 ms, at 8 GiB/s 7.8125 ms; against 20 ms
+def test_worked_balance():
+    """docs/architecture.md, The price of a hand-off: 64 MiB at 1 GiB/s takes 62.5 ms, at 8 GiB/s 7.8125 ms; against 20 ms
     of interference the break-even is 3.125 GiB/s."""
     assert handoff_ms(64 * MIB, 1.0) == 62.5
     assert handoff_ms(64 * MIB, 8.0) == 7.8125
