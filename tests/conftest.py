@@ -1,17 +1,23 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent / "integration"))
+from kvasir.model.source import resolve_source
+from tests.support.daemon import Daemon, stage_count, write_plan
+from tests.support.models import make_plan, save_tiny_model, save_tiny_tokenizer
 
-from daemon import Daemon, stage_count, write_plan  # noqa: E402
-from models import make_plan, save_tiny_model, save_tiny_tokenizer  # noqa: E402
+TESTS = Path(__file__).parent
+FOLDER_MARKS = {"unit": ("unit",), "integration": ("integration", "slow"), "gpu": ("gpu", "slow")}
 
-from kvasir.model.source import resolve_source  # noqa: E402
+
+def pytest_collection_modifyitems(items):
+    """Mark each test by the folder it lives in (see the markers in pyproject.toml)."""
+    for item in items:
+        folder = Path(item.fspath).relative_to(TESTS).parts[0]
+        for mark in FOLDER_MARKS.get(folder, ()):
+            item.add_marker(mark)
 
 
 @pytest.fixture(scope="session")

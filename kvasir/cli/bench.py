@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 
+from kvasir.bench.failover import print_failover
+from kvasir.bench.modes import against_daemon, compare_mode, driven_daemon, failover_mode, plans_mode
 from kvasir.errors import KvasirError
-from kvasir.wire.transport import default_runtime_dir
 
 
 @click.command()
@@ -199,17 +197,15 @@ def bench(
             click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
             return
         if failover:
-            report = _failover(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say)
+            report = failover_mode(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say)
             if as_json:
                 click.echo(json.dumps(report))
             else:
-                from kvasir.bench.failover import print_failover
-
                 print_failover(report["failover"], click.echo)
             return
         if two_plans:
             report, pictures = (
-                _plans(
+                plans_mode(
                     plan_paths,
                     concurrency,
                     rate,
@@ -227,7 +223,7 @@ def bench(
                 [],
             )
         elif compare:
-            report, pictures = _compare(
+            report, pictures = compare_mode(
                 plan_path,
                 concurrency or 32,
                 count,
@@ -242,8 +238,8 @@ def bench(
                 say,
             )
         else:
-            with _daemon(plan_path, runtime_dir) as rt:
-                report, pictures = _against(
+            with driven_daemon(plan_path, runtime_dir) as rt:
+                report, pictures = against_daemon(
                     rt,
                     concurrency,
                     rate,
@@ -286,202 +282,6 @@ def bench(
 
 def _progress_line(line: str) -> None:
     click.echo(line, err=True)
-
-
-@contextlib.contextmanager
-def _daemon(plan_path: str | None, runtime_dir: str | None):
-    """The runtime dir to drive: a daemon started from ``plan_path``, or the given one."""
-    if plan_path is None:
-        yield Path(runtime_dir) if runtime_dir else default_runtime_dir()
-        return
-    from kvasir.bench.daemon import ManagedDaemon
-    from kvasir.config.plan import load_plan
-
-    stages = len(load_plan(plan_path).all_stages)
-    with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp:
-        with ManagedDaemon(Path(plan_path), Path(tmp), stages) as daemon:
-            yield daemon.runtime_dir
-
-
-def _jobs(total, lengths, prompts_file, seed, vocab_size):
-    from kvasir.bench.workload import file_jobs, synthetic_jobs
-
-    prompts, outputs = lengths
-    if prompts_file:
-        return file_jobs(Path(prompts_file), total, outputs, seed)
-    return synthetic_jobs(total, prompts, outputs, vocab_size, seed)
-
-
-def _against(
-    rt,
-    concurrency,
-    rate,
-    count,
-    warmup,
-    lengths,
-    prompts_file,
-    seed,
-    ignore_eos,
-    slo,
-    slo_attain,
-    rate_sweep,
-    sweep_steps,
-    submit_only,
-    plot_dir,
-    say,
-):
-    """Runs against one daemon: a load run, a goodput sweep, or the submission line rate."""
-    from kvasir.bench.metrics import attainment, search_goodput
-    from kvasir.bench.plot import RunPicture
-    from kvasir.bench.runner import ring_report, run_load
-    from kvasir.bench.runner import submit_only as line_rate
-    from kvasir.client import AsyncClient
-
-    async def load(mode_concurrency, mode_rate, timeline):
-        async with await AsyncClient.connect(rt) as client:
-            info = await client.stats()
-            jobs = _jobs(count + warmup, lengths, prompts_file, seed, info.vocab_size)
-            result = await run_load(
-                client,
-                jobs,
-                warmup=warmup,
-                concurrency=mode_concurrency,
-                rate=mode_rate,
-                seed=seed,
-                ignore_eos=ignore_eos,
-                progress=_bar(count, say),
-            )
-            spans = (await client.stats(timeline=True)).timeline if timeline else []
-            return result, spans
-
-    if submit_only:
-
-        async def submit():
-            async with await AsyncClient.connect(rt) as client:
-                return await line_rate(client, count)
-
-        return {"submit_only": asyncio.run(submit())}, []
-    mode = {"concurrency": concurrency} if concurrency is not None else {"rate": rate}
-    workload = {
-        "requests": count,
-        "warmup": warmup,
-        "prompt_len": str(lengths[0]),
-        "output_len": str(lengths[1]),
-        "seed": seed,
-        "ignore_eos": ignore_eos,
-    }
-    if rate_sweep:
-        runs = []
-
-        def measure(point):
-            say(f"rate {point:.3g} requests/s")
-            result, spans = asyncio.run(load(None, point, plot_dir is not None))
-            runs.append((point, result, spans))
-            return attainment(result.records, *slo)
-
-        best, points = search_goodput(measure, slo_attain, rate or 1.0, sweep_steps)
-        sweep = []
-        for point, result, _ in runs:
-            report = ring_report(result, slo)
-            sweep.append({"rate": point, "attainment": report["summary"]["slo_attainment"], **report})
-        report = {
-            "mode": {"rate_sweep": True},
-            "workload": workload,
-            "slo": _slo(slo, slo_attain),
-            "goodput": best,
-            "sweep": sweep,
-        }
-        shown = max(range(len(runs)), key=lambda i: runs[i][0] if runs[i][0] <= best else -1)
-        point, result, spans = runs[shown]
-        return report, [RunPicture(f"{point:.3g} req/s", result.records, sweep[shown]["stages"], spans)]
-    result, spans = asyncio.run(load(concurrency, rate, plot_dir is not None))
-    report = {"mode": mode, "workload": workload, **ring_report(result, slo)}
-    if slo is not None:
-        report["slo"] = _slo(slo, slo_attain)
-    return report, [RunPicture("ring", result.records, report["stages"], spans)]
-
-
-def _failover(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say) -> dict:
-    from kvasir.bench.failover import run_failover
-    from kvasir.client import AsyncClient
-
-    async def run(rt):
-        async with await AsyncClient.connect(rt) as client:
-            info = await client.stats()
-            jobs = _jobs(concurrency * rounds, lengths, prompts_file, seed, info.vocab_size)
-            return await run_failover(client, jobs, concurrency, rounds, say)
-
-    with _daemon(plan_path, runtime_dir) as rt:
-        return {"failover": asyncio.run(run(rt))}
-
-
-def _plans(
-    paths, concurrency, rate, count, warmup, lengths, prompts_file, seed, rounds, slo, attain, sweep, say
-) -> dict:
-    from kvasir.bench.plans import Load, run_plans
-    from kvasir.daemon.resolve import resolve_plan
-
-    _, source = resolve_plan(paths[0])
-    jobs = _jobs(count + warmup, lengths, prompts_file, seed, source.vocab_size)
-    load = Load(jobs, warmup, concurrency if sweep is None else None, rate if concurrency is None else None, seed)
-    report = run_plans([Path(p) for p in paths], load, rounds, slo, attain, sweep, say)
-    report["workload"] = {
-        "requests": count,
-        "warmup": warmup,
-        "prompt_len": str(lengths[0]),
-        "output_len": str(lengths[1]),
-        "seed": seed,
-        **({"concurrency": concurrency} if concurrency is not None else {"rate": rate}),
-    }
-    if slo is not None:
-        report["slo"] = _slo(slo, attain)
-    return {"plans": report}
-
-
-def _slo(slo, attain) -> dict:
-    return {"ttft_s": slo[0], "tpot_s": slo[1], "attain": attain}
-
-
-def _compare(
-    plan_path, concurrency, count, warmup, lengths, prompts_file, seed, contenders, rounds, slo, plot_dir, say
-):
-    from kvasir.bench.compare import Workload, run_compare
-    from kvasir.bench.plot import RunPicture
-    from kvasir.bench.runner import stage_fractions
-    from kvasir.config.plan import default_plan_path
-    from kvasir.daemon.resolve import resolve_plan
-
-    path = Path(plan_path) if plan_path else default_plan_path()
-    _, source = resolve_plan(path)
-    jobs = _jobs(count + warmup, lengths, prompts_file, seed, source.vocab_size)
-    pictures: dict[str, RunPicture] = {}
-
-    async def keep(kind, client, result):
-        if plot_dir is not None:
-            spans = (await client.stats(timeline=True)).timeline
-            pictures[kind] = RunPicture(
-                kind, result.records, stage_fractions(result.stats_before, result.stats_after), spans
-            )
-
-    names = tuple(name.strip() for name in contenders.split(",") if name.strip())
-    report = run_compare(path, Workload(jobs, warmup, concurrency), names, rounds, slo, keep, say)
-    report["workload"].update(prompt_len=str(lengths[0]), output_len=str(lengths[1]), seed=seed)
-    return {"compare": report}, list(pictures.values())
-
-
-def _bar(total: int, say):
-    """A progress callback: a bar on a terminal's stderr, nothing otherwise."""
-    if not sys.stderr.isatty():
-        return None
-
-    def show(done: int) -> None:
-        filled = 30 * done // max(total, 1)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return show
 
 
 def _hop_device(device: str) -> str:

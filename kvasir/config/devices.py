@@ -1,16 +1,23 @@
 """Devices, dtypes and edge kinds a plan may name: the tables every layer shares.
 
-Nothing here imports the model loader or transformers."""
+Nothing here imports torch (only when a dtype is asked for), the model loader or
+transformers: reading and checking a plan stays quick for the command line."""
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
-import torch
+from typing import TYPE_CHECKING, Literal, get_args
 
 from kvasir.errors import PlanError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a plan's ``model.dtype`` (one of config/plan.py's DTYPES)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 EdgeKind = Literal["shm", "pinned", "cuda-ipc"]  # what an edge is (kvasir/ring/edges.py picks)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvasir.config.devices import DTYPES
+from kvasir.config.devices import torch_dtype
 from kvasir.config.plan import Plan, Pool
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import build_skeleton, count_parameters, head_dim, slice_spec
@@ -41,7 +41,7 @@ class StageFootprint:
 
 def boundary_slot_bytes(plan: Plan, source: ModelSource) -> int:
     """The largest boundary any stage can return: max_tokens x hidden x dtype."""
-    return plan.batch.max_tokens * int(source.config.hidden_size) * DTYPES[plan.model.dtype].itemsize
+    return plan.batch.max_tokens * int(source.config.hidden_size) * torch_dtype(plan.model.dtype).itemsize
 
 
 def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
@@ -52,7 +52,7 @@ def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
 
 
 def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> list[StageFootprint]:
-    dtype = DTYPES[plan.model.dtype]
+    dtype = torch_dtype(plan.model.dtype)
     config = source.config
     slot = boundary_slot_bytes(plan, source)
     edges = pool_edges(plan.stages, torch_peer_access(plan.stages))
@@ -94,7 +94,7 @@ def kv_bytes_per_token(plan: Plan, source: ModelSource) -> int:
     """K and V of every layer for one prompt token: what a hand-off moves per token."""
     config = source.config
     return PagedKVCache.bytes_needed(
-        source.num_layers, 1, 1, int(config.num_key_value_heads), head_dim(config), DTYPES[plan.model.dtype]
+        source.num_layers, 1, 1, int(config.num_key_value_heads), head_dim(config), torch_dtype(plan.model.dtype)
     )
 
 

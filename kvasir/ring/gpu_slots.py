@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvasir.config.devices import DTYPES, cuda_ordinal
+from kvasir.config.devices import cuda_ordinal, torch_dtype
 from kvasir.ring.slots import ShmSlotRing, SlotError, check_slot, edge_bytes
 from kvasir.wire.base import Side
 from kvasir.wire.control import CudaMemoryHandle, EdgeHandles, EdgeSpec
@@ -136,7 +136,7 @@ class CudaIpcSlotRing:
         self.side = side
         self.device = torch.device("cuda", ordinal)
         self._shape = (spec.slots, spec.max_tokens, spec.hidden)
-        self._dtype = DTYPES[spec.dtype]
+        self._dtype = torch_dtype(spec.dtype)
         # consumer: "read" events; producer: "written" events
         self._own = [_ipc_event(self.device) for _ in range(spec.slots)]
         self._peer: list[torch.cuda.Event] = []

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from kvasir.config.devices import DTYPES
+from kvasir.config.devices import torch_dtype
 from kvasir.freelist import FreeList
 from kvasir.ring.shm import SHM_DIR, SlotError, close_map, map_file
 from kvasir.wire.control import EdgeSpec
@@ -48,7 +48,7 @@ def check_slot(spec: EdgeSpec, slot: int, num_tokens: int) -> None:
 
 
 def edge_bytes(spec: EdgeSpec) -> int:
-    return spec.slots * spec.max_tokens * spec.hidden * DTYPES[spec.dtype].itemsize
+    return spec.slots * spec.max_tokens * spec.hidden * torch_dtype(spec.dtype).itemsize
 
 
 class ShmSlotRing:
@@ -59,7 +59,7 @@ class ShmSlotRing:
         self.path = SHM_DIR / spec.name
         self._map = map_file(self.path, edge_bytes(spec), create)
         flat = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._slots = flat.view(DTYPES[spec.dtype]).view(spec.slots, spec.max_tokens, spec.hidden)
+        self._slots = flat.view(torch_dtype(spec.dtype)).view(spec.slots, spec.max_tokens, spec.hidden)
 
     def _check(self, slot: int, num_tokens: int) -> None:
         check_slot(self.spec, slot, num_tokens)

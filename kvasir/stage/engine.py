@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvasir.config.devices import DTYPES, cuda_ordinal
+from kvasir.config.devices import cuda_ordinal, torch_dtype
 from kvasir.config.plan import Plan
 from kvasir.errors import BatchError
 from kvasir.model.attention import build_batch
@@ -28,7 +28,7 @@ class StageEngine:
         self.spec = slice_spec(plan, index)
         ordinal = cuda_ordinal(stage.device)
         self.device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)  # "cuda" is cuda:0
-        dtype = DTYPES[plan.model.dtype]
+        dtype = torch_dtype(plan.model.dtype)
         modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
         self.model = StageModel(modules, source, self.device)
         config = source.config

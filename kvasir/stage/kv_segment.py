@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvasir.config.devices import DTYPES
+from kvasir.config.devices import torch_dtype
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.ring.shm import SHM_DIR, close_map, map_file
 from kvasir.wire.control import KvSegment
@@ -15,7 +15,7 @@ def kv_segment_bytes(spec: KvSegment) -> int:
     """Keys and values of every layer of a prefill stage's cache."""
     layers = spec.layers[1] - spec.layers[0]
     return PagedKVCache.bytes_needed(
-        layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, DTYPES[spec.dtype]
+        layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, torch_dtype(spec.dtype)
     )
 
 
@@ -31,7 +31,7 @@ class KvSegmentMap:
         self.path = SHM_DIR / spec.name
         self._map = map_file(self.path, kv_segment_bytes(spec), create)
         shape = (spec.layers[1] - spec.layers[0], spec.num_blocks * spec.block_size, spec.kv_heads, spec.head_dim)
-        flat = torch.frombuffer(self._map, dtype=torch.uint8).view(DTYPES[spec.dtype])
+        flat = torch.frombuffer(self._map, dtype=torch.uint8).view(torch_dtype(spec.dtype))
         self.keys, self.values = flat.view(2, *shape).unbind(0)
 
     def close(self) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvasir.client import AsyncClient
@@ -18,9 +17,11 @@ from kvasir.errors import KvasirError
 from kvasir.model.convert import prepare
 from kvasir.model.source import resolve_source
 from kvasir.wire.client import Finished
+from tests.support.daemon import Daemon
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
 ]
 

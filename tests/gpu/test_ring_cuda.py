@@ -19,12 +19,12 @@ import asyncio
 
 import pytest
 import torch
-from daemon import settled
-from models import random_prompts
 from transformers import AutoModelForCausalLM
 
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Finished, TokenOut
+from tests.support.daemon import settled
+from tests.support.models import random_prompts
 
 pytestmark = [
     pytest.mark.gpu,

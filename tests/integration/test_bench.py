@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from daemon import BIN, write_plan
+from tests.support.daemon import BIN, write_plan
 
 
 def bench(runtime_dir, *args):

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvasir.client import AsyncClient
 from kvasir.model.convert import prepare
 from kvasir.model.source import resolve_source
 from kvasir.wire.client import Finished
+from tests.support.daemon import Daemon
+
+pytestmark = pytest.mark.e2e
 
 PLANS = Path(__file__).parents[2] / "plans"
 CHATS = ["What is the capital of France?", "Name a colour of the sky."]

@@ -10,13 +10,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from daemon import BIN, alive, settled
-from models import hf_greedy, random_prompts, reference_model
 from test_ring import check_events, run_all
 from test_supervision import load_then, one_greedy, terminal_codes, wait_serving_again
 
 from kvasir.client import Client
 from kvasir.wire.client import ErrorEvent, Finished
+from tests.support.daemon import BIN, alive, settled
+from tests.support.models import hf_greedy, random_prompts, reference_model
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 48, 64, 90, 120, 2, 5, 17, 26, 40, 75, 101, 9]
 SPLITS = {

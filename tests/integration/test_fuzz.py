@@ -13,11 +13,11 @@ import msgspec
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import hf_greedy, reference_model
 
 from kvasir.client import Client
 from kvasir.config.plan import parse_plan
 from kvasir.errors import PlanError
+from tests.support.models import hf_greedy, reference_model
 
 scalars = st.one_of(
     st.none(),

@@ -17,7 +17,6 @@ import msgspec
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import hf_greedy, reference_model
 
 from kvasir.client import Client
 from kvasir.wire.batch import BatchDescriptor, Credit, Row, SampledToken
@@ -25,6 +24,7 @@ from kvasir.wire.bridge import RequestEnded, TokenEvents
 from kvasir.wire.control import Drained, Heartbeat, Ready
 from kvasir.wire.head import Adopted, BatchResult, CancelRequest, KvDrop, KvHeld, KvPlaced
 from kvasir.wire.kv import Placement
+from tests.support.models import hf_greedy, reference_model
 
 NOBODY = 10**9  # a request id nothing in the daemon has
 # every internal message type, with values no real sender would use (a slot out of

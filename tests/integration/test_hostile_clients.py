@@ -10,11 +10,11 @@ from pathlib import Path
 
 import msgspec
 import zmq
-from daemon import settled
-from models import hf_greedy, random_prompts, reference_model
 
 from kvasir.client import AsyncClient, Client
 from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
+from tests.support.daemon import settled
+from tests.support.models import hf_greedy, random_prompts, reference_model
 
 enc = msgspec.msgpack.encode
 

@@ -16,14 +16,14 @@ import math
 import subprocess
 import sys
 
-from daemon import BIN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import hf_greedy, random_prompts, reference_model
 
 from kvasir.client import AsyncClient
 from kvasir.wire.base import MAX_STOP_TOKEN_IDS
 from kvasir.wire.client import ErrorEvent, Finished
+from tests.support.daemon import BIN
+from tests.support.models import hf_greedy, random_prompts, reference_model
 
 VOCAB = 320
 MAX_SEQ_LEN = 48

@@ -9,11 +9,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from daemon import BIN, alive, exited, wait_serving, write_plan
-from models import hf_greedy, reference_model
-
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Cancelled, ErrorEvent, Finished, TokenOut
+from tests.support.daemon import BIN, alive, exited, wait_serving, write_plan
+from tests.support.models import hf_greedy, reference_model
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 

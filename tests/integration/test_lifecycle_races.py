@@ -9,14 +9,13 @@ import subprocess
 import time
 from pathlib import Path
 
-from daemon import BIN, exited, wait_serving, write_plan
-from models import hf_greedy, reference_model
-
 from kvasir.bench.daemon import stop_gracefully
 from kvasir.client import Client
 from kvasir.daemon.launcher import Launcher
 from kvasir.daemon.resolve import resolve_plan
 from kvasir.logs import setup_logging
+from tests.support.daemon import BIN, exited, wait_serving, write_plan
+from tests.support.models import hf_greedy, reference_model
 
 
 def test_a_stopped_and_resumed_process_group_is_not_killed_as_hung(tiny_models, tmp_path):

@@ -10,12 +10,12 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
-from daemon import BIN, alive, write_plan
-from models import hf_greedy, reference_model
 
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Accepted, Cancelled, ClientEvent, ErrorEvent, Finished, TokenOut
 from kvasir.wire.transport import Endpoints
+from tests.support.daemon import BIN, alive, write_plan
+from tests.support.models import hf_greedy, reference_model
 
 
 async def raw_exchange(runtime_dir, frames_list):

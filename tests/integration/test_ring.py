@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from daemon import TailReader
-from models import hf_greedy, random_prompts, reference_model
 
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, TokenOut
+from tests.support.daemon import TailReader
+from tests.support.models import hf_greedy, random_prompts, reference_model
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 48, 64, 90, 120, 2, 5, 17, 26, 40, 75, 101, 9]
 

@@ -8,12 +8,12 @@ import socket
 import subprocess
 
 import pytest
-from daemon import BIN
-from models import hf_greedy, reference_model
 
 from kvasir.client import AsyncClient, NotAuthorised, Remote
 from kvasir.config.keys import generate
 from kvasir.wire.client import Finished
+from tests.support.daemon import BIN
+from tests.support.models import hf_greedy, reference_model
 
 
 def free_port() -> int:

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, write_plan
+
+from tests.support.daemon import Daemon, write_plan
 
 ROOT = Path(__file__).parents[2]
 

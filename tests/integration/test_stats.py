@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
-from models import save_tiny_model
 
 from kvasir.client import AsyncClient, Client
+from tests.support.models import save_tiny_model
 
 SPLITS = [(0, 2), (2, 4), (4, 6)]
 
@@ -64,7 +64,7 @@ def test_top_draws_frames_from_live_stats(tiny_models, start_daemon):
     import subprocess
     import threading
 
-    from daemon import BIN
+    from tests.support.daemon import BIN
 
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)]).wait_ready()
     with Client(daemon.runtime_dir) as client:

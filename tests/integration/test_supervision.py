@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon import BIN, alive
-from models import hf_greedy, reference_model
 
 from kvasir.client import AsyncClient, Client, NoDaemon
 from kvasir.wire.client import Cancelled, ErrorEvent, Finished
+from tests.support.daemon import BIN, alive
+from tests.support.models import hf_greedy, reference_model
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 

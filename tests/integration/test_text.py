@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-from daemon import BIN
 from transformers import AutoTokenizer
+
+from tests.support.daemon import BIN
 
 
 def kvasir(runtime_dir, *args) -> subprocess.CompletedProcess:

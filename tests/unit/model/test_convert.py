@@ -97,6 +97,7 @@ def test_half_written_conversions_are_never_used(tmp_path, monkeypatch):
     assert "not prepared" in listing.output and ".smollm2" not in listing.output
 
 
+@pytest.mark.e2e
 def test_sigterm_during_a_conversion_removes_its_temporary_folder(tmp_path):
     """kvasird start (and kvasir model prepare) converting the built-in model get SIGTERM
     half-way: the hidden folder (hundreds of MB when complete) goes with them."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import hf_greedy, random_prompts
-from models import reference_model as reference
 
 from kvasir.stage.chain import Chain, record
 from kvasir.wire.batch import SamplingParams
+from tests.support.models import hf_greedy, random_prompts
+from tests.support.models import reference_model as reference
 
 SPLITS = {2: [(0, 3), (3, 6)], 3: [(0, 1), (1, 4), (4, 6)]}
 LENGTHS = [1, 7, 33, 120, 2, 64, 15, 101, 5, 48]

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from models import make_plan
 
 from kvasir.bridge.ledger import HandoffLog, Pending
 from kvasir.cli.main import kvasir
@@ -20,6 +19,7 @@ from kvasir.stage.sampling import RequestSampler
 from kvasir.units import MIB
 from kvasir.wire.batch import NewRequest, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
+from tests.support.models import make_plan
 
 POOLS = """
 [[prefill.stages]]

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import random
 
-from models import CORPUS
 from transformers import AutoTokenizer
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer
+from tests.support.models import CORPUS
 
 
 def test_deltas_rebuild_the_text_and_never_end_mid_character(tiny_models):

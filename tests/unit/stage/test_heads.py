@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-from models import make_plan
 
 from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.heads import RecentIds, SchedulerIntake
@@ -13,6 +12,7 @@ from kvasir.wire.batch import SamplingParams
 from kvasir.wire.bridge import BridgeMessage, RequestEnded
 from kvasir.wire.head import BatchResult, CancelRequest, Enqueue, HeadMessage
 from kvasir.wire.transport import PullChannel, PushChannel
+from tests.support.models import make_plan
 
 
 @pytest.fixture

@@ -226,7 +226,7 @@ def test_installed_console_script_exits_2_on_a_bad_plan(tmp_path):
         "(the plan has 1)"
     )
     good = subprocess.run(
-        [str(script), "plan", "check", str(Path(__file__).parents[2] / "plans" / "smollm2-3stage.toml")],
+        [str(script), "plan", "check", str(Path(__file__).parents[3] / "plans" / "smollm2-3stage.toml")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -235,7 +235,7 @@ def test_installed_console_script_exits_2_on_a_bad_plan(tmp_path):
     assert "middle" in good.stdout and "[11, 22)" in good.stdout
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "plans").glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[3] / "plans").glob("*.toml")), ids=lambda p: p.name)
 def test_every_example_plan_checks(path):
     result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
     assert result.exit_code == 0, result.output
@@ -246,14 +246,14 @@ def test_default_plan_is_packaged():
     from kvasir.config.plan import default_plan_path
 
     assert default_plan_path().is_file()
-    assert load_plan(default_plan_path()) == load_plan(Path(__file__).parents[2] / "plans" / "smollm2-2stage.toml")
+    assert load_plan(default_plan_path()) == load_plan(Path(__file__).parents[3] / "plans" / "smollm2-2stage.toml")
 
 
 @pytest.mark.parametrize("name", ["smollm2-2stage.toml", "smollm2-3stage.toml", "tiny-2stage.toml"])
 def test_plan_toml_reads_back_equal(name):
     from kvasir.config.plan import plan_toml
 
-    plan = load_plan(Path(__file__).parents[2] / "plans" / name)
+    plan = load_plan(Path(__file__).parents[3] / "plans" / name)
     assert parse_plan(plan_toml(plan)) == plan
     pinned = msgspec.structs.replace(
         plan,

@@ -3,12 +3,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from models import make_plan
 
 from kvasir.errors import BatchError, RequestError
 from kvasir.sched.scheduler import Scheduler
 from kvasir.wire.batch import SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
+from tests.support.models import make_plan
 
 VOCAB = 100
 

@@ -1,0 +1,14 @@
+"""The command line and the Python client start without torch or transformers: they are
+imported only where a model runs (stages, conversion, benchmarks that load one)."""
+
+import subprocess
+import sys
+
+
+def test_commands_and_client_import_no_model_libraries():
+    probe = (
+        "import sys, kvasir.cli.main, kvasir.cli.kvasird, kvasir.client; "
+        "print(','.join(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "", f"importing the command line loads {loaded}"

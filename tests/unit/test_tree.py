@@ -1,0 +1,35 @@
+"""The tree keeps its shape: modules stay small and cite only files in the repository."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+MAX_LINES = 450
+
+
+def test_no_module_is_over_the_size_limit():
+    sizes = {path: len(path.read_text().splitlines()) for path in (ROOT / "kvasir").rglob("*.py")}
+    big = {str(path.relative_to(ROOT)): n for path, n in sizes.items() if n > MAX_LINES}
+    assert not big, f"split these along their jobs (at most {MAX_LINES} lines): {big}"
+
+
+def test_comments_cite_files_in_the_repository():
+    """The design record is docs/architecture.md; files outside the checkout are not cited."""
+    outside = re.compile(r"\b(DESIGN|MISSION)\.md\b|\.\./shared/")
+    texts = [*ROOT.glob("kvasir/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md")]
+    cited = [
+        str(path.relative_to(ROOT)) for path in texts if path != Path(__file__) and outside.search(path.read_text())
+    ]
+    assert not cited, f"these cite files outside the repository: {cited}"
+
+
+def test_every_cited_module_path_exists():
+    """A comment or doc naming kvasir/<path>.py names a file that is there (paths move)."""
+    texts = [*ROOT.glob("kvasir/**/*.py"), *ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md"), *ROOT.glob("systemd/*")]
+    missing = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in texts
+        for name in re.findall(r"\bkvasir/[a-z_/]+\.py\b", path.read_text())
+        if not (ROOT / name).is_file()
+    }
+    assert not missing, sorted(missing)
