@@ -1,0 +1,4 @@
+"""The launcher (``kvasird start``): host checks, shared-memory layout, spawning the
+children, readiness, supervision, restarts, shutdown and service notification (layer 5).
+
+See docs/architecture.md."""

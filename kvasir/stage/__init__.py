@@ -1,0 +1,4 @@
+"""A stage process: the agent loop, its intakes and outlets, the ring heads, the KV hand-off
+between pools, sampling and the model engine (layer 4).
+
+See docs/architecture.md."""

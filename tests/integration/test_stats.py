@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvasir.client import AsyncClient, Client
+from kvasir.wire.shares import stage_shares
 from tests.support.models import save_tiny_model
 
 SPLITS = [(0, 2), (2, 4), (4, 6)]
@@ -37,11 +38,8 @@ async def saturate_and_measure(runtime_dir, warmup_s=2.5, window_s=4.0, clients=
         await asyncio.sleep(window_s)
         after = await client.stats()
         await asyncio.gather(*tasks)
-    fractions = []
-    for a, b in zip(before.stages, after.stages):
-        wall = b.wall_s - a.wall_s
-        fractions.append(((b.busy_s - a.busy_s) / wall, (b.starved_s - a.starved_s) / wall))
-    return fractions
+    windows = [stage_shares(b, a) for a, b in zip(before.stages, after.stages)]
+    return [(shares.busy, shares.starved) for shares in windows]
 
 
 def test_inflight_ring_is_busy_and_drained_ring_starves(wider_model, start_daemon):
