@@ -13,11 +13,16 @@ if TYPE_CHECKING:
     import torch
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # what a plan's model.dtype may be: torch's names
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a plan's ``model.dtype`` (one of config/plan.py's DTYPES)."""
+    """The torch dtype of a plan's ``model.dtype`` (one of DTYPES)."""
+    if name not in DTYPES:
+        raise KeyError(name)
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return getattr(torch, name)
 
 
 EdgeKind = Literal["shm", "pinned", "cuda-ipc"]  # what an edge is (kvasir/ring/edges.py picks)

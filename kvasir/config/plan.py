@@ -14,11 +14,10 @@ from typing import Literal
 
 import msgspec
 
-from kvasir.config.devices import check_edge_request
+from kvasir.config.devices import DTYPES, check_edge_request
 from kvasir.errors import PlanError
 from kvasir.units import MIB
 
-DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:(0|[1-9][0-9]*))?)$")
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.*-]+):(?P<port>[0-9]{1,5})$")
 
