@@ -47,6 +47,10 @@ __all__ = ["AsyncClient", "Client", "NoDaemon", "NotAuthorised", "Remote", "Runt
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+LINK: dict[int, str] = {  # what a connection attempt did, for NoDaemon's message
+    zmq.EVENT_CONNECT_RETRIED: "nothing accepted the connection",
+    zmq.EVENT_CONNECTED: "a connection was made, but no answer came",
+}
 
 
 class NoDaemon(KvasirError):
@@ -133,7 +137,8 @@ class AsyncClient:
         self._stats: dict[int, asyncio.Future] = {}
         self._reader = asyncio.create_task(self._read())
         self._failure: BaseException | None = None
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | REFUSED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | REFUSED | sum(LINK))
+        self.link = "no connection was attempted"  # the last thing the connection did (see LINK)
         self._watcher = asyncio.create_task(self._watch())
 
     @classmethod
@@ -167,7 +172,7 @@ class AsyncClient:
             raise
         except (TimeoutError, KvasirError):
             await client.close()
-            raise NoDaemon(f"no kvasird answers at {where}") from None
+            raise NoDaemon(f"no kvasird answers at {where} ({client.link} within {timeout_s:g} s)") from None
         return client
 
     async def __aenter__(self) -> AsyncClient:
@@ -263,9 +268,12 @@ class AsyncClient:
         error: nobody is left to finish it. ZMQ reconnects by itself, so later requests
         reach the bridge the launcher restarts."""
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] & REFUSED:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event & REFUSED:
                 self._refused()
+                continue
+            if event in LINK:
+                self.link = LINK[event]
                 continue
             try:
                 while True:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,14 @@ def pytest_collection_modifyitems(items):
         folder = Path(item.fspath).relative_to(TESTS).parts[0]
         for mark in FOLDER_MARKS.get(folder, ()):
             item.add_marker(mark)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item: fixtures read it to tell a failed test."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +50,9 @@ def plan_for():
 
 
 @pytest.fixture
-def start_daemon(tmp_path):
-    """Start kvasird processes on tiny models; every one is stopped after the test."""
+def start_daemon(tmp_path, request):
+    """Start kvasird processes on tiny models; every one is stopped after the test, and
+    when the test failed, each one's log is printed (pytest shows it with the failure)."""
     started: list[Daemon] = []
 
     def start(source, splits, name="rt", drain_timeout=30.0, **plan_values) -> Daemon:
@@ -54,3 +64,7 @@ def start_daemon(tmp_path):
     yield start
     for daemon in started:
         daemon.stop()
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for daemon in started:
+            print(f"--- {daemon.log_path.name} (the daemon's log) ---\n{daemon.log()[-20_000:]}", file=sys.stderr)
