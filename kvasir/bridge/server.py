@@ -9,26 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from collections import deque
 
 import msgspec
-import uvloop
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer, load_tokenizer
 from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
-from kvasir.bridge.outbox import ZMQ_QUEUE, Outbox
+from kvasir.bridge.outbox import Outbox
+from kvasir.bridge.sockets import client_router, remote_router
 from kvasir.bridge.submissions import Submissions
-from kvasir.config.keys import load_pair
-from kvasir.config.plan import BridgeSpec
 from kvasir.errors import RequestError
-from kvasir.logs import setup_logging
 from kvasir.model.source import resolve_source
-from kvasir.units import MIB
 from kvasir.wire.batch import SampledToken
 from kvasir.wire.bridge import BatchSpan, BridgeMessage, HandoffReport, RequestEnded, StageStats, TokenEvents
 from kvasir.wire.client import (
@@ -47,7 +42,6 @@ from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettin
 from kvasir.wire.head import CancelRequest, Enqueue
 from kvasir.wire.transport import BatchedSocket, Endpoints, make_socket
 
-MAX_CLIENT_MESSAGE = 16 * MIB  # a client sending more is disconnected by ZMQ
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
 
@@ -69,7 +63,7 @@ class Bridge:
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
         self.outbox = Outbox(plan.bridge.max_client_queue, plan.bridge.max_client_bytes, self._lost)
-        self.clients = self._client_router(ctx)
+        self.clients = client_router(ctx)
         self.publisher = make_socket(ctx, zmq.PUB)
         self.publisher.setsockopt(zmq.SNDHWM, PUB_QUEUE)
         self.ends = ends
@@ -79,7 +73,9 @@ class Bridge:
         self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
         self.tcp = plan.bridge.tcp
         self.authenticator: AsyncioAuthenticator | None = None
-        self.remote_io = self._remote(ctx, plan.bridge) if self.tcp is not None else None
+        self.remote_io: BatchedSocket | None = None
+        if self.tcp is not None:
+            self.remote_io, self.authenticator = remote_router(ctx, plan.bridge)
         self.inbox_io = BatchedSocket(self.inbox)
         self.ctx = ctx
         self.head, self.head_io = self._connect_head()
@@ -325,30 +321,6 @@ class Bridge:
         self.stage_stats.clear()
         self.timelines.clear()
 
-    def _remote(self, ctx: zmq.asyncio.Context, spec: BridgeSpec) -> BatchedSocket:
-        """The ROUTER for remote clients over TCP. With keys it is a CURVE server and ZAP
-        lets in only the clients whose public keys are in ``client_keys``."""
-        sock = self._client_router(ctx)
-        if spec.server_key is not None and spec.client_keys is not None:  # the plan gives both or neither
-            authenticator = AsyncioAuthenticator(ctx)
-            authenticator.start()
-            authenticator.configure_curve(domain="*", location=spec.client_keys)
-            self.authenticator = authenticator
-            sock.curve_publickey, sock.curve_secretkey = load_pair(spec.server_key)
-            sock.curve_server = True
-        return BatchedSocket(sock)
-
-    def _client_router(self, ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
-        """A ROUTER for clients. A plain ROUTER silently drops events for a client whose
-        queue is full or that is gone; with ROUTER_MANDATORY the send fails instead, and
-        the bridge cancels that client's requests (see _deliver), so no event is lost
-        unnoticed and no queue grows without bound."""
-        sock = make_socket(ctx, zmq.ROUTER)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
-        sock.setsockopt(zmq.SNDHWM, ZMQ_QUEUE)  # the rest waits in the outbox, counted in bytes
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        return sock
-
     def _connect_head(self):
         # unbounded: accepted requests are bounded by bridge.max_waiting, and a send that
         # waited for a dead head would stall every client
@@ -412,39 +384,3 @@ class Bridge:
             clients_lost=self.clients_lost,
             malformed=self.malformed,
         )
-
-
-def run_bridge(encoded: bytes) -> None:
-    """Entry point of the bridge process (spawned by the launcher)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
-    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
-    log = setup_logging(settings.log_level, role="bridge", pid=os.getpid())
-
-    async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        bridge = None
-        try:
-            bridge = Bridge(settings, ctx, log)
-            watch = asyncio.create_task(_watch_launcher(settings.launcher_pid, bridge, log))
-            log.info("bridge ready")
-            await bridge.serve()
-            watch.cancel()
-        finally:
-            if bridge is not None and bridge.authenticator is not None:
-                bridge.authenticator.stop()
-            ctx.destroy()
-
-    try:
-        uvloop.run(main())
-    except Exception:
-        log.exception("bridge failed")
-        raise SystemExit(1) from None
-    log.info("bridge stopped")
-
-
-async def _watch_launcher(launcher_pid: int, bridge: Bridge, log) -> None:
-    while os.getppid() == launcher_pid:
-        await asyncio.sleep(0.2)
-    log.warning("launcher is gone; stopping")
-    bridge.stopped.set()

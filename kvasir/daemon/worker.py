@@ -1,4 +1,4 @@
-"""``python -m kvasir.worker``: a child process of the launcher.
+"""``python -m kvasir.daemon.worker``: a child process of the launcher.
 
 The launcher starts each child as a fresh interpreter (no fork after torch is
 imported) and writes its msgpack-encoded WorkerSettings to the child's stdin.
@@ -22,7 +22,7 @@ def main() -> None:
 
         run_stage(encoded)
     elif role == "bridge":
-        from kvasir.bridge.server import run_bridge
+        from kvasir.bridge.process import run_bridge
 
         run_bridge(encoded)
     else:
