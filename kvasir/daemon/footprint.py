@@ -12,7 +12,7 @@ from typing import Literal
 from kvasir.config.devices import torch_dtype
 from kvasir.config.plan import Plan, Pool
 from kvasir.model.kv_cache import PagedKVCache
-from kvasir.model.loader import build_skeleton, count_parameters, head_dim, slice_spec
+from kvasir.model.loader import build_skeleton, count_parameters, slice_spec
 from kvasir.model.source import ModelSource
 from kvasir.ring.edges import pool_edges, torch_peer_access
 from kvasir.units import GIB
@@ -53,7 +53,6 @@ def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
 
 def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> list[StageFootprint]:
     dtype = torch_dtype(plan.model.dtype)
-    config = source.config
     slot = boundary_slot_bytes(plan, source)
     edges = pool_edges(plan.stages, torch_peer_access(plan.stages))
     out = []
@@ -65,8 +64,8 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> 
             stage.layers[1] - stage.layers[0],
             plan.kv.num_blocks,
             plan.kv.block_size,
-            int(config.num_key_value_heads),
-            head_dim(config),
+            source.kv_heads,
+            source.head_dim,
             dtype,
         )
         out.append(
@@ -92,9 +91,8 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> 
 # -- the price of a hand-off (docs/architecture.md, The price of a hand-off) ---------------------
 def kv_bytes_per_token(plan: Plan, source: ModelSource) -> int:
     """K and V of every layer for one prompt token: what a hand-off moves per token."""
-    config = source.config
     return PagedKVCache.bytes_needed(
-        source.num_layers, 1, 1, int(config.num_key_value_heads), head_dim(config), torch_dtype(plan.model.dtype)
+        source.num_layers, 1, 1, source.kv_heads, source.head_dim, torch_dtype(plan.model.dtype)
     )
 
 

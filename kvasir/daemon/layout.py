@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from kvasir.config.plan import Plan
 from kvasir.daemon.children import StagePlace
 from kvasir.errors import KvasirError
-from kvasir.model.loader import head_dim
 from kvasir.model.source import ModelSource
 from kvasir.ring.attach import SHARED_MEMORY_KINDS, create_ring
 from kvasir.ring.edges import pool_edges, torch_peer_access
@@ -83,7 +82,6 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout) ->
 def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout) -> HandoffWiring:
     """The prefill stages' caches, in shared memory the decode stages copy from."""
     prefill, decode = (view for _, view in plan.pools())
-    config = source.config
     segments = []
     for k, stage in enumerate(prefill.stages):
         segment = KvSegment(
@@ -91,8 +89,8 @@ def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout) -
             layers=stage.layers,
             num_blocks=prefill.kv.num_blocks,
             block_size=prefill.kv.block_size,
-            kv_heads=int(config.num_key_value_heads),
-            head_dim=head_dim(config),
+            kv_heads=source.kv_heads,
+            head_dim=source.head_dim,
             dtype=prefill.model.dtype,
         )
         layout.rings.append(KvSegmentMap(segment, create=True))

@@ -138,9 +138,5 @@ def _tensor_index(folder: Path) -> dict[str, str]:
     return index
 
 
-def head_dim(config) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-
-
 def slice_spec(plan: Plan, index: int) -> SliceSpec:
     return SliceSpec(layers=plan.stages[index].layers, is_head=index == 0, is_tail=index == len(plan.stages) - 1)

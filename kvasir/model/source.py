@@ -69,6 +69,15 @@ class ModelSource:
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
 
+    @property
+    def kv_heads(self) -> int:
+        return int(self.config.num_key_value_heads)
+
+    @property
+    def head_dim(self) -> int:
+        config = self.config
+        return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
     def require_weights(self) -> Path:
         if self.weights_dir is None:
             raise ModelSourceError(

@@ -9,7 +9,7 @@ from kvasir.config.plan import Plan
 from kvasir.errors import BatchError
 from kvasir.model.attention import build_batch
 from kvasir.model.kv_cache import PagedKVCache
-from kvasir.model.loader import head_dim, load_slice, slice_spec
+from kvasir.model.loader import load_slice, slice_spec
 from kvasir.model.source import ModelSource
 from kvasir.model.stage_model import StageModel
 from kvasir.wire.batch import BatchDescriptor
@@ -31,13 +31,12 @@ class StageEngine:
         dtype = torch_dtype(plan.model.dtype)
         modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
         self.model = StageModel(modules, source, self.device)
-        config = source.config
         self.cache = PagedKVCache(
             num_layers=stage.layers[1] - stage.layers[0],
             num_blocks=plan.kv.num_blocks,
             block_size=plan.kv.block_size,
-            kv_heads=int(config.num_key_value_heads),
-            head_dim=head_dim(config),
+            kv_heads=source.kv_heads,
+            head_dim=source.head_dim,
             dtype=dtype,
             device=self.device,
             storage=storage,

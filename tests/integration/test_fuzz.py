@@ -1,12 +1,15 @@
 """Hostile input, generated: the client protocol and plan files.
 
-The client protocol gets over 10,000 frames per run — random bytes, truncated and
-oversized frames, extra frames, wrong types and valid envelopes with invalid values —
-after which the daemon still serves a normal request correctly.
+The client protocol gets over 10,000 messages per run — random bytes, truncated and
+oversized frames, extra frames, wrong types and valid envelopes with invalid values,
+each generated message followed by nine seeded mutations of it (cut, flipped, grown,
+doubled, spliced with the one before) — after which the daemon still serves a normal
+request correctly.
 """
 
 from __future__ import annotations
 
+import random
 import time
 
 import msgspec
@@ -71,6 +74,30 @@ frames = st.one_of(
     envelopes.map(lambda e: msgspec.msgpack.encode(e)[: max(1, len(msgspec.msgpack.encode(e)) // 2)]),
 )
 messages = st.lists(frames, min_size=1, max_size=3)  # more than one frame is itself malformed
+MUTANTS = 9  # seeded mutations sent after each generated message: most of the volume, at little cost
+
+
+def mutate(rng: random.Random, parts: list[bytes], before: list[bytes]) -> list[bytes]:
+    """One mutation of a message: a frame cut, flipped, grown or doubled, or spliced with
+    the message sent before it."""
+    parts = list(parts)
+    index = rng.randrange(len(parts))
+    frame = bytearray(parts[index])
+    match rng.randrange(5):
+        case 0:
+            frame = frame[: rng.randrange(len(frame) + 1)]
+        case 1:
+            for _ in range(rng.randint(1, 3)):
+                if frame:
+                    frame[rng.randrange(len(frame))] = rng.randrange(256)
+        case 2:
+            frame += rng.randbytes(rng.randint(1, 16))
+        case 3:
+            parts.append(bytes(frame))
+        case 4:
+            frame = frame[: rng.randrange(len(frame) + 1)] + before[0][rng.randrange(len(before[0]) + 1) :]
+    parts[index] = bytes(frame) or b"\x00"
+    return parts
 
 
 def test_client_protocol_fuzz_then_a_normal_request(tiny_models, start_daemon):
@@ -81,14 +108,18 @@ def test_client_protocol_fuzz_then_a_normal_request(tiny_models, start_daemon):
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(f"ipc://{daemon.runtime_dir / 'client.sock'}")
     sent = [0]
+    rng = random.Random(1234)
+    before = [[b"\x80"]]  # the message sent last (an empty msgpack map to begin with)
 
-    # ten messages per example: hypothesis's own cost per example is most of this test's time
+    # hypothesis's own cost per example is most of this test's time: each example is
+    # sent with MUTANTS seeded mutations of it
     @settings(max_examples=1_050, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(st.lists(messages, min_size=10, max_size=10))
-    def send(batch):
-        for parts in batch:
-            sock.send_multipart(parts)
+    @given(messages)
+    def send(parts):
+        for message in [parts] + [mutate(rng, parts, before[0]) for _ in range(MUTANTS)]:
+            sock.send_multipart(message)
             sent[0] += 1
+        before[0] = parts
 
     try:
         send()
