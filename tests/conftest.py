@@ -40,6 +40,20 @@ def tiny_models(tmp_path_factory):
     return models
 
 
+@pytest.fixture(scope="session")
+def shared_daemon(tiny_models, tmp_path_factory):
+    """One daemon (the Llama with a tokenizer, two stages, max_tokens 64) for the tests that
+    only read from it: each leaves it idle, and none restarts, floods or reconfigures it.
+    A test that needs a fresh daemon or other limits starts its own (start_daemon)."""
+    root = tmp_path_factory.mktemp("shared")
+    plan = write_plan(root / "shared.toml", tiny_models["llama-tokenizer"], [(0, 3), (3, 6)], max_tokens=64)
+    daemon = Daemon(plan, root / "rt", stage_count([(0, 3), (3, 6)]))
+    try:
+        yield daemon.wait_ready()
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-5_000:]
+
+
 @pytest.fixture
 def plan_for():
     def build(folder, splits, **kw):

@@ -18,8 +18,8 @@ def bench(runtime_dir, *args):
     )
 
 
-def test_bench_closed_and_open_loop_report(tiny_models, start_daemon, tmp_path):
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_rows=8, max_tokens=64).wait_ready()
+def test_bench_closed_and_open_loop_report(shared_daemon, tmp_path):
+    daemon = shared_daemon  # two stages, max_rows 8, max_tokens 64
     closed = bench(
         daemon.runtime_dir,
         "--requests",

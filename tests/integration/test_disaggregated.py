@@ -61,24 +61,26 @@ def test_disaggregated_output_equals_hf_generate(tiny_models, start_daemon, spli
     assert all(stage["handoff_bytes"] > 0 for stage in decode)
 
 
-@pytest.mark.parametrize("victim", [1, 2])  # the prefill pool's tail, the decode pool's head
-def test_a_stage_dying_mid_handoff_fails_its_requests_once_and_the_pools_recover(tiny_models, start_daemon, victim):
+def test_a_stage_dying_mid_handoff_fails_its_requests_once_and_the_pools_recover(tiny_models, start_daemon):
+    """Killed in turn, on one daemon: the prefill pool's tail, then the decode pool's head."""
     splits = SPLITS["different"]
-    daemon = start_daemon(tiny_models["llama"], splits, name=f"disagg-kill{victim}", num_blocks=160).wait_ready()
+    daemon = start_daemon(tiny_models["llama"], splits, name="disagg-kill", num_blocks=160).wait_ready()
     launcher = daemon.process.pid
-    before = daemon.child_pids()
-    events, struck, told, late = asyncio.run(load_then(daemon, 40, lambda: os.kill(before[victim], signal.SIGKILL), 60))
-    codes = terminal_codes(events)
-    assert set(codes) <= {"finished", "stage_failed"} and "stage_failed" in codes, codes
-    failure = next(e for evs in events.values() for e in evs if isinstance(e, ErrorEvent))
-    assert f"stage-{victim}" in failure.message, failure.message
-    stats = wait_serving_again(daemon.runtime_dir, daemon.stages)
-    assert not any(alive(pid) for pid in before)
     reference = reference_model(tiny_models["llama"])
-    prompt = list(range(5, 45))
-    assert one_greedy(daemon.runtime_dir, prompt, 12) == hf_greedy(reference, prompt, 12)
-    stats = settled(daemon.runtime_dir)
-    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
+    for restarts, victim in enumerate((1, 2), start=1):
+        before = daemon.child_pids()
+        kill = lambda: os.kill(before[victim], signal.SIGKILL)  # noqa: B023 (called within this round)
+        events, struck, told, late = asyncio.run(load_then(daemon, 40, kill, 60))
+        codes = terminal_codes(events)
+        assert set(codes) <= {"finished", "stage_failed"} and "stage_failed" in codes, codes
+        failure = next(e for evs in events.values() for e in evs if isinstance(e, ErrorEvent))
+        assert f"stage-{victim}" in failure.message, failure.message
+        wait_serving_again(daemon.runtime_dir, daemon.stages, restarts=restarts)
+        assert not any(alive(pid) for pid in before)
+        prompt = list(range(5 + victim, 45))
+        assert one_greedy(daemon.runtime_dir, prompt, 12) == hf_greedy(reference, prompt, 12)
+        stats = settled(daemon.runtime_dir)
+        assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
     assert daemon.stop() == 0
     assert not list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))  # edges and prefill KV segments removed
 

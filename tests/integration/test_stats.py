@@ -58,13 +58,13 @@ def test_inflight_ring_is_busy_and_drained_ring_starves(wider_model, start_daemo
         assert ring_busy > 1.5 * drained_busy
 
 
-def test_top_draws_frames_from_live_stats(tiny_models, start_daemon):
+def test_top_draws_frames_from_live_stats(shared_daemon):
     import subprocess
     import threading
 
     from tests.support.daemon import BIN
 
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)]).wait_ready()
+    daemon = shared_daemon
     with Client(daemon.runtime_dir) as client:
 
         def load():

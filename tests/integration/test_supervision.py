@@ -61,8 +61,8 @@ def terminal_codes(events: dict[int, list]) -> list[str]:
     return codes
 
 
-def wait_serving_again(runtime_dir: Path, stages: int, timeout_s: float = 120.0):
-    """The daemon's stats once it serves again after one restart, every stage reporting."""
+def wait_serving_again(runtime_dir: Path, stages: int, timeout_s: float = 120.0, restarts: int = 1):
+    """The daemon's stats once it serves again after ``restarts`` restarts, every stage reporting."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -70,7 +70,7 @@ def wait_serving_again(runtime_dir: Path, stages: int, timeout_s: float = 120.0)
                 stats = client.stats()
         except NoDaemon:  # the bridge is being restarted: no client.sock yet
             stats = None
-        if stats is not None and stats.restarts == 1 and stats.state == "serving" and len(stats.stages) == stages:
+        if stats is not None and stats.restarts == restarts and stats.state == "serving" and len(stats.stages) == stages:
             return stats
         time.sleep(0.1)
     raise AssertionError("the daemon did not serve again")

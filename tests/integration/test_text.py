@@ -16,10 +16,9 @@ def kvasir(runtime_dir, *args) -> subprocess.CompletedProcess:
     )
 
 
-def test_generate_streams_text_and_applies_the_chat_template(tiny_models, start_daemon):
-    folder = tiny_models["llama-tokenizer"]
-    daemon = start_daemon(folder, [(0, 3), (3, 6)]).wait_ready()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+def test_generate_streams_text_and_applies_the_chat_template(tiny_models, shared_daemon):
+    daemon = shared_daemon  # the Llama with a tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama-tokenizer"])
     for extra in ([], ["--chat"]):
         as_json = kvasir(
             daemon.runtime_dir, "generate", "hello ring", "--max-tokens", "16", "--temperature", "0", "--json", *extra
