@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -69,8 +70,8 @@ def test_a_stage_dying_mid_handoff_fails_its_requests_once_and_the_pools_recover
     reference = reference_model(tiny_models["llama"])
     for restarts, victim in enumerate((1, 2), start=1):
         before = daemon.child_pids()
-        kill = lambda: os.kill(before[victim], signal.SIGKILL)  # noqa: B023 (called within this round)
-        events, struck, told, late = asyncio.run(load_then(daemon, 40, kill, 60))
+        kill = functools.partial(os.kill, before[victim], signal.SIGKILL)
+        events, _, _, _ = asyncio.run(load_then(daemon, 40, kill, 60))
         codes = terminal_codes(events)
         assert set(codes) <= {"finished", "stage_failed"} and "stage_failed" in codes, codes
         failure = next(e for evs in events.values() for e in evs if isinstance(e, ErrorEvent))

@@ -70,7 +70,12 @@ def wait_serving_again(runtime_dir: Path, stages: int, timeout_s: float = 120.0,
                 stats = client.stats()
         except NoDaemon:  # the bridge is being restarted: no client.sock yet
             stats = None
-        if stats is not None and stats.restarts == restarts and stats.state == "serving" and len(stats.stages) == stages:
+        if (
+            stats is not None
+            and stats.restarts == restarts
+            and stats.state == "serving"
+            and len(stats.stages) == stages
+        ):
             return stats
         time.sleep(0.1)
     raise AssertionError("the daemon did not serve again")
