@@ -12,12 +12,13 @@ message for it again its events are dropped at once instead of queued.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 
 import zmq
 
 from kvasir.bridge.ledger import Peer
+from kvasir.recent import Recent
 
 ZMQ_QUEUE = 64  # messages ZMQ holds per client before the backlog here takes over
 RETRY_S = 0.002  # how often a backlog is offered to ZMQ again while clients are behind
@@ -31,7 +32,7 @@ class Outbox:
         self.on_lost = on_lost
         self._backlog: dict[Peer, deque[bytes]] = {}
         self._bytes: dict[Peer, int] = {}
-        self._lost: OrderedDict[Peer, None] = OrderedDict()
+        self._lost = Recent[Peer](LOST_KEPT)
         self._behind = asyncio.Event()
         self.dropped = 0  # events dropped for lost clients
 
@@ -62,7 +63,7 @@ class Outbox:
             self._lose(peer, "disconnected")
         else:
             if self._lost:
-                self._lost.pop(peer, None)  # it reads again
+                self._lost.take(peer)  # it reads again
 
     def _queue(self, peer: Peer, backlog: deque[bytes], payload: bytes) -> None:
         backlog.append(payload)
@@ -73,9 +74,7 @@ class Outbox:
     def _lose(self, peer: Peer, why: str) -> None:
         self._backlog.pop(peer, None)
         self._bytes.pop(peer, None)
-        self._lost[peer] = None
-        if len(self._lost) > LOST_KEPT:
-            self._lost.popitem(last=False)
+        self._lost.add(peer)
         self.on_lost(peer, why)
 
     async def run(self) -> None:

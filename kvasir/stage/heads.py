@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvasir.errors import BatchError, RequestError
+from kvasir.recent import Recent
 from kvasir.sched.scheduler import Emitted, Scheduler
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import HandoffReport, RequestEnded
@@ -30,23 +31,6 @@ from kvasir.wire.kv import Placement
 from kvasir.wire.transport import PullChannel, PushChannel
 
 Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
-
-
-class RecentIds:
-    """The most recent ``limit`` request ids added, for "has this one ended already?"."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._ids: OrderedDict[int, None] = OrderedDict()
-
-    def add(self, rid: int) -> None:
-        self._ids[rid] = None
-        if len(self._ids) > self.limit:
-            self._ids.popitem(last=False)
-
-    def take(self, rid: int) -> bool:
-        """Was ``rid`` added (and not taken since)? Forgets it."""
-        return self._ids.pop(rid, 0) is None
 
 
 ENDED_KEPT = 65536  # ids a head remembers ending before it heard of them
@@ -65,7 +49,7 @@ class SchedulerIntake:
         self.bridge = bridge
         self.sockets = [inbox.socket]
         self.hop_ns = 0
-        self.cancelled_early = RecentIds(ENDED_KEPT)
+        self.cancelled_early = Recent[int](ENDED_KEPT)
 
     def receive(self) -> None:
         for message in self.inbox.drain():
@@ -229,7 +213,7 @@ class DecodeHeadIntake(SchedulerIntake):
         self.stages = stages  # every decode stage's KV inbox, this one's included
         self.pending: OrderedDict[int, Handoff] = OrderedDict()  # waiting for blocks
         self.placed: dict[int, Placed] = {}
-        self.ended = RecentIds(ENDED_KEPT)  # cancelled or dropped before their hand-off arrived
+        self.ended = Recent[int](ENDED_KEPT)  # cancelled or dropped before their hand-off arrived
 
     def receive(self) -> None:
         super().receive()

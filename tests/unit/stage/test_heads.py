@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from kvasir.sched.scheduler import Scheduler
-from kvasir.stage.heads import RecentIds, SchedulerIntake
+from kvasir.stage.heads import SchedulerIntake
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.bridge import BridgeMessage, RequestEnded
 from kvasir.wire.head import BatchResult, CancelRequest, Enqueue, HeadMessage
@@ -75,11 +75,3 @@ def test_frames_that_do_not_decode_are_dropped(head):
         pass
     intake.receive()
     assert intake.inbox.dropped == 4
-
-
-def test_recent_ids_are_bounded():
-    ids = RecentIds(3)
-    for rid in range(5):
-        ids.add(rid)
-    assert not ids.take(0) and not ids.take(1)
-    assert ids.take(4) and not ids.take(4)
