@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 from collections import deque
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -23,7 +24,6 @@ from kvasir.bridge.outbox import Outbox
 from kvasir.bridge.sockets import client_router, remote_router
 from kvasir.bridge.submissions import Submissions
 from kvasir.errors import RequestError
-from kvasir.model.source import resolve_source
 from kvasir.wire.batch import SampledToken
 from kvasir.wire.bridge import BatchSpan, BridgeMessage, HandoffReport, RequestEnded, StageStats, TokenEvents
 from kvasir.wire.client import (
@@ -50,15 +50,17 @@ class Bridge:
     def __init__(self, settings: WorkerSettings, ctx: zmq.asyncio.Context, log) -> None:
         plan = settings.plan
         ends = Endpoints(settings.runtime_dir)
-        source = resolve_source(plan.model.source)
+        model = settings.model
+        if model is None:
+            raise RuntimeError("the launcher sent the bridge no model facts")
         self.log = log
-        self.vocab_size = source.vocab_size
+        self.vocab_size = model.vocab_size
         self.max_seq_len = plan.model.max_seq_len
         self.max_waiting = plan.bridge.max_waiting
         self.max_per_client = plan.bridge.max_per_client
-        self.tokenizer = load_tokenizer(source.weights_dir)
+        self.tokenizer = load_tokenizer(Path(model.folder) if model.folder is not None else None)
         self.submissions = Submissions(
-            self.tokenizer, source.vocab_size, plan.model.max_seq_len, plan.bridge.max_tokens_per_request
+            self.tokenizer, model.vocab_size, plan.model.max_seq_len, plan.bridge.max_tokens_per_request
         )
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving

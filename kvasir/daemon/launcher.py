@@ -30,7 +30,16 @@ from kvasir.model.source import ModelSource
 from kvasir.ring.handshake import HandleExchange, HandshakeError
 from kvasir.ring.shm import segment_prefix, sweep_stale_segments
 from kvasir.wire.base import Role
-from kvasir.wire.control import Command, ControlMessage, Drained, EdgeHandles, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.control import (
+    Command,
+    ControlMessage,
+    Drained,
+    EdgeHandles,
+    Heartbeat,
+    ModelFacts,
+    Ready,
+    WorkerSettings,
+)
 from kvasir.wire.rundir import RuntimeDirError, make_runtime_dir
 from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
 
@@ -149,6 +158,7 @@ class Launcher:
             pool=place.pool,
             first=place.first,
             handoff=self.layout.wiring,
+            model=self._model_facts() if role == "bridge" else None,
         )
         name = f"stage-{index}" if role == "stage" else "bridge"
         process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE)
@@ -158,6 +168,10 @@ class Launcher:
         command = PushChannel[Command](make_socket(self.ctx, zmq.PUSH, connect=self.ends.command(name)))
         self.log.info("spawned", child=name, pid=process.pid)
         return Child(name, process, command)
+
+    def _model_facts(self) -> ModelFacts:
+        folder = self.source.weights_dir
+        return ModelFacts(self.source.vocab_size, str(folder) if folder is not None else None)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.timeouts.ready_s

@@ -78,6 +78,14 @@ class EdgeHandles(Tagged, frozen=True):
     memory: CudaMemoryHandle | None = None  # consumer only
 
 
+class ModelFacts(msgspec.Struct, frozen=True):
+    """What the bridge needs of the model, read once by the launcher: the bridge then
+    never loads a model config (nor transformers, unless the folder has a tokenizer)."""
+
+    vocab_size: int
+    folder: str | None  # the converted model folder, where a tokenizer may be
+
+
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a child process needs, handed over as msgpack bytes (never pickle)."""
 
@@ -90,6 +98,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     pool: Pool = ""  # a pool's stage: plan is then that pool's view
     first: int = 0  # global index of the pool's first stage (index is global)
     handoff: HandoffWiring | None = None
+    model: ModelFacts | None = None  # the bridge's (stages read the model themselves)
     stats_interval_s: float = 0.5
     log_level: str = "info"
 
