@@ -46,13 +46,18 @@ def static_batches(model, jobs: list[Job], batch_size: int, pad_id: int) -> tupl
     return tokens, time.perf_counter() - started
 
 
-def continuous(model, jobs: list[Job]) -> tuple[int, float]:
+def continuous(model, jobs: list[Job], cache=None) -> tuple[int, float]:
+    """``cache``: a transformers ContinuousBatchingConfig; None keeps transformers' defaults
+    (what ``kvasir bench --compare`` runs), which size the cache to the machine's memory and
+    spend seconds filling it before the first token."""
     from transformers import GenerationConfig
 
     new = max(j.max_tokens for j in jobs)
     config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     started = time.perf_counter()
-    outputs = model.generate_batch([_ids(j) for j in jobs], generation_config=config, progress_bar=False)
+    outputs = model.generate_batch(
+        [_ids(j) for j in jobs], generation_config=config, continuous_batching_config=cache, progress_bar=False
+    )
     elapsed = time.perf_counter() - started
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
     return tokens, elapsed
