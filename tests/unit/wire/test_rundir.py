@@ -3,6 +3,7 @@ so they can make directories of other users; the non-root client runs as nobody)
 
 from __future__ import annotations
 
+import inspect
 import os
 import stat
 import subprocess
@@ -14,6 +15,7 @@ import zmq
 
 from kvasir.client import Client, NoDaemon
 from kvasir.wire.rundir import RuntimeDirError, check_client_dir, is_ours, make_runtime_dir
+from kvasir.wire.transport import Endpoints
 
 STRANGER = 12345  # a uid nobody on this machine has
 NOBODY = 65534
@@ -23,6 +25,31 @@ needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making another user's 
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def every_endpoint(ends: Endpoints) -> list[str]:
+    """Every ipc:// endpoint Endpoints can name: its properties, and its methods called
+    with a stage or edge number (int) or a child's name (str)."""
+    urls = []
+    for name, member in vars(Endpoints).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(member, property):
+            urls.append(getattr(ends, name))
+        elif callable(member):
+            kinds = [p.annotation for p in inspect.signature(member).parameters.values()][1:]
+            if kinds == ["int"]:
+                urls.append(getattr(ends, name)(3))
+            elif kinds == ["str"]:
+                urls += [getattr(ends, name)(child) for child in ("bridge", "stage-2")]
+    return [url for url in urls if isinstance(url, str) and url.startswith("ipc://")]
+
+
+def test_every_endpoint_the_daemon_binds_is_its_own(tmp_path):
+    urls = every_endpoint(Endpoints(tmp_path))
+    assert len(urls) >= 9  # client, events, bridge-in, control, stage, credits, kv, two commands
+    for url in urls:
+        assert is_ours(Path(url.removeprefix("ipc://")).name), url
 
 
 def test_kvasirs_own_names():
