@@ -46,8 +46,9 @@ def shared_daemon(tiny_models, tmp_path_factory):
     only read from it: each leaves it idle, and none restarts, floods or reconfigures it.
     A test that needs a fresh daemon or other limits starts its own (start_daemon)."""
     root = tmp_path_factory.mktemp("shared")
-    plan = write_plan(root / "shared.toml", tiny_models["llama-tokenizer"], [(0, 3), (3, 6)], max_tokens=64)
-    daemon = Daemon(plan, root / "rt", stage_count([(0, 3), (3, 6)]))
+    splits = [(0, 3), (3, 6)]
+    plan = write_plan(root / "shared.toml", tiny_models["llama-tokenizer"], splits, max_tokens=64)
+    daemon = Daemon(plan, root / "rt", stage_count(splits))
     try:
         yield daemon.wait_ready()
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 
 import pytest
@@ -12,14 +11,8 @@ import pytest
 from kvasir.client import AsyncClient, NotAuthorised, Remote
 from kvasir.config.keys import generate
 from kvasir.wire.client import Finished
-from tests.support.daemon import BIN
+from tests.support.daemon import BIN, free_port
 from tests.support.models import hf_greedy, reference_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def greedy(runtime_dir, remote, ids, n):

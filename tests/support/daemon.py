@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,13 @@ from kvasir.bench.daemon import stop_gracefully, wait_serving
 from kvasir.client import Client
 
 BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on (bound, then closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stage_count(splits) -> int:

@@ -7,14 +7,12 @@ import socket
 import pytest
 
 from kvasir.client import Client, NoDaemon, Remote
+from tests.support.daemon import free_port
 
 
 def test_nothing_listening_is_named(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
     with pytest.raises(NoDaemon, match="nothing accepted the connection within 1 s"):
-        Client(tmp_path, timeout_s=1.0, remote=Remote(f"tcp://127.0.0.1:{port}"))
+        Client(tmp_path, timeout_s=1.0, remote=Remote(f"tcp://127.0.0.1:{free_port()}"))
 
 
 def test_a_silent_listener_is_not_a_daemon(tmp_path):
