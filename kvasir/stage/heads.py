@@ -177,7 +177,7 @@ class PrefillHeadIntake(SchedulerIntake):
             del self.leases[rid]
             self.handed.discard(rid)
             self.scheduler.retire(rid)
-            self.decode_head.send(CancelRequest(rid))
+            self.decode_head.send(KvDrop(rid))  # this head tells the bridge; the decode head drops it quietly
             self.bridge.send(
                 RequestEnded(
                     rid, "stage_failed", f"the decode pool did not take the request's KV within {self.lease_s:g} s"
@@ -214,6 +214,7 @@ class DecodeHeadIntake(SchedulerIntake):
         self.pending: OrderedDict[int, Handoff] = OrderedDict()  # waiting for blocks
         self.placed: dict[int, Placed] = {}
         self.ended = Recent[int](ENDED_KEPT)  # cancelled or dropped before their hand-off arrived
+        self.quiet = Recent[int](ENDED_KEPT)  # dropped by the prefill head, which tells the bridge itself
 
     def receive(self) -> None:
         super().receive()
@@ -229,7 +230,10 @@ class DecodeHeadIntake(SchedulerIntake):
                 self._held(message)
             case KvHeld():
                 pass  # a request that ended while its KV was being copied
-            case KvDrop(request_id=rid) | CancelRequest(request_id=rid):
+            case KvDrop(request_id=rid):
+                self.quiet.add(rid)  # its end reached the bridge from the prefill pool: one word per request
+                self._end(rid)
+            case CancelRequest(request_id=rid):
                 self._end(rid)
             case _:
                 super().handle(message)
@@ -250,7 +254,13 @@ class DecodeHeadIntake(SchedulerIntake):
     def _drop(self, rid: int) -> None:
         self._broadcast(Placement(rid, ()))
         self.prefill_head.send(Adopted(rid))  # the prefill pool may free the blocks
-        self.bridge.send(RequestEnded(rid, "cancelled"))  # ignored by the bridge if it has ended already
+        if not self.quiet.take(rid):
+            self.bridge.send(RequestEnded(rid, "cancelled"))
+
+    def report(self, event: Emitted | None) -> None:
+        if event is not None and event.finish == "cancelled" and self.quiet.take(event.request_id):
+            return  # dropped for the prefill pool, which told the bridge how it ended
+        super().report(event)
 
     def _place(self) -> None:
         """Reserve blocks for waiting hand-offs, oldest first, while the cache has room."""

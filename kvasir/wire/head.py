@@ -40,8 +40,11 @@ class Handoff(Tagged, frozen=True):
 
 class KvDrop(Tagged, frozen=True):
     """Prefill head -> decode head: a request whose prompt KV was announced to the decode
-    stages ended in the prefill pool (finished at its first token, cancelled, failed);
-    the decode stages forget its parts."""
+    stages ended in the prefill pool (finished at its first token, cancelled, failed, or
+    its hand-off lease ran out); the decode stages forget its parts. The prefill side has
+    told the bridge how it ended, so the decode head says nothing: a second word could
+    overtake the first (the bridge's inbox is fair-queued across senders) and end the
+    client's request as cancelled instead."""
 
     request_id: int
 

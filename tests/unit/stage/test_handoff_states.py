@@ -84,6 +84,23 @@ def test_a_drop_while_copying_frees_the_decode_blocks_and_late_copies_are_ignore
     assert ch["prefill"].take() == [Adopted(4)] and intake.scheduler.blocks.free == 20
     deliver(intake, ch["inbox"], KvHeld(4, 1, 1, 1, 1))  # the other stage's copy, too late
     assert ch["prefill"].take() == [] and ch["inbox"].dropped == []
+    assert ch["bridge"].take() == []  # the prefill pool told the bridge how it ended: one word only
+
+
+def test_a_drop_says_nothing_to_the_bridge_wherever_the_request_is(decode):
+    """KvDrop comes from the prefill head, which reports the end itself (a finish at the
+    first token, a lease run out); a cancelled from here could overtake that report."""
+    intake, ch = decode
+    deliver(intake, ch["inbox"], KvDrop(1), handoff(1))  # the drop overtook the hand-off
+    deliver(intake, ch["inbox"], handoff(2))
+    deliver(intake, ch["inbox"], KvHeld(2, 0, 1, 1, 1), KvHeld(2, 1, 1, 1, 1))  # adopted
+    batch = intake.scheduler.next_batch()
+    deliver(intake, ch["inbox"], KvDrop(2))  # while its decode step is in flight
+    deliver(intake, ch["inbox"], BatchResult(batch.descriptor.batch_id, (SampledToken(2, 9, 1, None),)))
+    assert [m for m in ch["bridge"].take() if isinstance(m, RequestEnded)] == []
+    assert intake.scheduler.idle and intake.scheduler.blocks.free == 20
+    deliver(intake, ch["inbox"], handoff(3), CancelRequest(3))  # a client's cancel is still reported
+    assert ch["bridge"].take() == [RequestEnded(3, "cancelled")]
 
 
 @pytest.fixture
@@ -121,7 +138,7 @@ def test_a_lost_confirmation_fails_the_request_when_its_lease_runs_out(prefill):
     deliver(intake, ch["inbox"], result, KvPlaced(rid))
     intake.leases[rid] -= intake.lease_s  # placed one lease ago
     intake.receive()
-    assert ch["decode"].take() == [CancelRequest(rid)]
+    assert ch["decode"].take() == [KvDrop(rid)]  # the decode head drops it without a word
     [ended] = ch["bridge"].take()
     assert ended.code == "stage_failed" and "within 5 s" in ended.message
     assert intake.handed == set() and intake.scheduler.blocks.free == 20
