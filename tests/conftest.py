@@ -7,7 +7,7 @@ import pytest
 
 from kvasir.model.source import resolve_source
 from tests.support.daemon import Daemon, stage_count, write_plan
-from tests.support.models import make_plan, save_tiny_model, save_tiny_tokenizer
+from tests.support.models import MOE_FAMILIES, make_plan, save_tiny_model, save_tiny_tokenizer
 
 TESTS = Path(__file__).parent
 FOLDER_MARKS = {"unit": ("unit",), "integration": ("integration", "slow"), "gpu": ("gpu", "slow")}
@@ -31,9 +31,11 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """Tiny random-weight models of three families, saved once per session."""
+    """Tiny random-weight models of six families (three of them mixtures of experts),
+    saved once per session."""
     root = tmp_path_factory.mktemp("models")
-    models = {family: save_tiny_model(root / family, family) for family in ("llama", "qwen2", "mistral")}
+    families = ("llama", "qwen2", "mistral", *MOE_FAMILIES)
+    models = {family: save_tiny_model(root / family, family) for family in families}
     models["mistral-window"] = save_tiny_model(root / "mistral-window", "mistral", sliding_window=8)
     models["llama-tokenizer"] = save_tiny_model(root / "llama-tokenizer", "llama")
     save_tiny_tokenizer(models["llama-tokenizer"])

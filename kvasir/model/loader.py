@@ -2,7 +2,9 @@
 
 The full model skeleton is built on the meta device (no memory), the stage keeps its
 own modules — embeddings on the head, final norm and LM head on the tail — and only
-those are materialised and filled from the safetensors files, tensor by tensor.
+those are materialised and filled from the safetensors files, tensor by tensor. In a
+mixture-of-experts model each MoE layer's block becomes Kvasir's ``MoeBlock``
+(kvasir/model/moe.py), holding the experts the slice runs itself.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from kvasir.config.plan import Plan
 from kvasir.errors import ModelSourceError
 from kvasir.model.attention import ATTENTION_NAME, register_attention
+from kvasir.model.moe import LocalExperts, MoeBlock, MoeLayout, Piece
 from kvasir.model.source import ModelSource
 
 
@@ -30,6 +33,7 @@ class SliceSpec:
     layers: tuple[int, int]  # half-open [start, end)
     is_head: bool
     is_tail: bool
+    experts: tuple[int, int] | None = None  # the expert ids its MoE layers hold; None: all of them
 
 
 class SliceModules(nn.Module):
@@ -47,19 +51,38 @@ class SliceModules(nn.Module):
         self.norm: Any = inner.norm if spec.is_tail else None
         self.lm_head: Any = model.lm_head if spec.is_tail else None
         self.rotary_type: Any = type(inner.rotary_emb)
+        self.moe = MoeLayout.of(model.config)
+        if self.moe is not None:
+            experts = spec.experts or (0, self.moe.num_experts)
+            for offset in self.moe_offsets():
+                layer = self.layers[offset]
+                layer.mlp = MoeBlock(self.moe, layer.mlp, LocalExperts(self.moe, experts))
 
-    def checkpoint_names(self) -> dict[str, str]:
-        """Map each of this slice's parameter names to its name in the checkpoint."""
-        names = {}
-        for local in self.state_dict(keep_vars=True):
-            names[local] = self._checkpoint_name(local)
-        return names
+    def moe_offsets(self) -> list[int]:
+        """Positions in ``layers`` of the slice's MoE layers."""
+        if self.moe is None:
+            return []
+        return [i for i in range(len(self.layers)) if self.moe.is_moe(self.first_layer + i)]
+
+    def checkpoint_pieces(self) -> dict[str, list[Piece]]:
+        """Map each of this slice's parameter names to the checkpoint tensors that fill it."""
+        pieces = {local: [Piece(self._checkpoint_name(local))] for local in self.state_dict(keep_vars=True)}
+        for offset in self.moe_offsets():
+            block: Any = self.layers[offset].mlp
+            experts = block.experts
+            if isinstance(experts, LocalExperts):
+                for name, parts in experts.pieces(self.first_layer + offset).items():
+                    pieces[f"layers.{offset}.mlp.experts.{name}"] = parts
+        return pieces
 
     def _checkpoint_name(self, local: str) -> str:
         part, _, rest = local.partition(".")
         if part == "layers":
             index, _, tail = rest.partition(".")
-            return f"model.layers.{int(index) + self.first_layer}.{tail}"
+            layer = int(index) + self.first_layer
+            if self.moe is not None and self.moe.is_moe(layer) and tail.startswith("mlp."):
+                tail = f"{self.moe.prefix}.{tail.removeprefix('mlp.')}"
+            return f"model.layers.{layer}.{tail}"
         if part in ("embed_tokens", "norm"):
             return f"model.{local}"
         return local  # lm_head.*
@@ -71,8 +94,7 @@ def build_skeleton(source: ModelSource, spec: SliceSpec) -> SliceModules:
     register_attention()
     config._attn_implementation = ATTENTION_NAME
     with torch.device("meta"):
-        full = AutoModelForCausalLM.from_config(config)
-    return SliceModules(full, spec)
+        return SliceModules(AutoModelForCausalLM.from_config(config), spec)
 
 
 def count_parameters(modules: SliceModules) -> int:
@@ -87,32 +109,35 @@ def load_slice(
     modules = build_skeleton(source, spec)
     modules.to_empty(device=device)
     modules.to(dtype)
-    names = modules.checkpoint_names()
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     index = _tensor_index(folder)
-    wanted: dict[str, list[tuple[str, str]]] = {}
-    for local, stored in names.items():
-        if stored not in index and stored == "lm_head.weight" and tied:
-            stored = "model.embed_tokens.weight"
-        if stored not in index:
-            raise ModelSourceError(f"model folder {folder}: tensor {stored!r} is missing from the weights")
-        wanted.setdefault(index[stored], []).append((local, stored))
+    wanted: dict[str, list[tuple[str, Piece]]] = {}
+    for local, pieces in modules.checkpoint_pieces().items():
+        for piece in pieces:
+            if piece.stored not in index and piece.stored == "lm_head.weight" and tied:
+                piece = Piece("model.embed_tokens.weight", piece.index)
+            if piece.stored not in index:
+                raise ModelSourceError(f"model folder {folder}: tensor {piece.stored!r} is missing from the weights")
+            wanted.setdefault(index[piece.stored], []).append((local, piece))
     state = modules.state_dict(keep_vars=True)
     read: list[str] = []
     for file, pairs in sorted(wanted.items()):
         with safe_open(str(folder / file), framework="pt", device="cpu") as handle:
-            for local, stored in pairs:
-                tensor = handle.get_tensor(stored)
-                target = state[local]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelSourceError(
-                        f"model folder {folder}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
-                        f"the config expects {tuple(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(tensor.to(dtype))
-                read.append(stored)
+            for local, piece in pairs:
+                _fill(state[local], piece, handle.get_tensor(piece.stored), dtype, folder)
+                read.append(piece.stored)
     return modules, read
+
+
+def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, dtype: torch.dtype, folder: Path) -> None:
+    target = param if piece.index is None else param[piece.index]
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ModelSourceError(
+            f"model folder {folder}: tensor {piece.stored!r} has shape {tuple(tensor.shape)}, "
+            f"the config expects {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(tensor.to(dtype))
 
 
 def _tensor_index(folder: Path) -> dict[str, str]:

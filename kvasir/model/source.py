@@ -17,8 +17,9 @@ from transformers import AutoConfig, PretrainedConfig
 from kvasir.errors import ModelSourceError
 
 # Decoder families whose checkpoints lay out model.embed_tokens / model.layers.N /
-# model.norm / lm_head and whose layers call attention through AttentionInterface.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# model.norm / lm_head and whose layers call attention through AttentionInterface; the
+# last three are mixtures of experts (kvasir/model/moe.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 # SmolLM2-135M-Instruct (Apache-2.0): the embedded default model.
 _SMOLLM2_135M = {

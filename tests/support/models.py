@@ -5,7 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from kvasir.config.plan import parse_plan
 
@@ -30,6 +38,25 @@ def tiny_config(family: str, num_layers: int = 6, **overrides):
         return Qwen2Config(**dict(dict(tie_word_embeddings=False, use_sliding_window=False), **values))
     if family == "mistral":
         return MistralConfig(**dict(dict(tie_word_embeddings=False, sliding_window=None), **values))
+    return tiny_moe_config(family, values)
+
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def tiny_moe_config(family: str, values: dict):
+    """8 experts, top-2 (Qwen3-MoE: top-3, so a token's experts often span three shards);
+    Qwen2-MoE with its shared expert and one dense layer among the MoE ones."""
+    moe = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+    if family == "mixtral":
+        return MixtralConfig(**dict(moe, num_local_experts=8, sliding_window=None, **values))
+    qwen = dict(moe, num_experts=8, moe_intermediate_size=48, norm_topk_prob=family == "qwen3_moe")
+    if family == "qwen2_moe":
+        qwen.update(shared_expert_intermediate_size=96, mlp_only_layers=[1], use_sliding_window=False)
+        return Qwen2MoeConfig(**dict(qwen, **values))
+    if family == "qwen3_moe":
+        qwen.update(num_experts_per_tok=3, head_dim=16)
+        return Qwen3MoeConfig(**dict(qwen, **values))
     raise ValueError(family)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from kvasir.stage.chain import Chain, record
 from kvasir.wire.batch import SamplingParams
-from tests.support.models import hf_greedy, random_prompts
+from tests.support.models import MOE_FAMILIES, hf_greedy, random_prompts
 from tests.support.models import reference_model as reference
 
 SPLITS = {2: [(0, 3), (3, 6)], 3: [(0, 1), (1, 4), (4, 6)]}
@@ -18,7 +18,7 @@ def prompts(vocab, lengths=LENGTHS, seed=1):
     return random_prompts(vocab, lengths, seed)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", *MOE_FAMILIES])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_greedy_tokens_match_hf_generate(tiny_models, plan_for, family, stages):
     # 32-token batches split the 120-token prompt into four chunks; 80 blocks of 4 tokens
@@ -67,7 +67,7 @@ def test_sliding_window_attention_matches_hf_generate(tiny_models, plan_for):
         assert done[rid].token_ids == hf_greedy(model, text, 20)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", *MOE_FAMILIES])
 def test_logits_allclose_to_unsplit_model(tiny_models, plan_for, family):
     plan, source = plan_for(tiny_models[family], SPLITS[3], max_rows=4, max_tokens=24, inflight=1)
     chain = Chain(plan, source)
