@@ -60,7 +60,9 @@ def plan_check(
     """Validate PATH and print the resolved plan, or exit 2 with the first problem.
 
     Per stage it shows the pool (in a disaggregated plan), layer range, parameter count
-    and bytes, KV cache bytes and the boundary slots on the edge into the stage; then
+    and bytes, KV cache bytes and the boundary slots on the edge into the stage; per
+    expert shard (a mixture-of-experts model's `[[stages.experts]]`) its stage, expert
+    range, parameters and bytes, device and dispatch slot; then
     each edge's slot kind (shm, pinned or cuda-ipc: a stage's `edge` key, "auto" by
     default, picks CUDA IPC between GPU stages, pinned memory between a GPU and a CPU
     stage, shared memory between CPU stages) and why. Then
@@ -69,7 +71,7 @@ def plan_check(
     --link-gibps and the break-even bandwidth against --interference-ms.
     (--runtime-dir is accepted like everywhere else; checking a plan needs no daemon.)
     """
-    from kvasir.daemon.footprint import plan_footprint
+    from kvasir.daemon.footprint import plan_footprint, shard_footprint
     from kvasir.daemon.resolve import resolve_plan
 
     try:
@@ -83,6 +85,7 @@ def plan_check(
     try:
         resolved, source = resolve_plan(path)
         stages = plan_footprint(resolved, source)
+        shards = shard_footprint(resolved, source)
     except KvasirError as exc:
         fail(exc)
     costs = _handoff_costs(resolved, source, link_gibps, interference_ms, lengths, handoff_mib)
@@ -95,14 +98,18 @@ def plan_check(
                 "layers": source.num_layers,
                 "hidden_size": int(source.config.hidden_size),
                 "vocab_size": source.vocab_size,
+                "experts": source.num_experts,
+                "moe_layers": source.moe_layers,
                 "weights": str(source.weights_dir) if source.weights_dir else None,
             },
             "stages": [msgspec.to_builtins(s.__dict__) for s in stages],
+            "shards": [msgspec.to_builtins(s.__dict__) for s in shards],
             "handoff": costs,
         }
         click.echo(json.dumps(body))
         return
     _print_plan(path, resolved, source, stages)
+    _print_shards(shards)
     _print_costs(costs)
 
 
@@ -196,3 +203,24 @@ def _print_plan(path, resolved, source, stages) -> None:
     for s in stages:
         if s.edge:
             click.echo(f"edge     {s.index - 1} -> {s.index}: {s.edge} ({s.edge_reason})")
+
+
+def _print_shards(shards) -> None:
+    if not shards:
+        return
+    rows = [("shard", "stage", "experts", "device", "threads", "params", "param bytes", "dispatch")]
+    for s in shards:
+        rows.append(
+            (
+                str(s.number),
+                str(s.stage),
+                f"[{s.experts[0]}, {s.experts[1]})",
+                s.device,
+                str(s.threads),
+                f"{s.parameters:,}",
+                format_bytes(s.parameter_bytes),
+                f"{s.slots} x {format_bytes(s.dispatch_bytes)} shm",
+            )
+        )
+    for line in table_lines(rows):
+        click.echo(line)

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 from kvasir.config.devices import DTYPES, check_edge_request
+from kvasir.config.placement import check_placement, positive
+from kvasir.config.shards import ShardSpec, check_shards, check_shards_fit
 from kvasir.errors import PlanError
 from kvasir.units import MIB
 
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:(0|[1-9][0-9]*))?)$")
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.*-]+):(?P<port>[0-9]{1,5})$")
 
 
@@ -71,6 +73,7 @@ class StageSpec(_Section, frozen=True):
     threads: int = 1
     cpus: tuple[int, ...] | None = None
     edge: str | None = None  # slot kind of the edge to the next stage: auto (default) | cuda-ipc | pinned | shm
+    experts: tuple[ShardSpec, ...] = ()  # expert shards of its MoE layers; none: the stage runs its experts
 
 
 class PoolSpec(_Section, frozen=True):
@@ -183,26 +186,21 @@ def _describe_validation(message: str) -> str:
     return f"{key or 'plan'}: {text[0].lower()}{text[1:]}"
 
 
-def _positive(key: str, value: int) -> None:
-    if value <= 0:
-        raise PlanError(f"{key} must be a positive integer, got {value}")
-
-
 def _check_values(plan: Plan) -> None:
     model, batch, kv = plan.model, plan.batch, plan.kv
     if not model.source.strip():
         raise PlanError("model.source must name a model (built-in alias or path), got an empty string")
     if model.dtype not in DTYPES:
         raise PlanError(f"model.dtype must be one of {', '.join(DTYPES)}, got {model.dtype!r}")
-    _positive("model.max_seq_len", model.max_seq_len)
+    positive("model.max_seq_len", model.max_seq_len)
     _check_widths("batch", batch)
     _check_kv("kv", kv, model.max_seq_len)
-    _positive("bridge.max_waiting", plan.bridge.max_waiting)
-    _positive("bridge.max_per_client", plan.bridge.max_per_client)
-    _positive("bridge.max_client_queue", plan.bridge.max_client_queue)
-    _positive("bridge.max_client_bytes", plan.bridge.max_client_bytes)
+    positive("bridge.max_waiting", plan.bridge.max_waiting)
+    positive("bridge.max_per_client", plan.bridge.max_per_client)
+    positive("bridge.max_client_queue", plan.bridge.max_client_queue)
+    positive("bridge.max_client_bytes", plan.bridge.max_client_bytes)
     if plan.bridge.max_tokens_per_request is not None:
-        _positive("bridge.max_tokens_per_request", plan.bridge.max_tokens_per_request)
+        positive("bridge.max_tokens_per_request", plan.bridge.max_tokens_per_request)
     _check_tcp(plan.bridge)
     sup = plan.supervise
     if sup.max_restarts < 0:
@@ -222,9 +220,9 @@ def _check_values(plan: Plan) -> None:
 
 
 def _check_widths(key: str, batch: BatchSpec) -> None:
-    _positive(f"{key}.max_rows", batch.max_rows)
-    _positive(f"{key}.max_tokens", batch.max_tokens)
-    _positive(f"{key}.inflight", batch.inflight)
+    positive(f"{key}.max_rows", batch.max_rows)
+    positive(f"{key}.max_tokens", batch.max_tokens)
+    positive(f"{key}.inflight", batch.inflight)
     if batch.max_tokens < batch.max_rows:
         raise PlanError(
             f"{key}.max_tokens ({batch.max_tokens}) must be >= {key}.max_rows ({batch.max_rows}): "
@@ -233,8 +231,8 @@ def _check_widths(key: str, batch: BatchSpec) -> None:
 
 
 def _check_kv(key: str, kv: KvSpec, max_seq_len: int) -> None:
-    _positive(f"{key}.block_size", kv.block_size)
-    _positive(f"{key}.num_blocks", kv.num_blocks)
+    positive(f"{key}.block_size", kv.block_size)
+    positive(f"{key}.num_blocks", kv.num_blocks)
     capacity = kv.block_size * kv.num_blocks
     if capacity < max_seq_len:
         raise PlanError(
@@ -321,14 +319,8 @@ def _check_stages(stages: tuple[StageSpec, ...], name: str) -> None:
             raise PlanError(
                 f"{key}.layers = [{start}, {end}] is not a half-open range [start, end) with 0 <= start < end"
             )
-        if not _DEVICE_RE.match(stage.device):
-            raise PlanError(f"{key}.device = {stage.device!r} is not a device (use 'cpu', 'cuda' or 'cuda:N')")
-        _positive(f"{key}.threads", stage.threads)
-        if stage.cpus is not None:
-            if not stage.cpus:
-                raise PlanError(f"{key}.cpus is empty: list at least one CPU or leave the key out")
-            if any(c < 0 for c in stage.cpus) or len(set(stage.cpus)) != len(stage.cpus):
-                raise PlanError(f"{key}.cpus = {list(stage.cpus)} must be distinct non-negative CPU numbers")
+        check_placement(key, stage.device, stage.threads, stage.cpus)
+        check_shards(key, stage.experts)
     for i, stage in enumerate(stages):
         consumer = stages[i + 1].device if i + 1 < len(stages) else None
         check_edge_request(f"{name}[{i}]", stage.edge, stage.device, consumer)
@@ -350,10 +342,20 @@ def _check_stages(stages: tuple[StageSpec, ...], name: str) -> None:
             )
 
 
-def check_model_fit(plan: Plan, num_layers: int, max_positions: int | None) -> None:
-    """Check the plan against the model: exact layer coverage (by every pool), context within range."""
+def check_model_fit(
+    plan: Plan,
+    num_layers: int,
+    max_positions: int | None,
+    num_experts: int = 0,
+    moe_layers: Collection[int] = (),
+) -> None:
+    """Check the plan against the model: exact layer coverage (by every pool), context
+    within range, expert shards only on MoE layers and covering every expert
+    (``num_experts`` 0: a dense model)."""
     for name, view in plan.pools():
         key = f"{name}.stages" if name else "stages"
+        for i, stage in enumerate(view.stages):
+            check_shards_fit(f"{key}[{i}]", stage.layers, stage.experts, num_experts, moe_layers)
         last = len(view.stages) - 1
         end = view.stages[-1].layers[1]
         if end > num_layers:
@@ -384,14 +386,20 @@ def plan_toml(plan: Plan) -> str:
             return "[" + ", ".join(value(x) for x in v) + "]"
         return repr(v)
 
-    def table(section: _Section) -> list[str]:
-        return [f"{k} = {value(v)}" for k, v in msgspec.structs.asdict(section).items() if v is not None]
+    def table(section: msgspec.Struct) -> list[str]:
+        nested = ("experts",) if isinstance(section, StageSpec) else ()  # a stage's shards: tables of their own
+        items = msgspec.structs.asdict(section).items()
+        return [f"{k} = {value(v)}" for k, v in items if v is not None and k not in nested]
+
+    def stage(name: str, spec: StageSpec) -> list[str]:
+        shards = [line for shard in spec.experts for line in (f"[[{name}.experts]]", *table(shard), "")]
+        return [f"[[{name}]]", *table(spec), "", *shards]
 
     lines: list[str] = []
     for name in ("model", "batch", "kv", "bridge", "supervise", "handoff"):
         lines += [f"[{name}]", *table(getattr(plan, name)), ""]
-    for stage in plan.stages:
-        lines += ["[[stages]]", *table(stage), ""]
+    for spec in plan.stages:
+        lines += stage("stages", spec)
     for name in POOLS:
         pool = getattr(plan, name)
         if pool is None:
@@ -399,8 +407,8 @@ def plan_toml(plan: Plan) -> str:
         for part in ("batch", "kv"):
             if getattr(pool, part) is not None:
                 lines += [f"[{name}.{part}]", *table(getattr(pool, part)), ""]
-        for stage in pool.stages:
-            lines += [f"[[{name}.stages]]", *table(stage), ""]
+        for spec in pool.stages:
+            lines += stage(f"{name}.stages", spec)
     return "\n".join(lines)
 
 

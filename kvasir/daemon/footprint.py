@@ -1,4 +1,5 @@
-"""What each stage of a plan will hold: parameters, KV cache, boundary slots and their kind.
+"""What each stage (and expert shard) of a plan will hold: parameters, KV cache, boundary
+and dispatch slots and their kind.
 
 Computed from the model's config alone (the skeleton is built on the meta device), so
 a plan can be checked before any weights are read.
@@ -15,6 +16,7 @@ from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import build_skeleton, count_parameters, slice_spec
 from kvasir.model.source import ModelSource
 from kvasir.ring.edges import pool_edges, torch_peer_access
+from kvasir.ring.expert_slots import dispatch_slot_bytes
 from kvasir.units import GIB
 
 StageRole = Literal["head", "middle", "tail"]
@@ -37,6 +39,51 @@ class StageFootprint:
         ""  # that edge's slot kind: shm | pinned | cuda-ipc | auto (undecided without CUDA here); "" on the head
     )
     edge_reason: str = ""
+
+
+@dataclass(frozen=True)
+class ShardFootprint:
+    """An expert shard: its stage's experts ``experts`` for every MoE layer of the stage,
+    and its dispatch slot (rows in: hidden states, expert ids, weights; partial sums out)."""
+
+    number: int  # global, in plan order: shard-N
+    stage: int  # its stage's global index
+    experts: tuple[int, int]
+    device: str
+    threads: int
+    parameters: int
+    parameter_bytes: int
+    dispatch_bytes: int
+    slots: int = 1  # a stage has one layer's rows out to a shard at a time
+
+
+def shard_footprint(plan: Plan, source: ModelSource) -> list[ShardFootprint]:
+    layout = source.moe
+    out: list[ShardFootprint] = []
+    if layout is None:
+        return out
+    dtype = torch_dtype(plan.model.dtype)
+    first = 0
+    for _, view in plan.pools():
+        for index, stage in enumerate(view.stages):
+            layers = len(layout.moe_layers(stage.layers))
+            for shard in stage.experts:
+                params = layers * (shard.experts[1] - shard.experts[0]) * layout.expert_parameters()
+                slot = dispatch_slot_bytes(view.batch.max_tokens, layout.hidden, layout.top_k, dtype.itemsize)
+                out.append(
+                    ShardFootprint(
+                        len(out),
+                        first + index,
+                        shard.experts,
+                        shard.device,
+                        shard.threads,
+                        params,
+                        params * dtype.itemsize,
+                        slot,
+                    )  # fmt: skip
+                )
+        first += len(view.stages)
+    return out
 
 
 def boundary_slot_bytes(plan: Plan, source: ModelSource) -> int:

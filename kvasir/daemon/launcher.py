@@ -110,6 +110,8 @@ class Launcher:
     # -- start-up ------------------------------------------------------------------------
     def prepare(self) -> None:
         """Make the runtime dir (0700), take its lock, clear stale sockets, create the edges."""
+        if any(stage.experts for stage in self.plan.all_stages):  # goes once shard workers are spawned
+            raise LaunchError("stages.experts: expert shard workers are not started by kvasird yet")
         try:
             make_runtime_dir(self.runtime_dir)
         except RuntimeDirError as exc:

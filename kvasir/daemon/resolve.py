@@ -20,7 +20,7 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
     base = path.parent.resolve()
     try:
         source = resolve_source(plan.model.source, base_dir=base)
-        check_model_fit(plan, source.num_layers, source.max_positions)
+        check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
         plan = resolve_keys(plan, base)
     except (PlanError, ModelSourceError) as exc:
         raise PlanError(f"{path}: {exc}") from None

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from kvasir.config.plan import Plan
 from kvasir.errors import ModelSourceError
 from kvasir.model.attention import ATTENTION_NAME, register_attention
-from kvasir.model.moe import LocalExperts, MoeBlock, MoeLayout, Piece
+from kvasir.model.moe import LocalExperts, MissingExperts, MoeBlock, MoeLayout, Piece
 from kvasir.model.source import ModelSource
 
 
@@ -33,7 +33,7 @@ class SliceSpec:
     layers: tuple[int, int]  # half-open [start, end)
     is_head: bool
     is_tail: bool
-    experts: tuple[int, int] | None = None  # the expert ids its MoE layers hold; None: all of them
+    experts: tuple[int, int] | None = None  # the expert ids its MoE layers hold; None: all; empty: on shards
 
 
 class SliceModules(nn.Module):
@@ -56,13 +56,18 @@ class SliceModules(nn.Module):
             experts = spec.experts or (0, self.moe.num_experts)
             for offset in self.moe_offsets():
                 layer = self.layers[offset]
-                layer.mlp = MoeBlock(self.moe, layer.mlp, LocalExperts(self.moe, experts))
+                held = LocalExperts(self.moe, experts) if experts[1] > experts[0] else MissingExperts()
+                layer.mlp = MoeBlock(self.moe, layer.mlp, held)
 
     def moe_offsets(self) -> list[int]:
         """Positions in ``layers`` of the slice's MoE layers."""
         if self.moe is None:
             return []
         return [i for i in range(len(self.layers)) if self.moe.is_moe(self.first_layer + i)]
+
+    def moe_blocks(self) -> list[tuple[int, MoeBlock]]:
+        """The slice's MoE blocks with their model layer indices."""
+        return [(self.first_layer + i, self.layers[i].mlp) for i in self.moe_offsets()]  # type: ignore[misc]
 
     def checkpoint_pieces(self) -> dict[str, list[Piece]]:
         """Map each of this slice's parameter names to the checkpoint tensors that fill it."""
@@ -109,24 +114,50 @@ def load_slice(
     modules = build_skeleton(source, spec)
     modules.to_empty(device=device)
     modules.to(dtype)
+    state = modules.state_dict(keep_vars=True)
+    wanted = [(state[local], piece) for local, pieces in modules.checkpoint_pieces().items() for piece in pieces]
+    return modules, _read(source, folder, wanted, dtype)
+
+
+def load_experts(
+    source: ModelSource, layers: tuple[int, int], experts: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> dict[int, LocalExperts]:
+    """An expert shard's weights: the experts ``experts`` of every MoE layer in ``layers``
+    (and nothing else of the model), by layer."""
+    folder = source.require_weights()
+    layout = source.moe
+    if layout is None:
+        raise ModelSourceError(f"model {source.name} is not a mixture of experts: it has no experts to load")
+    with torch.device(device):
+        bank = {layer: LocalExperts(layout, experts, dtype) for layer in layout.moe_layers(layers)}
+    wanted = [
+        (getattr(module, name), piece)
+        for layer, module in bank.items()
+        for name, pieces in module.pieces(layer).items()
+        for piece in pieces
+    ]
+    _read(source, folder, wanted, dtype)
+    return bank
+
+
+def _read(source: ModelSource, folder: Path, wanted: list[tuple[torch.Tensor, Piece]], dtype: torch.dtype) -> list[str]:
+    """Fill each parameter's pieces from the checkpoint; the names of the tensors read."""
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     index = _tensor_index(folder)
-    wanted: dict[str, list[tuple[str, Piece]]] = {}
-    for local, pieces in modules.checkpoint_pieces().items():
-        for piece in pieces:
-            if piece.stored not in index and piece.stored == "lm_head.weight" and tied:
-                piece = Piece("model.embed_tokens.weight", piece.index)
-            if piece.stored not in index:
-                raise ModelSourceError(f"model folder {folder}: tensor {piece.stored!r} is missing from the weights")
-            wanted.setdefault(index[piece.stored], []).append((local, piece))
-    state = modules.state_dict(keep_vars=True)
+    by_file: dict[str, list[tuple[torch.Tensor, Piece]]] = {}
+    for param, piece in wanted:
+        if piece.stored not in index and piece.stored == "lm_head.weight" and tied:
+            piece = Piece("model.embed_tokens.weight", piece.index)
+        if piece.stored not in index:
+            raise ModelSourceError(f"model folder {folder}: tensor {piece.stored!r} is missing from the weights")
+        by_file.setdefault(index[piece.stored], []).append((param, piece))
     read: list[str] = []
-    for file, pairs in sorted(wanted.items()):
+    for file, pairs in sorted(by_file.items()):
         with safe_open(str(folder / file), framework="pt", device="cpu") as handle:
-            for local, piece in pairs:
-                _fill(state[local], piece, handle.get_tensor(piece.stored), dtype, folder)
+            for param, piece in pairs:
+                _fill(param, piece, handle.get_tensor(piece.stored), dtype, folder)
                 read.append(piece.stored)
-    return modules, read
+    return read
 
 
 def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, dtype: torch.dtype, folder: Path) -> None:
@@ -164,4 +195,11 @@ def _tensor_index(folder: Path) -> dict[str, str]:
 
 
 def slice_spec(plan: Plan, index: int) -> SliceSpec:
-    return SliceSpec(layers=plan.stages[index].layers, is_head=index == 0, is_tail=index == len(plan.stages) - 1)
+    """Stage ``index`` of a ring plan; a stage with expert shards holds no experts itself."""
+    stage = plan.stages[index]
+    return SliceSpec(
+        layers=stage.layers,
+        is_head=index == 0,
+        is_tail=index == len(plan.stages) - 1,
+        experts=(0, 0) if stage.experts else None,
+    )

@@ -16,16 +16,17 @@ checkpoint tensor fills which part (``Piece``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-MoeFamily = Literal["mixtral", "qwen2_moe", "qwen3_moe"]
-MOE_MODEL_TYPES: tuple[MoeFamily, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+from kvasir.errors import KvasirError
+from kvasir.model.moe_layout import MoeLayout
 
 
 @dataclass(frozen=True)
@@ -36,65 +37,21 @@ class Piece:
     index: tuple[Any, ...] | None = None
 
 
-@dataclass(frozen=True)
-class MoeLayout:
-    """How a model family lays out its MoE layers, read from its config."""
-
-    family: MoeFamily
-    num_experts: int
-    top_k: int
-    renormalise: bool  # scale the top-k weights to sum to 1
-    float32_weights: bool  # Mixtral keeps the routing weights in float32; Qwen casts them
-    hidden: int
-    inter: int  # one expert's intermediate size
-    act: str
-    shared: bool  # Qwen2-MoE: a shared expert and its sigmoid gate
-    sparse_step: int
-    dense_layers: frozenset[int]
-
-    @classmethod
-    def of(cls, config: Any) -> MoeLayout | None:
-        """The layout of a config's MoE layers; None for a dense model."""
-        family = config.model_type
-        if family == "mixtral":
-            return cls(
-                "mixtral", int(config.num_local_experts), int(config.num_experts_per_tok), True, True,
-                int(config.hidden_size), int(config.intermediate_size), config.hidden_act, False, 1, frozenset(),
-            )  # fmt: skip
-        if family in ("qwen2_moe", "qwen3_moe"):
-            return cls(
-                family, int(config.num_experts), int(config.num_experts_per_tok), bool(config.norm_topk_prob),
-                False, int(config.hidden_size), int(config.moe_intermediate_size), config.hidden_act,
-                family == "qwen2_moe", int(config.decoder_sparse_step), frozenset(config.mlp_only_layers or ()),
-            )  # fmt: skip
-        return None
-
-    def is_moe(self, layer: int) -> bool:
-        """Whether a layer's MLP is a sparse-MoE block (transformers' rule per family)."""
-        return self.num_experts > 0 and layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
-
-    def moe_layers(self, layers: tuple[int, int]) -> list[int]:
-        return [layer for layer in range(*layers) if self.is_moe(layer)]
-
-    @property
-    def prefix(self) -> str:
-        """The MoE block's name inside a checkpoint's decoder layer."""
-        return "block_sparse_moe" if self.family == "mixtral" else "mlp"
-
-    def expert_tensor(self, layer: int, expert: int, part: Literal["gate", "up", "down"]) -> str:
-        names = {"gate": "w1", "up": "w3", "down": "w2"} if self.family == "mixtral" else {}
-        leaf = names.get(part, f"{part}_proj")
-        return f"model.layers.{layer}.{self.prefix}.experts.{expert}.{leaf}.weight"
-
-    def expert_parameters(self) -> int:
-        return 3 * self.hidden * self.inter
+Collect = Callable[[], torch.Tensor]
 
 
 class ExpertRunner(Protocol):
-    """Computes the routed experts' sum for each token: hidden [T, H], ids and weights
-    [T, top_k] in, [T, H] out."""
+    """Runs a layer's routed experts: hidden [T, H], ids and weights [T, top_k] in; the
+    returned call gives each token's weighted sum [T, H] (remote experts work meanwhile)."""
 
-    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
+    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Collect: ...
+
+
+class MissingExperts:
+    """The experts of a stage whose experts live on shards, until the shards are attached."""
+
+    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Collect:
+        raise KvasirError("this stage's experts live on expert shards, and none are attached")
 
 
 class LocalExperts(nn.Module):
@@ -119,6 +76,10 @@ class LocalExperts(nn.Module):
             down.append(Piece(name(layer, expert, "down"), (row,)))
         return {"gate_up": gate_up, "down": down}
 
+    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Collect:
+        out = self(hidden, ids, weights)
+        return lambda: out
+
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's weighted sum over those of its top-k experts that are here, in
         ascending expert order; zero rows for tokens routed elsewhere."""
@@ -142,17 +103,21 @@ class LocalExperts(nn.Module):
 
 
 class MoeBlock(nn.Module):
-    """A decoder layer's sparse-MoE MLP: routing here, experts wherever ``experts`` runs them."""
+    """A decoder layer's sparse-MoE MLP: routing here, experts wherever ``experts`` runs them.
 
-    def __init__(self, layout: MoeLayout, hf_block: Any, experts: nn.Module) -> None:
+    ``load`` counts the tokens routed to each expert (one per top-k pick), for the stage's
+    expert-load statistics."""
+
+    def __init__(self, layout: MoeLayout, hf_block: Any, experts: ExpertRunner) -> None:
         """``hf_block``: transformers' block, whose router weight and shared expert (its own
         modules, on the meta device until loaded) are kept."""
         super().__init__()
         self.layout = layout
         self.gate = hf_block.gate  # the router: .weight [num_experts, hidden]
-        self.experts = experts
+        self.experts: Any = experts  # a LocalExperts module, or a runner of remote shards
         self.shared_expert: Any = hf_block.shared_expert if layout.shared else None
         self.shared_expert_gate: Any = hf_block.shared_expert_gate if layout.shared else None
+        self.load: torch.Tensor | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids and weights [T, top_k] for hidden [T, H]."""
@@ -168,9 +133,17 @@ class MoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         hidden = hidden_states.reshape(-1, shape[-1])
-        shared = self.shared_expert(hidden) if self.shared_expert is not None else None
         ids, weights = self.route(hidden)
-        out = self.experts(hidden, ids, weights)
+        self._count(ids)
+        collect = self.experts.dispatch(hidden, ids, weights)
+        shared = None  # computed while remote experts work
+        if self.shared_expert is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        out = collect()
         if shared is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+            out = out + shared
         return out.reshape(shape)
+
+    def _count(self, ids: torch.Tensor) -> None:
+        counts = torch.bincount(ids.reshape(-1), minlength=self.layout.num_experts)
+        self.load = counts if self.load is None else self.load + counts

@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig
 
 from kvasir.errors import ModelSourceError
+from kvasir.model.moe_layout import MoeLayout
 
 # Decoder families whose checkpoints lay out model.embed_tokens / model.layers.N /
 # model.norm / lm_head and whose layers call attention through AttentionInterface; the
@@ -78,6 +79,19 @@ class ModelSource:
     def head_dim(self) -> int:
         config = self.config
         return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+    @property
+    def moe(self) -> MoeLayout | None:
+        """Its MoE layers' layout; None for a dense model."""
+        return MoeLayout.of(self.config)
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts if self.moe is not None else 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return self.moe.moe_layers((0, self.num_layers)) if self.moe is not None else []
 
     def require_weights(self) -> Path:
         if self.weights_dir is None:

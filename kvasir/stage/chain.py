@@ -16,7 +16,7 @@ import torch
 from kvasir.config.plan import Plan, check_model_fit
 from kvasir.model.source import ModelSource
 from kvasir.sched.scheduler import Emitted, ScheduledBatch, Scheduler
-from kvasir.stage.engine import StageEngine
+from kvasir.stage.engine import StageEngine, in_process_shards
 from kvasir.stage.sampling import Sampler
 from kvasir.wire.batch import BatchDescriptor, SamplingParams
 
@@ -39,10 +39,13 @@ class Chain:
         source: ModelSource,
         trace: Callable[[BatchDescriptor], None] | None = None,
     ) -> None:
-        check_model_fit(plan, source.num_layers, source.max_positions)
+        check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
         self.plan = plan
         self._trace = trace
         self.stages = [StageEngine(plan, index, source) for index in range(len(plan.stages))]
+        for index, stage in enumerate(self.stages):
+            if plan.stages[index].experts:  # its expert shards, in this process too
+                stage.attach(in_process_shards(plan, index, source, stage.device))
         self.scheduler = Scheduler(plan, source.vocab_size)
         self.sampler = Sampler(source.eos_token_ids, plan.model.max_seq_len)
         self._queue: deque[ScheduledBatch] = deque()

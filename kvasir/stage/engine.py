@@ -8,8 +8,9 @@ from kvasir.config.devices import cuda_ordinal, torch_dtype
 from kvasir.config.plan import Plan
 from kvasir.errors import BatchError
 from kvasir.model.attention import build_batch
+from kvasir.model.expert_dispatch import DispatchClock, ExpertShard, InProcessShard, ShardedExperts
 from kvasir.model.kv_cache import PagedKVCache
-from kvasir.model.loader import load_slice, slice_spec
+from kvasir.model.loader import load_experts, load_slice, slice_spec
 from kvasir.model.source import ModelSource
 from kvasir.model.stage_model import StageModel
 from kvasir.wire.batch import BatchDescriptor
@@ -29,7 +30,9 @@ class StageEngine:
         ordinal = cuda_ordinal(stage.device)
         self.device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)  # "cuda" is cuda:0
         dtype = torch_dtype(plan.model.dtype)
+        self.dtype = dtype
         modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
+        self.dispatch = DispatchClock()
         self.model = StageModel(modules, source, self.device)
         self.cache = PagedKVCache(
             num_layers=stage.layers[1] - stage.layers[0],
@@ -41,6 +44,16 @@ class StageEngine:
             device=self.device,
             storage=storage,
         )
+
+    def attach(self, shards: list[ExpertShard]) -> None:
+        """Run this stage's MoE layers' experts on ``shards`` (ranges in expert order)."""
+        for layer, block in self.model.slice.moe_blocks():
+            block.experts = ShardedExperts(layer, shards, self.dispatch)
+
+    def expert_load(self) -> list[int]:
+        """Tokens routed to each expert over the stage's MoE layers so far ([] if none)."""
+        counts = [block.load for _, block in self.model.slice.moe_blocks() if block.load is not None]
+        return torch.stack(counts).sum(dim=0).tolist() if counts else []
 
     def release(self, descriptor: BatchDescriptor) -> None:
         """Free the KV of the requests the descriptor releases."""
@@ -61,3 +74,13 @@ class StageEngine:
         self.release(descriptor)
         batch = build_batch(self.cache, self.spec.layers[0], descriptor.rows)
         return self.model(inputs.to(self.device), batch)
+
+
+def in_process_shards(plan: Plan, index: int, source: ModelSource, device: torch.device) -> list[ExpertShard]:
+    """Stage ``index``'s expert shards, loaded into this process (the in-process chain)."""
+    stage = plan.stages[index]
+    dtype = torch_dtype(plan.model.dtype)
+    return [
+        InProcessShard(shard.experts, load_experts(source, stage.layers, shard.experts, dtype, device))
+        for shard in stage.experts
+    ]

@@ -51,6 +51,26 @@ class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):
     consumer: str = "cpu"  # the reading stage's device (where CUDA IPC slots live)
 
 
+class DispatchSlot(msgspec.Struct, frozen=True, kw_only=True):
+    """A stage's shared-memory dispatch slot for one expert shard (kvasir/ring/expert_slots.py)."""
+
+    name: str
+    max_rows: int  # the pool's batch.max_tokens: a batch's tokens, at most
+    hidden: int
+    top_k: int
+    dtype: str
+
+
+class ShardWiring(msgspec.Struct, frozen=True, kw_only=True):
+    """An expert shard: its number (global, plan order), its stage, its experts and slot."""
+
+    number: int
+    stage: int  # the stage's global index
+    layers: tuple[int, int]  # the stage's layers (the shard holds their MoE layers' experts)
+    experts: tuple[int, int]
+    slot: DispatchSlot
+
+
 class CudaMemoryHandle(Wire, frozen=True):
     """A CUDA allocation exported for another process (torch's storage sharing, as bytes)."""
 
@@ -99,6 +119,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     first: int = 0  # global index of the pool's first stage (index is global)
     handoff: HandoffWiring | None = None
     model: ModelFacts | None = None  # the bridge's (stages read the model themselves)
+    shards: list[ShardWiring] = []  # a stage's expert shards; a shard's own wiring (one)
     stats_interval_s: float = 0.5
     log_level: str = "info"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvasir.bench.daemon import stop_gracefully, wait_serving
 from kvasir.client import Client
+from tests.support.models import shard_tables
 
 BIN = Path(sys.executable).parent
 
@@ -64,13 +65,14 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
 
 
 def _stage_keys(kw, i: int) -> str:
-    """A stage's device and edge kind from devices = [...] / edges = [...] (None: the default)."""
+    """A stage's device and edge kind from devices = [...] / edges = [...] (None: the default),
+    its expert shards from experts = {stage index: [ranges]}."""
     keys = ""
     for key, plural in (("device", "devices"), ("edge", "edges")):
         values = kw.get(plural)
         if values is not None and values[i] is not None:
             keys += f'{key} = "{values[i]}"\n'
-    return keys
+    return keys + shard_tables(kw.get("experts", {}).get(i, ()))
 
 
 class Daemon:

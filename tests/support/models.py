@@ -117,6 +117,11 @@ def save_tiny_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
+def shard_tables(ranges, table: str = "stages") -> str:
+    """The ``[[stages.experts]]`` tables of a stage's expert shards, one per range."""
+    return "".join(f"[[{table}.experts]]\nexperts = [{a}, {b}]\n" for a, b in ranges)
+
+
 def make_plan(
     source,
     splits,
@@ -129,9 +134,14 @@ def make_plan(
     num_blocks=600,
     dtype="float32",
     device="cpu",
+    experts=None,
 ):
-    """A plan TOML for ``source`` split at the given layer ranges, parsed."""
-    stages = "\n".join(f'[[stages]]\nlayers = [{a}, {b}]\ndevice = "{device}"\n' for a, b in splits)
+    """A plan TOML for ``source`` split at the given layer ranges, parsed; ``experts``:
+    {stage index: [expert ranges of its shards]}."""
+    stages = "\n".join(
+        f'[[stages]]\nlayers = [{a}, {b}]\ndevice = "{device}"\n' + shard_tables((experts or {}).get(i, ()))
+        for i, (a, b) in enumerate(splits)
+    )
     text = f"""
 [model]
 source = "{source}"

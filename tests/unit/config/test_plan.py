@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvasir.cli.main import kvasir
-from kvasir.config.plan import check_model_fit, load_plan, parse_plan
+from kvasir.config.plan import check_model_fit, load_plan, parse_plan, plan_toml
 from kvasir.errors import PlanError
 
 TWO = """
@@ -333,3 +334,78 @@ def test_key_files_are_resolved_from_the_plan_folder_and_must_load(tmp_path, tin
     path.write_text(text + TWO)
     with pytest.raises(PlanError, match="bridge.client_keys: .*holds no client public keys"):
         resolve_plan(path)
+
+
+SHARDED = """
+[[stages]]
+layers = [0, 3]
+[[stages.experts]]
+experts = [0, 3]
+threads = 1
+[[stages.experts]]
+experts = [3, 8]
+[[stages]]
+layers = [3, 6]
+"""
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (("experts = [0, 3]", "experts = [1, 3]"), "stages[0].experts[0].experts = [1, 3] starts at 1, but the first"),
+        (("experts = [3, 8]", "experts = [4, 8]"), "stages[0].experts[1].experts = [4, 8] starts at 4, but the prev"),
+        (("experts = [3, 8]", "experts = [3, 3]"), "stages[0].experts[1].experts = [3, 3] is not a non-empty"),
+        (("experts = [0, 3]", "experts = [-1, 3]"), "stages[0].experts[0].experts = [-1, 3] is not a non-empty"),
+        (("threads = 1", "threads = 0"), "stages[0].experts[0].threads must be a positive integer"),
+        (("threads = 1", 'device = "gpu"'), "stages[0].experts[0].device = 'gpu' is not a device"),
+        (("threads = 1", "shards = 2"), "stages[0].experts[0].shards: unknown key"),
+    ],
+)
+def test_bad_expert_shards_are_named(change, expected):
+    assert parse_plan(SHARDED).stages[0].experts[1].experts == (3, 8)
+    assert expected in refused(SHARDED.replace(*change))
+
+
+@pytest.mark.parametrize(
+    "experts, moe_layers, expected",
+    [
+        (0, (), "stages[0].experts: the model is not a mixture of experts"),
+        (8, (3, 4, 5), "stages[0].experts: layers [0, 3) hold no MoE layer"),
+        (6, range(6), "stages[0].experts[1].experts = [3, 8] goes past the model's 6 experts"),
+        (9, range(6), "stages[0].experts[1].experts ends at 8: experts [8, 9) of the model's 9 are on no shard"),
+    ],
+)
+def test_shards_are_checked_against_the_model(experts, moe_layers, expected):
+    plan = parse_plan(SHARDED)
+    check_model_fit(plan, 6, None, 8, range(6))
+    with pytest.raises(PlanError, match=re.escape(expected)):
+        check_model_fit(plan, 6, None, experts, moe_layers)
+
+
+def test_disaggregated_pools_take_expert_shards_and_the_plan_reads_back():
+    prefill = SHARDED.replace("[[stages", "[[prefill.stages")
+    decode = SHARDED.replace("[[stages", "[[decode.stages")
+    plan = parse_plan(prefill + decode)
+    assert [len(s.experts) for s in plan.all_stages] == [2, 0, 2, 0]
+    assert parse_plan(plan_toml(plan)) == plan
+    assert "decode.stages[0].experts[1].experts = [4, 8]" in refused(prefill + decode.replace("[3, 8]", "[4, 8]"))
+
+
+def test_plan_check_shows_each_shard(tmp_path, tiny_models):
+    path = write_plan(tmp_path, str(tiny_models["qwen2_moe"]), [(0, 3), (3, 6)])
+    path.write_text(path.read_text() + "[[stages.experts]]\nexperts = [0, 1]\n[[stages.experts]]\nexperts = [1, 8]\n")
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("shard"))) + 1
+    assert [row.split()[:3] for row in lines[start : start + 2]] == [["0", "1", "[0,"], ["1", "1", "[1,"]]
+    body = json.loads(CliRunner().invoke(kvasir, ["plan", "check", "--json", str(path)]).output)
+    one, seven = body["shards"]
+    # layers 3 and 5 are MoE (4 too; the tiny Qwen2-MoE's only dense layer is 1): 3 layers x 3 x 64 x 48
+    assert one["parameters"] == 3 * 3 * 64 * 48 and seven["parameters"] == 7 * one["parameters"]
+    assert one["stage"] == 1 and one["experts"] == [0, 1] and one["dispatch_bytes"] > 0
+    assert body["model"]["experts"] == 8 and body["model"]["moe_layers"] == [0, 2, 3, 4, 5]
+    dense = write_plan(tmp_path, str(tiny_models["llama"]), [(0, 3), (3, 6)])
+    dense.write_text(dense.read_text() + "[[stages.experts]]\nexperts = [0, 1]\n")
+    refusal = CliRunner().invoke(kvasir, ["plan", "check", str(dense)])
+    assert refusal.exit_code == 2 and "not a mixture of experts" in refusal.output

@@ -93,6 +93,37 @@ def test_logits_allclose_to_unsplit_model(tiny_models, plan_for, family):
     assert checked == produced  # every sampled token was checked
 
 
+# uneven ranges, one shard holding a single expert; the 3-stage split's middle stage runs its own
+SHARDS = {0: [(0, 1), (1, 6), (6, 8)], 2: [(0, 5), (5, 8)]}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_shards_match_hf_generate_and_the_unsplit_logits(tiny_models, plan_for, family):
+    """Stages whose experts live on shards (in this process here): greedy tokens as HF's
+    generate, every sampled step's logits within 1e-4 of the unsplit model's."""
+    plan, source = plan_for(tiny_models[family], SPLITS[3], max_rows=4, max_tokens=24, experts=SHARDS)
+    chain = Chain(plan, source)
+    model = reference(tiny_models[family])
+    texts = prompts(source.vocab_size, [1, 30, 9, 55, 4])
+    ids = [chain.submit(t, SamplingParams(temperature=0, max_tokens=8)) for t in texts]
+    sequences = dict(zip(ids, (list(t) for t in texts)))
+    while not chain.idle:
+        batch = chain.scheduler.next_batch()
+        logits = chain.forward(batch)
+        for row, row_logits in zip([r for r in batch.descriptor.rows if r.emit], logits, strict=True):
+            with torch.no_grad():
+                expected = model(torch.tensor([sequences[row.request_id]])).logits[0, -1]
+            torch.testing.assert_close(row_logits, expected, atol=1e-4, rtol=1e-4)
+        for event in chain.scheduler.complete(chain.sampler.sample(batch.descriptor, logits)):
+            sequences[event.request_id].append(event.token_id)
+    for rid, text in zip(ids, texts):
+        assert sequences[rid][len(text) :] == hf_greedy(model, text, 8)
+    head, middle, tail = chain.stages
+    assert head.dispatch.seconds > 0 and middle.dispatch.seconds == 0  # the middle stage runs its own experts
+    load = head.expert_load()
+    assert len(load) == 8 and sum(load) > 0 and middle.expert_load()
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(tiny_models, plan_for):
     plan, source = plan_for(tiny_models["llama"], SPLITS[2], max_rows=4, max_tokens=16)
     texts = prompts(source.vocab_size, [12, 40, 3, 25])
