@@ -25,7 +25,15 @@ from kvasir.bridge.sockets import client_router, remote_router
 from kvasir.bridge.submissions import Submissions
 from kvasir.errors import RequestError
 from kvasir.wire.batch import SampledToken
-from kvasir.wire.bridge import BatchSpan, BridgeMessage, HandoffReport, RequestEnded, StageStats, TokenEvents
+from kvasir.wire.bridge import (
+    BatchSpan,
+    BridgeMessage,
+    HandoffReport,
+    RequestEnded,
+    ShardStats,
+    StageStats,
+    TokenEvents,
+)
 from kvasir.wire.client import (
     Accepted,
     Cancel,
@@ -90,6 +98,7 @@ class Bridge:
         self.requests = Ledger()
         self.handoffs = HandoffLog()
         self.stage_stats: dict[int, StageStats] = {}
+        self.shard_stats: dict[int, ShardStats] = {}
         self.timelines: dict[int, deque[BatchSpan]] = {}
         self.started = time.monotonic()
         self.accepted = 0
@@ -237,6 +246,8 @@ class Bridge:
             case StageStats() as stats if stats.pid in self.ring_pids:
                 self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
                 self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
+            case ShardStats() as stats if stats.pid in self.ring_pids:
+                self.shard_stats[stats.number] = stats
 
     async def _token(self, arrived: SampledToken) -> None:
         record = self.requests.get(arrived.request_id)
@@ -321,6 +332,7 @@ class Bridge:
         self.head.close(linger=0)
         self.head, self.head_io = self._connect_head()
         self.stage_stats.clear()
+        self.shard_stats.clear()
         self.timelines.clear()
 
     def _connect_head(self):
@@ -376,6 +388,7 @@ class Bridge:
             vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len,
             stages=[self.stage_stats[k] for k in order],
+            shards=[self.shard_stats[k] for k in sorted(self.shard_stats)],
             timeline=[list(self.timelines.get(k, ())) for k in order] if timeline else [],
             state="draining" if self.draining else "restarting" if self.restarting is not None else "serving",
             restarts=self.restarts,

@@ -110,8 +110,6 @@ class Launcher:
     # -- start-up ------------------------------------------------------------------------
     def prepare(self) -> None:
         """Make the runtime dir (0700), take its lock, clear stale sockets, create the edges."""
-        if any(stage.experts for stage in self.plan.all_stages):  # goes once shard workers are spawned
-            raise LaunchError("stages.experts: expert shard workers are not started by kvasird yet")
         try:
             make_runtime_dir(self.runtime_dir)
         except RuntimeDirError as exc:
@@ -139,30 +137,38 @@ class Launcher:
     def spawn(self) -> None:
         """Start every child that is not running: all of them at first, after a failure
         the stages (and the bridge when it was the one that died)."""
-        if not self.stages:
+        if not self.stages:  # the ring's children: its stages, then their expert shards
             self.exchange.clear()
             self.stages = [self._spawn("stage", k) for k in range(len(self.layout.places))]
+            self.stages += [self._spawn("shard", k) for k in range(len(self.layout.shards))]
         if self.bridge is None:
             self.bridge = self._spawn("bridge", 0)
             self._new_bridge = True
 
     def _spawn(self, role: Role, index: int) -> Child:
-        place = self.layout.places[index] if role == "stage" else StagePlace("", self.plan, 0, [])
+        place, shards = StagePlace("", self.plan, 0, []), []
+        if role == "stage":
+            place = self.layout.places[index]
+            shards = place.shards
+        elif role == "shard":
+            shards = [self.layout.shards[index]]
+            place = self.layout.places[shards[0].stage]
         settings = WorkerSettings(
             role=role,
             index=index,
             plan=place.plan,
             runtime_dir=str(self.runtime_dir),
             launcher_pid=os.getpid(),
-            edges=place.edges,
+            edges=place.edges if role == "stage" else [],
             stats_interval_s=self.stats_interval_s,
             log_level=self.log_level,
             pool=place.pool,
             first=place.first,
             handoff=self.layout.wiring,
             model=self._model_facts() if role == "bridge" else None,
+            shards=shards,
         )
-        name = f"stage-{index}" if role == "stage" else "bridge"
+        name = "bridge" if role == "bridge" else f"{role}-{index}"
         process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE)
         if process.stdin is not None:  # always, with stdin=PIPE
             process.stdin.write(msgspec.msgpack.encode(settings))
@@ -217,7 +223,8 @@ class Launcher:
         for message in messages:
             if not isinstance(message, (Ready, Heartbeat, EdgeHandles)):
                 continue
-            name = "bridge" if getattr(message, "role", "stage") == "bridge" else f"stage-{message.index}"
+            role = getattr(message, "role", "stage")  # EdgeHandles come from stages
+            name = "bridge" if role == "bridge" else f"{role}-{message.index}"
             child = next((c for c in self.children if c.name == name and c.process.pid == message.pid), None)
             if child is None:
                 continue  # from a child of a ring that has already been replaced
@@ -381,10 +388,12 @@ class Launcher:
         if bridge is not None and bridge.process.poll() is None:
             bridge.command.send(Command("stop", code))
             self._join([bridge], self.timeouts.stop_s)
-        for child in self.stages:
-            if child.process.poll() is None:
-                child.command.send(Command("stop", code))
-        self._join(self.stages, self.timeouts.stop_s)
+        # stages before their expert shards: a stage may need its shards to finish a batch
+        for group in ([c for c in self.stages if c.name.startswith("stage-")], self.stages):
+            for child in group:
+                if child.process.poll() is None:
+                    child.command.send(Command("stop", code))
+            self._join(group, self.timeouts.stop_s)
 
     def _join(self, children: list[Child], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,7 +1,8 @@
 """The shared memory a daemon's launcher lays out before spawning anything: each pool's
 edges (slot rings of the kind kvasir/ring/edges.py picks; the launcher creates the
-shared-memory ones, CUDA IPC edges are paired at each start) and, in a disaggregated
-plan, the prefill stages' KV caches that decode stages copy handed-off requests from."""
+shared-memory ones, CUDA IPC edges are paired at each start), each expert shard's
+dispatch slot and, in a disaggregated plan, the prefill stages' KV caches that decode
+stages copy handed-off requests from."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from kvasir.errors import KvasirError
 from kvasir.model.source import ModelSource
 from kvasir.ring.attach import SHARED_MEMORY_KINDS, create_ring
 from kvasir.ring.edges import pool_edges, torch_peer_access
+from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.slots import ShmSlotRing
 from kvasir.stage.kv_segment import KvSegmentMap
-from kvasir.wire.control import EdgeSpec, HandoffWiring, KvSegment
+from kvasir.wire.control import DispatchSlot, EdgeSpec, HandoffWiring, KvSegment, ShardWiring
 
 
 class LayoutError(KvasirError):
@@ -25,7 +27,8 @@ class LayoutError(KvasirError):
 @dataclass
 class Layout:
     places: list[StagePlace] = field(default_factory=list)  # per global stage index
-    rings: list[ShmSlotRing | KvSegmentMap] = field(default_factory=list)  # shared memory the launcher owns
+    shards: list[ShardWiring] = field(default_factory=list)  # per shard number
+    rings: list[ShmSlotRing | KvSegmentMap | DispatchSegment] = field(default_factory=list)  # the launcher's
     ipc_edges: dict[str, tuple[int, int]] = field(default_factory=dict)  # edge name -> (producer, consumer)
     wiring: HandoffWiring | None = None  # disaggregated plans: the prefill caches
 
@@ -43,6 +46,7 @@ def lay_out(plan: Plan, source: ModelSource, prefix: str, log) -> Layout:
     layout = Layout()
     try:
         _edges(plan, source, prefix, log, layout)
+        _shards(source, prefix, layout)
         if plan.disaggregated:
             layout.wiring = _kv_segments(plan, source, prefix, layout)
     except BaseException:
@@ -77,6 +81,28 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout) ->
             log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
             edges.append(spec)
         layout.places += [StagePlace(pool, view, first, edges) for _ in view.stages]
+
+
+def _shards(source: ModelSource, prefix: str, layout: Layout) -> None:
+    """Each expert shard's dispatch slot, sized from its pool's widths."""
+    moe = source.moe
+    for index, place in enumerate(layout.places):
+        stage = place.plan.stages[index - place.first]
+        for spec in stage.experts:
+            if moe is None:  # the plan check refuses shards on a dense model first
+                raise LayoutError(f"stage {index} has expert shards, but the model has no experts")
+            number = len(layout.shards)
+            slot = DispatchSlot(
+                name=f"{prefix}-experts{number}",
+                max_rows=place.plan.batch.max_tokens,
+                hidden=moe.hidden,
+                top_k=moe.top_k,
+                dtype=place.plan.model.dtype,
+            )
+            layout.rings.append(DispatchSegment(slot, create=True))
+            wiring = ShardWiring(number=number, stage=index, layers=stage.layers, spec=spec, slot=slot)
+            layout.shards.append(wiring)
+            place.shards.append(wiring)
 
 
 def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout) -> HandoffWiring:

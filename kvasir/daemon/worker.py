@@ -21,6 +21,10 @@ def main() -> None:
         from kvasir.stage.process import run_stage
 
         run_stage(encoded)
+    elif role == "shard":
+        from kvasir.shard.process import run_shard
+
+        run_shard(encoded)
     elif role == "bridge":
         from kvasir.bridge.process import run_bridge
 

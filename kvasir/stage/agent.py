@@ -157,7 +157,20 @@ class StageAgent:
             handoff_s=self.handoff.copy_s,
             handing_off=counters.get("handing_off", 0),
             **self._device_memory(),
+            **self._experts(),
         )
+
+    def _experts(self) -> dict:
+        """MoE stages: tokens per expert, the busiest expert over the mean, dispatch time."""
+        load = self.engine.expert_load()
+        if not load:
+            return {}
+        mean = sum(load) / len(load)
+        return {
+            "expert_tokens": tuple(load),
+            "expert_imbalance": max(load) / mean if mean else 0.0,
+            "dispatch_s": self.engine.dispatch.seconds,
+        }
 
     def _device_memory(self) -> dict:
         device = self.engine.device

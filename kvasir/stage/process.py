@@ -28,10 +28,12 @@ from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.stage.outlets import DownstreamOutlet, PrefillTailOutlet, TailOutlet
 from kvasir.stage.ports import HandoffRole, Intake, Outlet
 from kvasir.stage.sampling import Sampler
+from kvasir.stage.shards import Pulse, connect_shards
 from kvasir.stage.upstream import UpstreamIntake
 from kvasir.wire.batch import BatchDescriptor, Credit
 from kvasir.wire.bridge import BridgeMessage
-from kvasir.wire.control import Command, ControlMessage, HandoffWiring, Ready, WorkerSettings
+from kvasir.wire.control import Command, ControlMessage, HandoffWiring, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.experts import ExpertMessage
 from kvasir.wire.head import HeadMessage
 from kvasir.wire.kv import KvMessage
 from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
@@ -90,6 +92,8 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
     commands = w.pull(Command, ends.command(f"stage-{index}"))
     control = w.push(ControlMessage, ends.control)
     closing: list = [segment] if segment else []
+    if settings.shards:
+        closing += _attach_shards(w, engine, control)
     rings: list[SlotRing] = []
     if w.local == 0:
         scheduler = Scheduler(plan, source.vocab_size, reserve_output=settings.pool != "prefill")
@@ -124,6 +128,22 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
     ipc = [cast(IpcRing, ring) for ring in rings if ring.spec.kind == "cuda-ipc"]  # CudaIpcSlotRing
     exchange_handles(ipc, index, control, commands, settings.launcher_pid, HANDSHAKE_TIMEOUT_S)
     return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log, handoff), closing
+
+
+def _attach_shards(w: Wiring, engine: StageEngine, control: PushChannel) -> list:
+    """Run the stage's experts on its shard processes; the dispatch slots to close."""
+    settings = w.settings
+    pulse = Pulse(control, Heartbeat("stage", settings.index, os.getpid()), settings.stats_interval_s)
+    shards, slots = connect_shards(
+        settings.shards,
+        w.pull(ExpertMessage, w.ends.experts_out(settings.index)),
+        lambda number: w.push(ExpertMessage, w.ends.shard_in(number)),
+        pulse,
+        2 * settings.plan.supervise.heartbeat_timeout_s,  # a hung shard is found silent, and named, first
+        engine.device,
+    )
+    engine.attach(list(shards))
+    return slots
 
 
 def _head_intake(w: Wiring, scheduler: Scheduler, bridge: PushChannel) -> Intake:

@@ -14,7 +14,8 @@ Edges:
     bridge, tail -> head HeadMessage    (Enqueue | CancelRequest | BatchResult)
     stage k -> stage k+1 BatchDescriptor
     stage k+1 -> stage k Credit
-    stages  -> bridge   BridgeMessage   (TokenEvents | RequestEnded | StageStats | HandoffReport)
+    stages  -> bridge   BridgeMessage   (TokenEvents | RequestEnded | StageStats | ShardStats | HandoffReport)
+    stage <-> its expert shards  ExpertMessage (ExpertWork | ExpertDone); rows in the shard's dispatch slot
 
 A disaggregated plan runs two rings (docs/architecture.md, "Two pools"): the prefill pool's and the
 decode pool's. Their heads and stages add:
@@ -28,6 +29,6 @@ decode pool's. Their heads and stages add:
 
 Modules: base (struct bases, limits), batch (descriptors, rows, credits), head (the
 head's inbox), kv (KV hand-off to decode stages), bridge (stages to the bridge), client
-(clients), control (the launcher and its children); transport (sockets and framing),
+(clients), control (the launcher and its children), experts (a stage and its expert shards); transport (sockets and framing),
 validation (request checks against the plan), rundir (the runtime directory).
 """

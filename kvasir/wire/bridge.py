@@ -54,6 +54,26 @@ class StageStats(Tagged, frozen=True):
     device: str = "cpu"  # where the stage's slice, KV cache and attention live
     gpu_bytes: int = 0  # CUDA stages: device memory held by live tensors (weights, KV cache, slots, activations)
     gpu_reserved_bytes: int = 0  # CUDA stages: device memory reserved by the caching allocator
+    expert_tokens: tuple[int, ...] = ()  # MoE stages: tokens routed to each expert (one per top-k pick), all layers
+    expert_imbalance: float = 0.0  # MoE stages: the busiest expert's tokens over the mean (1.0: even)
+    dispatch_s: float = 0.0  # stages with expert shards: of busy time, spent dispatching rows and combining
+
+
+class ShardStats(Tagged, frozen=True):
+    """An expert shard's statistics, as a stage's (kvasir/wire/shares.py reads both)."""
+
+    number: int
+    stage: int  # its stage's global index
+    experts: tuple[int, int]
+    pid: int
+    wall_s: float
+    busy_s: float
+    starved_s: float
+    blocked_s: float  # always 0: a shard hands its result straight back
+    dispatches: int  # layer dispatches computed
+    tokens: int  # tokens routed to its experts (one per pick)
+    expert_tokens: tuple[int, ...]  # of those, per expert of its range
+    pool: Pool = ""
 
 
 class HandoffReport(Tagged, frozen=True):
@@ -65,4 +85,4 @@ class HandoffReport(Tagged, frozen=True):
     copy_s: float  # the slowest decode stage's copy (they copy in parallel)
 
 
-BridgeMessage = TokenEvents | RequestEnded | StageStats | HandoffReport
+BridgeMessage = TokenEvents | RequestEnded | StageStats | ShardStats | HandoffReport

@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 
 from kvasir.wire.base import MAX_STOP_TOKEN_IDS, DaemonState, FinishReason
-from kvasir.wire.bridge import BatchSpan, StageStats
+from kvasir.wire.bridge import BatchSpan, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
 # length before its items, so an oversized list is refused without being walked). The
@@ -113,6 +113,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     vocab_size: int
     max_seq_len: int
     stages: list[StageStats]
+    shards: list[ShardStats] = []  # expert shards, by number
     timeline: list[list[BatchSpan]] = []  # per stage, oldest first (only when asked for)
     state: DaemonState = "serving"  # "restarting": a child failed, new requests get "restarting"
     restarts: int = 0  # ring restarts since the daemon started

@@ -9,6 +9,7 @@ import msgspec
 
 from kvasir.config.devices import EdgeKind
 from kvasir.config.plan import Plan, Pool
+from kvasir.config.shards import ShardSpec
 from kvasir.wire.base import Role, Side, Tagged, Wire
 
 
@@ -62,13 +63,17 @@ class DispatchSlot(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ShardWiring(msgspec.Struct, frozen=True, kw_only=True):
-    """An expert shard: its number (global, plan order), its stage, its experts and slot."""
+    """An expert shard: its number (global, plan order), its stage, its plan entry and slot."""
 
     number: int
     stage: int  # the stage's global index
     layers: tuple[int, int]  # the stage's layers (the shard holds their MoE layers' experts)
-    experts: tuple[int, int]
+    spec: ShardSpec  # its experts, device, threads, cpus
     slot: DispatchSlot
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        return self.spec.experts
 
 
 class CudaMemoryHandle(Wire, frozen=True):

@@ -65,6 +65,12 @@ class Endpoints:
     def kv_in(self, index: int) -> str:  # decode stage PULL: KV hand-off announcements and placements
         return self._ipc(f"kv-{index}.sock")
 
+    def shard_in(self, number: int) -> str:  # expert shard PULL: work from its stage
+        return self._ipc(f"shard-{number}.sock")
+
+    def experts_out(self, stage: int) -> str:  # stage PULL: its expert shards' results
+        return self._ipc(f"experts-{stage}.sock")
+
     @property
     def control(self) -> str:  # launcher PULL: Ready, Drained
         return self._ipc("control.sock")

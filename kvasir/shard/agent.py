@@ -1,0 +1,151 @@
+"""The expert shard's loop: take a stage's dispatch, compute its rows' partial sums with
+this shard's experts, write them back into the slot and say so.
+
+Every dispatch is checked before it touches the slot (its layer is one of the stage's MoE
+layers, its row count fits the slot, its expert ids are the model's); a bad one is
+dropped and logged, and the stage, which then hears nothing, fails after its wait bound.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from kvasir.model.moe import LocalExperts
+from kvasir.ring.expert_slots import DispatchSegment
+from kvasir.wire.bridge import ShardStats
+from kvasir.wire.control import Heartbeat, ShardWiring, WorkerSettings
+from kvasir.wire.experts import ExpertDone, ExpertWork
+from kvasir.wire.transport import PullChannel, PushChannel
+
+POLL_MS = 50
+
+
+@dataclass
+class ShardClock:
+    started: float
+    busy_s: float = 0.0
+    starved_s: float = 0.0
+    dispatches: int = 0
+
+
+@dataclass
+class ShardPorts:
+    work: PullChannel  # ExpertMessage from the stage
+    results: PushChannel  # ExpertMessage to the stage
+    commands: PullChannel
+    bridge: PushChannel
+    control: PushChannel
+
+
+class ShardAgent:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        wiring: ShardWiring,
+        bank: dict[int, LocalExperts],
+        slot: DispatchSegment,
+        ports: ShardPorts,
+        weights_dtype: torch.dtype,
+        log,
+    ) -> None:
+        self.settings = settings
+        self.wiring = wiring
+        self.bank = bank
+        self.slot = slot
+        self.ports = ports
+        self.weights_dtype = weights_dtype
+        self.log = log
+        self.device = next(iter(bank.values())).gate_up.device
+        self.num_experts = next(iter(bank.values())).layout.num_experts
+        first, end = wiring.experts
+        self.counts = torch.zeros(end - first, dtype=torch.int64)
+        self.clock = ShardClock(started=time.monotonic())
+        self.heartbeat = Heartbeat("shard", wiring.number, os.getpid())
+        self.poller = zmq.Poller()
+        for sock in (ports.work.socket, ports.commands.socket):
+            self.poller.register(sock, zmq.POLLIN)
+        self._stopping = False
+        self._next_report = 0.0
+
+    def serve(self) -> None:
+        while not self._stopping:
+            for command in self.ports.commands.drain():
+                if command.kind == "stop":
+                    self._stopping = True
+            work = self.ports.work.drain()
+            for message in work:
+                self._handle(message)
+            if not work:
+                self._wait()
+            self._report()
+
+    def _wait(self) -> None:
+        started = time.monotonic()
+        self.poller.poll(POLL_MS)
+        self.clock.starved_s += time.monotonic() - started
+        if os.getppid() != self.settings.launcher_pid:
+            self.log.warning("launcher is gone; stopping")
+            self._stopping = True
+
+    def _handle(self, message) -> None:
+        if not isinstance(message, ExpertWork):
+            self.ports.work.drop(f"{type(message).__name__} is not work for a shard")
+            return
+        problem = self._check(message)
+        if problem is not None:
+            self.ports.work.drop(f"dispatch {message.seq}: {problem}")
+            return
+        started = time.monotonic()
+        rows = message.rows
+        ids = self.slot.ids[:rows].to(self.device)
+        weights = self.slot.weights[:rows].to(self.device, self.weights_dtype)
+        hidden = self.slot.hidden[:rows].to(self.device)
+        with torch.inference_mode():
+            out = self.bank[message.layer](hidden, ids, weights)
+        self.slot.out[:rows].copy_(out)
+        first, end = self.wiring.experts
+        self.counts += torch.bincount(ids.reshape(-1).cpu(), minlength=self.num_experts)[first:end]
+        self.ports.results.send(ExpertDone(message.seq, self.wiring.number, rows))
+        self.clock.busy_s += time.monotonic() - started
+        self.clock.dispatches += 1
+
+    def _check(self, work: ExpertWork) -> str | None:
+        if work.layer not in self.bank:
+            return f"layer {work.layer} is not an MoE layer of stage {self.wiring.stage}"
+        if not 0 < work.rows <= self.slot.spec.max_rows:
+            return f"{work.rows} rows, the slot holds 1 to {self.slot.spec.max_rows}"
+        ids = self.slot.ids[: work.rows]
+        if int(ids.min()) < 0 or int(ids.max()) >= self.num_experts:
+            return f"expert ids outside [0, {self.num_experts})"
+        return None
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now < self._next_report and not self._stopping:
+            return
+        self._next_report = now + self.settings.stats_interval_s
+        self.ports.bridge.send(self.stats(now))
+        self.ports.control.send(self.heartbeat)
+
+    def stats(self, now: float) -> ShardStats:
+        c = self.clock
+        counts = tuple(self.counts.tolist())
+        return ShardStats(
+            number=self.wiring.number,
+            stage=self.wiring.stage,
+            experts=self.wiring.experts,
+            pid=os.getpid(),
+            wall_s=now - c.started,
+            busy_s=c.busy_s,
+            starved_s=c.starved_s,
+            blocked_s=0.0,
+            dispatches=c.dispatches,
+            tokens=sum(counts),
+            expert_tokens=counts,
+            pool=self.settings.pool,
+        )

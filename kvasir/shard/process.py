@@ -1,0 +1,81 @@
+"""The expert shard process: load this shard's experts for its stage's MoE layers, map
+its dispatch slot, open its sockets, then run the agent."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import msgspec
+import torch
+import zmq
+
+from kvasir.config.devices import cuda_ordinal, torch_dtype
+from kvasir.logs import setup_logging
+from kvasir.model.loader import load_experts
+from kvasir.model.source import resolve_source
+from kvasir.ring.expert_slots import DispatchSegment
+from kvasir.shard.agent import ShardAgent, ShardPorts
+from kvasir.wire.bridge import BridgeMessage
+from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
+from kvasir.wire.experts import ExpertMessage
+from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+
+
+def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[ShardAgent, DispatchSegment]:
+    [wiring] = settings.shards
+    ends = Endpoints(settings.runtime_dir)
+    source = resolve_source(settings.plan.model.source)
+    dtype = torch_dtype(settings.plan.model.dtype)
+    ordinal = cuda_ordinal(wiring.spec.device)
+    device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)
+    bank = load_experts(source, wiring.layers, wiring.experts, dtype, device)
+    moe = source.moe
+    weights_dtype = torch.float32 if moe is None or moe.float32_weights else dtype
+    slot = DispatchSegment(wiring.slot, create=False)
+
+    def push(kind, endpoint: str) -> PushChannel:
+        return PushChannel[kind](make_socket(ctx, zmq.PUSH, connect=endpoint))
+
+    def pull(kind, endpoint: str) -> PullChannel:
+        return PullChannel[kind](make_socket(ctx, zmq.PULL, bind=endpoint), kind, log)
+
+    ports = ShardPorts(
+        work=pull(ExpertMessage, ends.shard_in(wiring.number)),
+        results=push(ExpertMessage, ends.experts_out(wiring.stage)),
+        commands=pull(Command, ends.command(f"shard-{wiring.number}")),
+        bridge=push(BridgeMessage, ends.bridge_in),
+        control=push(ControlMessage, ends.control),
+    )
+    return ShardAgent(settings, wiring, bank, slot, ports, weights_dtype, log), slot
+
+
+def run_shard(encoded: bytes) -> None:
+    """Entry point of an expert shard process (spawned by the launcher)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown
+    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
+    [wiring] = settings.shards
+    log = setup_logging(settings.log_level, role="shard", index=settings.index, pid=os.getpid())
+    ctx = zmq.Context()
+    slot = None
+    try:
+        spec = wiring.spec
+        torch.set_num_threads(spec.threads)
+        if spec.cpus is not None:
+            os.sched_setaffinity(0, spec.cpus)
+        ordinal = cuda_ordinal(spec.device)
+        if ordinal is not None:
+            torch.cuda.set_device(ordinal)
+        agent, slot = build_agent(settings, ctx, log)
+        agent.ports.control.send(Ready("shard", settings.index, os.getpid()))
+        log.info("shard ready", stage=wiring.stage, experts=list(wiring.experts), layers=sorted(agent.bank))
+        agent.serve()
+        log.info("shard stopped")
+    except Exception:
+        log.exception("shard failed")
+        raise SystemExit(1) from None
+    finally:
+        if slot is not None:
+            slot.close()
+        ctx.destroy(linger=0)
