@@ -2,10 +2,11 @@
 truncated messages, oversized frames and bytes that are not even ZMTP. The launcher
 never exits, nothing restarts, and the daemon answers a normal request exactly after.
 
-The plan is disaggregated, so the runtime dir holds every kind of socket there is:
+One plan is disaggregated, so the runtime dir holds every kind of ring socket there is:
 clients, events, the bridge's inbox, the launcher's control socket, every child's command
 socket, each stage's inbox (heads: requests and results; others: descriptors), the
-credit sockets and the decode stages' KV hand-off sockets.
+credit sockets and the decode stages' KV hand-off sockets. The other runs a mixture of
+experts with expert shards: each shard's work socket and each stage's result socket.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import time
 
 import msgspec
+import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +24,7 @@ from kvasir.client import Client
 from kvasir.wire.batch import BatchDescriptor, Credit, Row, SampledToken
 from kvasir.wire.bridge import RequestEnded, TokenEvents
 from kvasir.wire.control import Drained, Heartbeat, Ready
+from kvasir.wire.experts import ExpertDone, ExpertWork
 from kvasir.wire.head import Adopted, BatchResult, CancelRequest, KvDrop, KvHeld, KvPlaced
 from kvasir.wire.kv import Placement
 from tests.support.models import hf_greedy, reference_model
@@ -45,6 +48,10 @@ SAMPLES = [
     TokenEvents((SampledToken(NOBODY, 5, 0, "stop"),)),
     RequestEnded(NOBODY, "cancelled"),
     BatchDescriptor(7, 99, 1, (Row(NOBODY, 0, 1, (0,), True),), (), (), 0),
+    ExpertWork(NOBODY, 999, 1),  # a layer no shard holds
+    ExpertWork(NOBODY, 0, 10**6),  # more rows than any slot
+    ExpertDone(NOBODY, 0, 1),  # a result for a dispatch never sent
+    ExpertDone(0, 77, 1),  # from a shard that does not exist
 ]
 ENCODED = [msgspec.msgpack.encode(m) for m in SAMPLES] + [
     msgspec.msgpack.encode({"type": "submit", "key": 1, "token_ids": [1]}),  # a client message inside
@@ -77,26 +84,39 @@ def raw_bytes(path, data: bytes) -> None:
             pass  # ZMQ hung up on us: fine
 
 
-def test_garbage_on_every_socket_of_the_runtime_dir(tiny_models, start_daemon):
-    source = tiny_models["llama"]
-    pools = {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}
-    daemon = start_daemon(source, pools, max_seq_len=64, num_blocks=200).wait_ready()
+PLANS = {
+    "disaggregated": ("llama", {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}, {}),
+    "expert-shards": ("mixtral", [(0, 3), (3, 6)], {"experts": {0: [(0, 3), (3, 8)], 1: [(0, 8)]}}),
+}
+EXPECTED = {
+    "disaggregated": ["stage-1.sock", "stage-2.sock", "credits-0.sock", "kv-2.sock", "kv-3.sock"],
+    "expert-shards": ["shard-0.sock", "shard-2.sock", "experts-0.sock", "experts-1.sock", "command-shard-1.sock"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANS))
+def test_garbage_on_every_socket_of_the_runtime_dir(tiny_models, start_daemon, kind):
+    family, splits, keys = PLANS[kind]
+    source = tiny_models[family]
+    daemon = start_daemon(source, splits, name=kind, max_seq_len=64, num_blocks=200, **keys).wait_ready()
     names = sorted(path.name for path in daemon.runtime_dir.glob("*.sock"))
-    for expected in (
-        "client.sock",
-        "events.sock",
-        "bridge-in.sock",
-        "control.sock",
-        "command-bridge.sock",
-        "command-stage-0.sock",
-        "stage-0.sock",
-        "stage-1.sock",
-        "stage-2.sock",
-        "credits-0.sock",
-        "kv-2.sock",
-        "kv-3.sock",
-    ):
+    common = ["client.sock", "events.sock", "bridge-in.sock", "control.sock", "command-bridge.sock"]
+    for expected in [*common, "command-stage-0.sock", "stage-0.sock", *EXPECTED[kind]]:
         assert expected in names, names
+    spray_every_socket(daemon, names)
+    time.sleep(2.0)  # past a few heartbeats and stats reports
+    assert daemon.process.poll() is None, daemon.log()
+    with Client(daemon.runtime_dir) as client:
+        final = client.generate(token_ids=[4, 8, 15], max_tokens=6, temperature=0)
+        stats = client.stats()
+    assert final.token_ids == hf_greedy(reference_model(source), [4, 8, 15], 6)
+    assert stats.state == "serving" and stats.restarts == 0 and stats.last_failure is None, stats
+    assert stats.malformed > 0  # the bridge counted what it dropped
+    assert "dropped a malformed internal message" in daemon.log()
+
+
+def spray_every_socket(daemon, names: list[str]) -> None:
+    """Hypothesis-generated garbage on each socket, then an oversized frame and raw bytes."""
     ctx = zmq.Context()
     sockets = {}
     for name in names:
@@ -119,12 +139,3 @@ def test_garbage_on_every_socket_of_the_runtime_dir(tiny_models, start_daemon):
     finally:
         ctx.destroy(linger=2000)  # what was sent is delivered first
     assert sent[0] >= 150 * len(names)
-    time.sleep(2.0)  # past a few heartbeats and stats reports
-    assert daemon.process.poll() is None, daemon.log()
-    with Client(daemon.runtime_dir) as client:
-        final = client.generate(token_ids=[4, 8, 15], max_tokens=6, temperature=0)
-        stats = client.stats()
-    assert final.token_ids == hf_greedy(reference_model(source), [4, 8, 15], 6)
-    assert stats.state == "serving" and stats.restarts == 0 and stats.last_failure is None, stats
-    assert stats.malformed > 0  # the bridge counted what it dropped
-    assert "dropped a malformed internal message" in daemon.log()
