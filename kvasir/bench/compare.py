@@ -131,6 +131,8 @@ def run_compare(
                     entry["output_tokens_per_s"].append(report["summary"]["output_tokens_per_s"])
                     entry["requests_per_s"].append(report["summary"]["requests_per_s"])
                     entry["summary"], entry["stages"] = report["summary"], report["stages"]
+                    if "shards" in report:
+                        entry["shards"] = report["shards"]
                 else:
                     if baselines is None:
                         pad = source.config.pad_token_id

@@ -55,15 +55,26 @@ def print_run(report: dict, echo: Echo) -> None:
         echo(f"{name:<5} ms    p50 {d['p50'] * 1e3:8.1f}  p90 {d['p90'] * 1e3:8.1f}  p99 {d['p99'] * 1e3:8.1f}")
     if s["slo_attainment"] is not None:
         echo(f"SLO attainment {s['slo_attainment']:.1%}")
-    print_stages(report["stages"], echo)
+    print_stages(report["stages"], echo, shards=report.get("shards", ()))
 
 
-def print_stages(stages: list[dict], echo: Echo, indent: str = "") -> None:
+def print_stages(stages: list[dict], echo: Echo, indent: str = "", shards=()) -> None:
     for st in stages:
         echo(
             f"{indent}stage {st['index']}  busy {st['busy']:.0%}  starved {st['starved']:.0%}  blocked {st['blocked']:.0%}  "
             f"hop {st['hop_of_busy']:.2%} of busy  {st['batches_per_s']:.1f} batches/s  "
             f"{st['rows_per_batch']:.1f} rows, {st['tokens_per_batch']:.1f} tokens per batch"
+        )
+        if "expert_imbalance" in st:
+            echo(
+                f"{indent}  experts: busiest {st['expert_imbalance']:.2f}x the mean; "
+                f"dispatch and combine {st['dispatch_of_busy']:.0%} of busy"
+            )
+    for sh in shards:
+        echo(
+            f"{indent}shard {sh['number']} (stage {sh['stage']}, experts [{sh['experts'][0]}, {sh['experts'][1]}))  "
+            f"busy {sh['busy']:.0%}  starved {sh['starved']:.0%}  blocked {sh['blocked']:.0%}  "
+            f"{sh['dispatches_per_s']:.1f} dispatches/s  {sh['tokens']} tokens routed"
         )
 
 
@@ -85,7 +96,7 @@ def print_compare(report: dict, echo: Echo) -> None:
                 f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
                 f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms"
             )
-            print_stages(entry["stages"], echo, indent="    ")
+            print_stages(entry["stages"], echo, indent="    ", shards=entry.get("shards", ()))
     for name, value in report["ratios"].items():
         echo(f"ratio {name:<22} {value:.2f}x")
 

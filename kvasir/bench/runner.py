@@ -13,8 +13,9 @@ import msgspec
 from kvasir.bench.metrics import RequestRecord, summarise
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
+from kvasir.wire.bridge import StageStats
 from kvasir.wire.client import DaemonStats, Finished, TokenOut
-from kvasir.wire.shares import stage_shares
+from kvasir.wire.shares import imbalance, stage_shares, window
 
 
 @dataclass
@@ -127,7 +128,10 @@ async def _open(send, jobs, rate, rng, progress) -> list[RequestRecord]:
 def ring_report(result: LoadResult, slo: tuple[float, float] | None) -> dict:
     """The summary and per-stage figures of one run, as plain data."""
     summary = summary_data(result.records, result.duration_s, slo)
-    return {"summary": summary, "stages": stage_fractions(result.stats_before, result.stats_after)}
+    before, after = result.stats_before, result.stats_after
+    report = {"summary": summary, "stages": stage_fractions(before, after)}
+    shards = shard_fractions(before, after)
+    return report | ({"shards": shards} if shards else {})  # a mixture of experts with expert shards
 
 
 def summary_data(records, duration_s: float, slo: tuple[float, float] | None) -> dict:
@@ -162,6 +166,45 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
                 "batches_per_s": batches / wall,
                 "rows_per_batch": (s.rows - b.rows) / batches if batches else 0.0,
                 "tokens_per_batch": (s.tokens - b.tokens) / batches if batches else 0.0,
+                **_expert_load(s, b, shares.busy_s),
+            }
+        )
+    return out
+
+
+def _expert_load(s: StageStats, b: StageStats, busy_s: float) -> dict:
+    """A MoE stage's expert load over the window, and its dispatch time's share of busy."""
+    if not s.expert_tokens:
+        return {}
+    load = window(s.expert_tokens, b.expert_tokens)
+    dispatch = s.dispatch_s - b.dispatch_s
+    return {
+        "expert_tokens": load,
+        "expert_imbalance": imbalance(load),
+        "dispatch_of_busy": dispatch / max(busy_s, 1e-9),
+    }
+
+
+def shard_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
+    """Per expert shard: busy/starved/blocked fractions, dispatches and routed tokens over a window."""
+    out = []
+    old = {s.number: s for s in before.shards}
+    for s in after.shards:
+        b = old.get(s.number)
+        if b is None or b.pid != s.pid:
+            continue
+        shares = stage_shares(s, b)
+        wall = max(shares.wall_s, 1e-9)
+        out.append(
+            {
+                "number": s.number,
+                "stage": s.stage,
+                "experts": list(s.experts),
+                "busy": shares.busy,
+                "starved": shares.starved,
+                "blocked": shares.blocked,
+                "dispatches_per_s": (s.dispatches - b.dispatches) / wall,
+                "tokens": s.tokens - b.tokens,
             }
         )
     return out

@@ -17,7 +17,7 @@ from kvasir.wire.shares import PARTS, by_pool, stage_shares
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help='One JSON object: daemon-wide fields and "stages".')
+@click.option("--json", "as_json", is_flag=True, help='One JSON object: daemon-wide fields, "stages" and "shards".')
 @click.option(
     "--wait",
     "wait_s",
@@ -31,18 +31,26 @@ from kvasir.wire.shares import PARTS, by_pool, stage_shares
 def stats(as_json, wait_s, runtime_dir, remote) -> None:
     """Per-stage busy / starved / blocked time, batches, rows, tokens; the daemon's state,
     restarts and last failure. CUDA stages also show their device and GPU memory (held
-    by tensors / reserved by the allocator)."""
+    by tensors / reserved by the allocator). With a mixture-of-experts model: each expert
+    shard's busy / starved / blocked time, dispatches and tokens routed to its experts,
+    and each MoE stage's expert load (tokens per expert, busiest over mean) and the
+    share of its busy time spent dispatching rows to shards and combining them."""
     client = connect(runtime_dir, wait_s, remote)
     try:
         daemon = client.stats()
     finally:
         client.close()
-    body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f not in ("stages", "timeline")}
+    skip = ("stages", "shards", "timeline")
+    body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f not in skip}
     body["stages"] = [msgspec.structs.asdict(stage) for stage in daemon.stages]
+    body["shards"] = [msgspec.structs.asdict(shard) for shard in daemon.shards]
     body = msgspec.to_builtins(body)
-    for stage, figures in zip(body["stages"], daemon.stages):
+    for entry, figures in [*zip(body["stages"], daemon.stages), *zip(body["shards"], daemon.shards)]:
         shares = stage_shares(figures)
-        stage.update({f"{part}_fraction": shares.fraction(part) for part in PARTS})
+        entry.update({f"{part}_fraction": shares.fraction(part) for part in PARTS})
+    for stage in body["stages"]:
+        if stage["expert_tokens"]:
+            stage["dispatch_fraction"] = stage["dispatch_s"] / stage["busy_s"] if stage["busy_s"] > 0 else 0.0
     if any(stage.pool for stage in daemon.stages):
         body["pools"] = _pool_totals(daemon.stages)
     if as_json:
@@ -109,11 +117,44 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         ]
     for line in table_lines(rows):
         click.echo(line)
+    _print_experts(body)
     for name, pool in body.get("pools", {}).items():
         click.echo(
             f"{name} pool ({pool['stages']} stages): busy {pool['busy_fraction']:.0%}, "
             f"starved {pool['starved_fraction']:.0%}, blocked {pool['blocked_fraction']:.0%}"
         )
+
+
+def _print_experts(body: dict) -> None:
+    """Each MoE stage's expert load, then each expert shard."""
+    for s in body["stages"]:
+        if s["expert_tokens"]:
+            dispatch = (
+                f", dispatch {s['dispatch_s']:.2f}s {s['dispatch_fraction']:.0%} of busy" if s["dispatch_s"] else ""
+            )
+            click.echo(
+                f"stage {s['index']} experts: tokens {list(s['expert_tokens'])}, "
+                f"busiest {s['expert_imbalance']:.2f}x the mean{dispatch}"
+            )
+    if not body["shards"]:
+        return
+    rows = [("shard", "stage", "experts", "pid", "busy", "starved", "blocked", "dispatches", "tokens")]
+    for s in body["shards"]:
+        rows.append(
+            (
+                str(s["number"]),
+                f"{s['stage']} {s['pool']}".rstrip(),
+                f"[{s['experts'][0]}, {s['experts'][1]})",
+                str(s["pid"]),
+                f"{s['busy_s']:.1f}s {s['busy_fraction']:.0%}",
+                f"{s['starved_s']:.1f}s {s['starved_fraction']:.0%}",
+                f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}",
+                str(s["dispatches"]),
+                str(s["tokens"]),
+            )
+        )
+    for line in table_lines(rows):
+        click.echo(line)
 
 
 def _pool_totals(stages: list[StageStats]) -> dict[str, dict]:

@@ -4,7 +4,9 @@ Each frame compares two stats snapshots: per stage the busy / starved / blocked 
 of the interval as bars, batches and tokens per second, KV held (and, where stages run
 on GPUs, each stage's device and the device memory it holds); daemon-wide the requests
 in flight, the head's queue and batches in flight (in a disaggregated plan: each pool's
-head, and the requests being handed from prefill to decode), and output tokens/s.
+head, and the requests being handed from prefill to decode), and output tokens/s. With
+expert shards, a line per shard (its shares as bars, dispatches and routed tokens per
+second) and per MoE stage its expert load over the interval.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvasir.errors import KvasirError
 from kvasir.units import GIB
 from kvasir.wire.bridge import StageStats
 from kvasir.wire.client import DaemonStats
-from kvasir.wire.shares import stage_shares
+from kvasir.wire.shares import imbalance, stage_shares, window
 
 BAR = 24
 HEADER = (
@@ -60,6 +62,34 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
         if gpus and s.device != "cpu":
             line = f"{line:<{len(HEADER)}}  {s.device:<8} {s.gpu_bytes / GIB:6.2f} GiB"  # under the header's column
         lines.append((f"{s.pool:<9}" if pooled else "") + line)
+    lines += _expert_lines(before, after, "         " if pooled else "")
+    return lines
+
+
+def _expert_lines(before: DaemonStats, after: DaemonStats, pad: str) -> list[str]:
+    """Per shard: shares as bars, dispatches/s and routed tokens/s; per MoE stage: load."""
+    lines = []
+    old = {s.number: s for s in before.shards}
+    for s in after.shards:
+        b = old.get(s.number)
+        name = f"{f's{s.number}:{s.stage}':>5}  e{s.experts[0]:>2}-{s.experts[1]:<4}"  # lined up with the stages
+        if b is None or b.pid != s.pid or s.wall_s <= b.wall_s:
+            lines.append(f"{pad}{name}  (waiting for the shard's next report)")
+            continue
+        wall, shares = s.wall_s - b.wall_s, stage_shares(s, b)
+        lines.append(
+            f"{pad}{name}  [{bar(shares.busy, shares.starved, shares.blocked)}]  {shares.busy:4.0%} "
+            f"{shares.starved:5.0%} {shares.blocked:5.0%}  {(s.dispatches - b.dispatches) / wall:9.1f}  "
+            f"{(s.tokens - b.tokens) / wall:8.1f}   (dispatches/s, routed tokens/s)"
+        )
+    stages = {stage.index: stage for stage in before.stages}
+    for stage in after.stages:
+        if stage.expert_tokens:
+            earlier = stages.get(stage.index)
+            load = window(stage.expert_tokens, earlier.expert_tokens if earlier is not None else None)
+            lines.append(
+                f"{pad}stage {stage.index} expert load: busiest {imbalance(load):.2f}x the mean, tokens {load}"
+            )
     return lines
 
 

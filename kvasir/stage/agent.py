@@ -21,6 +21,7 @@ from kvasir.stage.ports import HandoffRole, Intake, Outlet
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import BatchSpan, StageStats
 from kvasir.wire.control import Heartbeat, WorkerSettings
+from kvasir.wire.shares import imbalance
 from kvasir.wire.transport import PullChannel, PushChannel
 
 POLL_MS = 50
@@ -165,10 +166,9 @@ class StageAgent:
         load = self.engine.expert_load()
         if not load:
             return {}
-        mean = sum(load) / len(load)
         return {
             "expert_tokens": tuple(load),
-            "expert_imbalance": max(load) / mean if mean else 0.0,
+            "expert_imbalance": imbalance(load),
             "dispatch_s": self.engine.dispatch.seconds,
         }
 

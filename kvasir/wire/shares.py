@@ -6,16 +6,17 @@ totals in seconds since the stage started, with ``wall_s``. A share is seconds o
 seconds, for the stage's whole life or for a window between two reports of the same
 process. A pool's (or the whole ring's) shares add up its stages' seconds before
 dividing, so each stage counts in proportion to its wall seconds: for stages measured
-over the same window that is their mean. ``kvasir stats``, ``kvasir top`` and
-``kvasir bench`` all print these.
+over the same window that is their mean. An expert shard (``ShardStats``) counts its
+time the same way. ``kvasir stats``, ``kvasir top`` and ``kvasir bench`` all print these,
+and a mixture-of-experts stage's expert load (``imbalance``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvasir.wire.bridge import StageStats
+from kvasir.wire.bridge import ShardStats, StageStats
 
 PARTS = ("busy", "starved", "blocked")
 
@@ -55,9 +56,9 @@ class Shares:
         )
 
 
-def stage_shares(now: StageStats, before: StageStats | None = None) -> Shares:
-    """A stage's seconds since it started, or over the window since ``before`` (an
-    earlier report of the same process)."""
+def stage_shares(now: StageStats | ShardStats, before: StageStats | ShardStats | None = None) -> Shares:
+    """A stage's (or shard's) seconds since it started, or over the window since
+    ``before`` (an earlier report of the same process)."""
     if before is None:
         return Shares(now.wall_s, now.busy_s, now.starved_s, now.blocked_s)
     return Shares(
@@ -82,3 +83,16 @@ def by_pool(stages: Iterable[tuple[str, Shares]]) -> dict[str, Shares]:
     for pool, shares in stages:
         pools.setdefault(pool, []).append(shares)
     return {pool: total(members) for pool, members in pools.items()}
+
+
+def imbalance(tokens: Sequence[int]) -> float:
+    """Expert load: the busiest expert's tokens over the mean (1.0: even; 0 with none)."""
+    mean = sum(tokens) / len(tokens) if tokens else 0.0
+    return max(tokens) / mean if mean > 0 else 0.0
+
+
+def window(now: Sequence[int], before: Sequence[int] | None) -> list[int]:
+    """Per-expert tokens over a window (``before``: the earlier report, same process)."""
+    if before is None or len(before) != len(now):
+        return list(now)
+    return [a - b for a, b in zip(now, before)]

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import signal
 import time
 
 import pytest
+from click.testing import CliRunner
 from test_ring import check_events, run_all
 from test_supervision import load_then, one_greedy, terminal_codes, wait_serving_again
 
+from kvasir.cli.main import kvasir
 from kvasir.model.moe_layout import MoeLayout
 from kvasir.wire.client import ErrorEvent, Finished
 from tests.support.daemon import alive, settled
@@ -50,6 +53,28 @@ def test_expert_shards_match_hf_generate_for_concurrent_requests(tiny_models, st
     runs = head.batches * len(MoeLayout.of(model.config).moe_layers((0, 3)))  # stage 0's MoE layer passes
     assert shards[0].dispatches < runs, "the one-expert shard should have had passes with no rows"
     assert sum(s.dispatches for s in shards) > runs, "some passes should have sent rows to several shards"
+    check_cli(daemon.runtime_dir, stats)
+
+
+def check_cli(runtime_dir, stats) -> None:
+    """kvasir stats (JSON and text) and kvasir top show the shards and the expert load."""
+    where = ["--runtime-dir", str(runtime_dir)]
+    body = json.loads(CliRunner().invoke(kvasir, ["stats", "--json", *where]).output)
+    listed = [(s["number"], s["stage"], s["experts"], s["pid"]) for s in body["shards"]]
+    assert listed == [(s.number, s.stage, list(s.experts), s.pid) for s in stats.shards]
+    assert all({"busy_s", "starved_s", "blocked_s", "tokens", "busy_fraction"} <= set(s) for s in body["shards"])
+    head = body["stages"][0]
+    assert len(head["expert_tokens"]) == 8 and head["expert_imbalance"] >= 1 and 0 < head["dispatch_fraction"] <= 1
+    text = CliRunner().invoke(kvasir, ["stats", *where]).output
+    assert "stage 0 experts: tokens [" in text and "of busy" in text and "stage 1 experts:" in text
+    assert [line.split()[:3] for line in text.splitlines() if line.startswith(("0 ", "1 ", "2 "))][-3:] == [
+        ["0", "0", "[0,"],
+        ["1", "0", "[1,"],
+        ["2", "0", "[6,"],
+    ]
+    frames = CliRunner().invoke(kvasir, ["top", "--count", "1", "--interval", "0.6", *where]).output
+    assert sum(line.lstrip().startswith(("s0:0", "s1:0", "s2:0")) for line in frames.splitlines()) == 3
+    assert "stage 0 expert load: busiest" in frames
 
 
 def with_shards(runtime_dir, count: int, timeout_s: float = 30.0):
