@@ -93,9 +93,7 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
                 f"{s['index']} {s['pool']}".rstrip(),
                 f"[{s['layers'][0]}, {s['layers'][1]})",
                 str(s["pid"]),
-                f"{s['busy_s']:.1f}s {s['busy_fraction']:.0%}",
-                f"{s['starved_s']:.1f}s {s['starved_fraction']:.0%}",
-                f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}",
+                *_share_cells(s),
                 str(s["batches"]),
                 str(s["rows"]),
                 str(s["tokens"]),
@@ -125,6 +123,11 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         )
 
 
+def _share_cells(entry: dict) -> tuple[str, str, str]:
+    """A stage's or shard's busy, starved and blocked seconds with their shares."""
+    return tuple(f"{entry[f'{part}_s']:.1f}s {entry[f'{part}_fraction']:.0%}" for part in PARTS)  # type: ignore[return-value]
+
+
 def _print_experts(body: dict) -> None:
     """Each MoE stage's expert load, then each expert shard."""
     for s in body["stages"]:
@@ -146,9 +149,7 @@ def _print_experts(body: dict) -> None:
                 f"{s['stage']} {s['pool']}".rstrip(),
                 f"[{s['experts'][0]}, {s['experts'][1]})",
                 str(s["pid"]),
-                f"{s['busy_s']:.1f}s {s['busy_fraction']:.0%}",
-                f"{s['starved_s']:.1f}s {s['starved_fraction']:.0%}",
-                f"{s['blocked_s']:.1f}s {s['blocked_fraction']:.0%}",
+                *_share_cells(s),
                 str(s["dispatches"]),
                 str(s["tokens"]),
             )

@@ -13,6 +13,7 @@ import zmq
 from kvasir.config.devices import cuda_ordinal, torch_dtype
 from kvasir.logs import setup_logging
 from kvasir.model.loader import load_experts
+from kvasir.model.placement import pin_process
 from kvasir.model.source import resolve_source
 from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.shard.agent import ShardAgent, ShardPorts
@@ -60,13 +61,7 @@ def run_shard(encoded: bytes) -> None:
     ctx = zmq.Context()
     slot = None
     try:
-        spec = wiring.spec
-        torch.set_num_threads(spec.threads)
-        if spec.cpus is not None:
-            os.sched_setaffinity(0, spec.cpus)
-        ordinal = cuda_ordinal(spec.device)
-        if ordinal is not None:
-            torch.cuda.set_device(ordinal)
+        pin_process(wiring.spec.device, wiring.spec.threads, wiring.spec.cpus)
         agent, slot = build_agent(settings, ctx, log)
         agent.ports.control.send(Ready("shard", settings.index, os.getpid()))
         log.info("shard ready", stage=wiring.stage, experts=list(wiring.experts), layers=sorted(agent.bank))

@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from typing import cast
 
 import msgspec
-import torch
 import zmq
 
-from kvasir.config.devices import cuda_ordinal
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger, setup_logging
+from kvasir.model.placement import pin_process
 from kvasir.model.source import resolve_source
 from kvasir.ring.attach import attach_ring
 from kvasir.ring.handshake import IpcRing, exchange_handles
@@ -180,17 +179,6 @@ def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
     return NoHandoff()
 
 
-def pin_worker(settings: WorkerSettings) -> None:
-    """Torch threads, CPU affinity and CUDA device from the plan's stage entry."""
-    stage = settings.plan.stages[settings.index - settings.first]
-    torch.set_num_threads(stage.threads)
-    if stage.cpus is not None:
-        os.sched_setaffinity(0, stage.cpus)
-    ordinal = cuda_ordinal(stage.device)
-    if ordinal is not None:
-        torch.cuda.set_device(ordinal)  # once, before anything touches CUDA: plain "cuda" is device 0
-
-
 def run_stage(encoded: bytes) -> None:
     """Entry point of a stage worker process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -200,7 +188,8 @@ def run_stage(encoded: bytes) -> None:
     ctx = zmq.Context()
     closing: list = []
     try:
-        pin_worker(settings)
+        stage = settings.plan.stages[settings.index - settings.first]
+        pin_process(stage.device, stage.threads, stage.cpus)
         agent, closing = build_agent(settings, ctx, log)
         agent.control.send(Ready("stage", settings.index, os.getpid()))
         log.info("stage ready", layers=list(agent.engine.spec.layers), pool=settings.pool or None)
