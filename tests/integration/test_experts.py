@@ -117,3 +117,30 @@ def test_a_shard_that_dies_or_hangs_fails_the_ring_which_serves_again(tiny_model
         assert one_greedy(daemon.runtime_dir, [5, 6, 7], 10) == hf_greedy(reference, [5, 6, 7], 10)
         again = with_shards(daemon.runtime_dir, 3)
         assert len(again.shards) == 3 and not {s.pid for s in again.shards} & old
+
+
+def test_a_disaggregated_plan_shards_experts_in_both_pools(tiny_models, start_daemon):
+    """Expert shards under [[prefill.stages]] and [[decode.stages]]: each pool's stages
+    dispatch to their own shards, and the hand-off between pools is unchanged."""
+    pools = {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}
+    experts = {0: [(0, 4), (4, 8)], 1: [(0, 8)]}  # by index within each pool
+    daemon = start_daemon(tiny_models["mixtral"], pools, name="disagg-shards", num_blocks=160, experts=experts)
+    daemon.wait_ready()
+    prompts = random_prompts(320, [3, 40, 17], seed=11)
+    results = asyncio.run(run_all(daemon.runtime_dir, prompts, [10, 10, 10]))
+    model = reference_model(tiny_models["mixtral"])
+    for prompt, events in zip(prompts, results):
+        _, final = check_events(events)
+        assert isinstance(final, Finished) and final.token_ids == hf_greedy(model, prompt, 10), final
+    stats = with_shards(daemon.runtime_dir, 6)
+    placed = [(s.stage, s.experts, s.pool) for s in stats.shards]
+    assert placed == [
+        (0, (0, 4), "prefill"),
+        (0, (4, 8), "prefill"),
+        (1, (0, 8), "prefill"),
+        (2, (0, 4), "decode"),
+        (2, (4, 8), "decode"),
+        (3, (0, 8), "decode"),
+    ]
+    assert all(s.dispatches > 0 for s in stats.shards)
+    assert stats.handoff is not None and stats.handoff.count > 0

@@ -38,7 +38,7 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
     )
     pools = splits.items() if isinstance(splits, dict) else [("", splits)]  # {"prefill": [...], "decode": [...]}
     stages = "".join(
-        f"[[{pool + '.' if pool else ''}stages]]\nlayers = [{a}, {b}]\n" + _stage_keys(kw, i)
+        f"[[{pool + '.' if pool else ''}stages]]\nlayers = [{a}, {b}]\n" + _stage_keys(kw, i, pool)
         for pool, split in pools
         for i, (a, b) in enumerate(split)
     )
@@ -64,7 +64,7 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
     return path
 
 
-def _stage_keys(kw, i: int) -> str:
+def _stage_keys(kw, i: int, pool: str = "") -> str:
     """A stage's device and edge kind from devices = [...] / edges = [...] (None: the default),
     its expert shards from experts = {stage index: [ranges]}."""
     keys = ""
@@ -72,7 +72,8 @@ def _stage_keys(kw, i: int) -> str:
         values = kw.get(plural)
         if values is not None and values[i] is not None:
             keys += f'{key} = "{values[i]}"\n'
-    return keys + shard_tables(kw.get("experts", {}).get(i, ()))
+    table = f"{pool}.stages" if pool else "stages"
+    return keys + shard_tables(kw.get("experts", {}).get(i, ()), table)
 
 
 class Daemon:
