@@ -10,17 +10,15 @@ import fcntl
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import msgspec
 import zmq
 
 from kvasir.config.plan import Plan
-from kvasir.daemon.children import Child, StagePlace
+from kvasir.daemon.children import Child, spawn_child
 from kvasir.daemon.layout import Layout, LayoutError, lay_out
 from kvasir.daemon.notify import ServiceNotifier
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
@@ -41,7 +39,7 @@ from kvasir.wire.control import (
     WorkerSettings,
 )
 from kvasir.wire.rundir import RuntimeDirError, make_runtime_dir
-from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+from kvasir.wire.transport import Endpoints, PullChannel, make_socket
 
 DaemonPhase = Literal["starting", "running", "draining", "stopping", "stopped"]
 RingState = Literal["up", "down", "starting"]  # the children, while the daemon runs
@@ -146,13 +144,7 @@ class Launcher:
             self._new_bridge = True
 
     def _spawn(self, role: Role, index: int) -> Child:
-        place, shards = StagePlace("", self.plan, 0, []), []
-        if role == "stage":
-            place = self.layout.places[index]
-            shards = place.shards
-        elif role == "shard":
-            shards = [self.layout.shards[index]]
-            place = self.layout.places[shards[0].stage]
+        place, shards = self.layout.place_of(role, index, self.plan)
         settings = WorkerSettings(
             role=role,
             index=index,
@@ -168,14 +160,9 @@ class Launcher:
             model=self._model_facts() if role == "bridge" else None,
             shards=shards,
         )
-        name = "bridge" if role == "bridge" else f"{role}-{index}"
-        process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE)
-        if process.stdin is not None:  # always, with stdin=PIPE
-            process.stdin.write(msgspec.msgpack.encode(settings))
-            process.stdin.close()
-        command = PushChannel[Command](make_socket(self.ctx, zmq.PUSH, connect=self.ends.command(name)))
-        self.log.info("spawned", child=name, pid=process.pid)
-        return Child(name, process, command)
+        child = spawn_child(settings, self.ctx, self.ends)
+        self.log.info("spawned", child=child.name, pid=child.process.pid)
+        return child
 
     def _model_facts(self) -> ModelFacts:
         folder = self.source.weights_dir

@@ -32,6 +32,17 @@ class Layout:
     ipc_edges: dict[str, tuple[int, int]] = field(default_factory=dict)  # edge name -> (producer, consumer)
     wiring: HandoffWiring | None = None  # disaggregated plans: the prefill caches
 
+    def place_of(self, role: str, index: int, plan: Plan) -> tuple[StagePlace, list[ShardWiring]]:
+        """Where a child sits and the expert shards it deals with: a stage's place and its
+        shards; a shard's stage's place and itself; the bridge: the whole plan, none."""
+        if role == "stage":
+            place = self.places[index]
+            return place, place.shards
+        if role == "shard":
+            shard = self.shards[index]
+            return self.places[shard.stage], [shard]
+        return StagePlace("", plan, 0, []), []
+
     def close(self) -> None:
         """Unmap and remove every shared-memory file made here."""
         for ring in self.rings:
