@@ -30,7 +30,6 @@ class StageEngine:
         ordinal = cuda_ordinal(stage.device)
         self.device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)  # "cuda" is cuda:0
         dtype = torch_dtype(plan.model.dtype)
-        self.dtype = dtype
         modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
         self.dispatch = DispatchClock()
         self.model = StageModel(modules, source, self.device)
