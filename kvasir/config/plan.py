@@ -260,11 +260,14 @@ def _check_pools(plan: Plan) -> None:
             _check_kv(f"{name}.kv", pool.kv, plan.model.max_seq_len)
         _check_stages(pool.stages, f"{name}.stages")
         for i, stage in enumerate(pool.stages):
-            if stage.device != "cpu":
-                raise PlanError(
-                    f"{name}.stages[{i}].device = {stage.device!r}: in this version a disaggregated plan runs on CPU "
-                    "stages (the KV hand-off goes through shared memory)"
-                )
+            workers = [(f"{name}.stages[{i}]", stage.device)]
+            workers += [(f"{name}.stages[{i}].experts[{j}]", shard.device) for j, shard in enumerate(stage.experts)]
+            for key, device in workers:
+                if device != "cpu":
+                    raise PlanError(
+                        f"{key}.device = {device!r}: in this version a disaggregated plan runs on CPU "
+                        "stages (the KV hand-off goes through shared memory)"
+                    )
 
 
 def tcp_host(endpoint: str) -> str | None:

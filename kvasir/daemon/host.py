@@ -15,7 +15,10 @@ def check_host(plan: Plan) -> None:
     usable = os.sched_getaffinity(0)
     for pool, view in plan.pools():
         for index, stage in enumerate(view.stages):
-            _check_stage_host(f"{pool}.stages[{index}]" if pool else f"stages[{index}]", stage, usable, torch)
+            key = f"{pool}.stages[{index}]" if pool else f"stages[{index}]"
+            _check_stage_host(key, stage, usable, torch)
+            for j, shard in enumerate(stage.experts):  # expert shards: the same keys
+                _check_stage_host(f"{key}.experts[{j}]", shard, usable, torch)
 
 
 def _check_stage_host(key: str, stage, usable: set[int], torch) -> None:

@@ -389,6 +389,8 @@ def test_disaggregated_pools_take_expert_shards_and_the_plan_reads_back():
     assert [len(s.experts) for s in plan.all_stages] == [2, 0, 2, 0]
     assert parse_plan(plan_toml(plan)) == plan
     assert "decode.stages[0].experts[1].experts = [4, 8]" in refused(prefill + decode.replace("[3, 8]", "[4, 8]"))
+    on_gpu = decode.replace("threads = 1", 'device = "cuda:0"')
+    assert "decode.stages[0].experts[0].device = 'cuda:0': in this version" in refused(prefill + on_gpu)
 
 
 def test_plan_check_shows_each_shard(tmp_path, tiny_models):
