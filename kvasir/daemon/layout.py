@@ -17,6 +17,7 @@ from kvasir.ring.edges import pool_edges, torch_peer_access
 from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.slots import ShmSlotRing
 from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.wire.base import Role
 from kvasir.wire.control import DispatchSlot, EdgeSpec, HandoffWiring, KvSegment, ShardWiring
 
 
@@ -32,7 +33,7 @@ class Layout:
     ipc_edges: dict[str, tuple[int, int]] = field(default_factory=dict)  # edge name -> (producer, consumer)
     wiring: HandoffWiring | None = None  # disaggregated plans: the prefill caches
 
-    def place_of(self, role: str, index: int, plan: Plan) -> tuple[StagePlace, list[ShardWiring]]:
+    def place_of(self, role: Role, index: int, plan: Plan) -> tuple[StagePlace, list[ShardWiring]]:
         """Where a child sits and the expert shards it deals with: a stage's place and its
         shards; a shard's stage's place and itself; the bridge: the whole plan, none."""
         if role == "stage":

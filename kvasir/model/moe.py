@@ -55,7 +55,8 @@ class MissingExperts:
 
 
 class LocalExperts(nn.Module):
-    """The experts ``experts[0] <= e < experts[1]`` of one layer, stacked."""
+    """The experts ``experts[0] <= e < experts[1]`` of one layer, stacked; ``routed``
+    counts the tokens each has computed (an expert shard reports them)."""
 
     def __init__(self, layout: MoeLayout, experts: tuple[int, int], dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -65,6 +66,7 @@ class LocalExperts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(n, 2 * layout.inter, layout.hidden, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(n, layout.hidden, layout.inter, dtype=dtype), requires_grad=False)
         self.act = ACT2FN[layout.act]
+        self.routed = [0] * n
 
     def pieces(self, layer: int) -> dict[str, list[Piece]]:
         """Which checkpoint tensor fills which part of ``gate_up`` and ``down``."""
@@ -92,6 +94,7 @@ class LocalExperts(nn.Module):
         for row, count in enumerate(counts):
             if count == 0:
                 continue
+            self.routed[row] += count
             picks = order[start : start + count]
             start += count
             tokens = picks // top_k

@@ -17,6 +17,7 @@ import zmq
 
 from kvasir.model.moe import LocalExperts
 from kvasir.ring.expert_slots import DispatchSegment
+from kvasir.ring.shm import SlotError
 from kvasir.wire.bridge import ShardStats
 from kvasir.wire.control import Heartbeat, ShardWiring, WorkerSettings
 from kvasir.wire.experts import ExpertDone, ExpertWork
@@ -62,8 +63,6 @@ class ShardAgent:
         self.log = log
         self.device = next(iter(bank.values())).gate_up.device
         self.num_experts = next(iter(bank.values())).layout.num_experts
-        first, end = wiring.experts
-        self.counts = torch.zeros(end - first, dtype=torch.int64)
         self.clock = ShardClock(started=time.monotonic())
         self.heartbeat = Heartbeat("shard", wiring.number, os.getpid())
         self.poller = zmq.Poller()
@@ -108,8 +107,6 @@ class ShardAgent:
         with torch.inference_mode():
             out = self.bank[message.layer](hidden, ids, weights)
         self.slot.out[:rows].copy_(out)
-        first, end = self.wiring.experts
-        self.counts += torch.bincount(ids.reshape(-1).cpu(), minlength=self.num_experts)[first:end]
         self.ports.results.send(ExpertDone(message.seq, self.wiring.number, rows))
         self.clock.busy_s += time.monotonic() - started
         self.clock.dispatches += 1
@@ -117,8 +114,10 @@ class ShardAgent:
     def _check(self, work: ExpertWork) -> str | None:
         if work.layer not in self.bank:
             return f"layer {work.layer} is not an MoE layer of stage {self.wiring.stage}"
-        if not 0 < work.rows <= self.slot.spec.max_rows:
-            return f"{work.rows} rows, the slot holds 1 to {self.slot.spec.max_rows}"
+        try:
+            self.slot.check(work.rows)
+        except SlotError as exc:
+            return str(exc)
         ids = self.slot.ids[: work.rows]
         if int(ids.min()) < 0 or int(ids.max()) >= self.num_experts:
             return f"expert ids outside [0, {self.num_experts})"
@@ -134,7 +133,7 @@ class ShardAgent:
 
     def stats(self, now: float) -> ShardStats:
         c = self.clock
-        counts = tuple(self.counts.tolist())
+        counts = tuple(sum(column) for column in zip(*(experts.routed for experts in self.bank.values())))
         return ShardStats(
             number=self.wiring.number,
             stage=self.wiring.stage,
