@@ -43,25 +43,31 @@ class Pulse:
 
 
 class ShardResults:
-    """The stage's PULL socket for its shards' ``ExpertDone``; each shard's latest kept."""
+    """The stage's PULL socket for its shards' ``ExpertDone``. Only the answer to each
+    shard's outstanding dispatch is kept: anything else (a stray or replayed result) is
+    dropped, so it can neither stand in for nor displace the answer awaited."""
 
     def __init__(self, inbox: PullChannel, pulse: Callable[[], None], wait_s: float) -> None:
         self.inbox = inbox
         self.pulse = pulse  # heartbeats while waiting
         self.wait_s = wait_s
+        self.awaited: dict[int, int] = {}  # shard number -> the seq of its outstanding dispatch
         self.done: dict[int, ExpertDone] = {}
+
+    def expect(self, shard: int, seq: int) -> None:
+        self.awaited[shard] = seq
 
     def wait(self, shard: int, seq: int) -> ExpertDone:
         deadline = time.monotonic() + self.wait_s
         while True:
             for message in self.inbox.drain():
-                if isinstance(message, ExpertDone):
+                if isinstance(message, ExpertDone) and self.awaited.get(message.shard) == message.seq:
                     self.done[message.shard] = message
+                    del self.awaited[message.shard]
                 else:
-                    self.inbox.drop(f"{type(message).__name__} is not a shard's result")
-            done = self.done.get(shard)
-            if done is not None and done.seq == seq:
-                del self.done[shard]
+                    self.inbox.drop(f"{message!r} answers no outstanding dispatch")
+            done = self.done.pop(shard, None)
+            if done is not None:
                 return done
             if time.monotonic() > deadline:
                 raise ShardLost(f"shard-{shard} did not answer dispatch {seq} within {self.wait_s:g} s")
@@ -88,6 +94,7 @@ class RemoteShard:
         self.slot.write_rows(hidden, ids, weights)
         self.seq += 1
         self._rows = hidden.shape[0]
+        self.results.expect(self.wiring.number, self.seq)
         self.work.send(ExpertWork(self.seq, layer, self._rows))
 
     def finish(self, layer: int) -> torch.Tensor:
