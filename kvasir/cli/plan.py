@@ -219,7 +219,7 @@ def _print_shards(shards) -> None:
                 str(s.threads),
                 f"{s.parameters:,}",
                 format_bytes(s.parameter_bytes),
-                f"{s.slots} x {format_bytes(s.dispatch_bytes)} shm",
+                f"{s.slots} x {format_bytes(s.dispatch_bytes)} {s.dispatch_kind}",
             )
         )
     for line in table_lines(rows):

@@ -32,6 +32,13 @@ EDGE_KINDS: tuple[str, ...] = get_args(EdgeRequest)
 
 IPC: Literal["cuda-ipc"] = "cuda-ipc"
 
+DispatchKind = Literal["shm", "pinned"]  # an expert shard's dispatch slot (kvasir/ring/expert_slots.py)
+
+
+def dispatch_kind(stage: str, shard: str) -> DispatchKind:
+    """Host shared memory, page-locked ("pinned") where the stage or the shard is on CUDA."""
+    return "pinned" if cuda_ordinal(stage) is not None or cuda_ordinal(shard) is not None else "shm"
+
 
 def cuda_ordinal(device: str) -> int | None:
     """The CUDA device number of "cuda" / "cuda:N" (plain "cuda" is device 0); None for "cpu"."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvasir.config.devices import torch_dtype
+from kvasir.config.devices import DispatchKind, dispatch_kind, torch_dtype
 from kvasir.config.plan import Plan, Pool
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import build_skeleton, count_parameters, slice_spec
@@ -54,6 +54,7 @@ class ShardFootprint:
     parameters: int
     parameter_bytes: int
     dispatch_bytes: int
+    dispatch_kind: DispatchKind = "shm"
     slots: int = 1  # a stage has one layer's rows out to a shard at a time
 
 
@@ -80,6 +81,7 @@ def shard_footprint(plan: Plan, source: ModelSource) -> list[ShardFootprint]:
                         params,
                         params * dtype.itemsize,
                         slot,
+                        dispatch_kind(stage.device, shard.device),
                     )  # fmt: skip
                 )
         first += len(view.stages)

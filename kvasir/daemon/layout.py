@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvasir.config.devices import dispatch_kind
 from kvasir.config.plan import Plan
 from kvasir.daemon.children import StagePlace
 from kvasir.errors import KvasirError
@@ -110,6 +111,9 @@ def _shards(source: ModelSource, prefix: str, layout: Layout) -> None:
                 hidden=moe.hidden,
                 top_k=moe.top_k,
                 dtype=place.plan.model.dtype,
+                kind=dispatch_kind(stage.device, spec.device),
+                stage_device=stage.device,
+                shard_device=spec.device,
             )
             layout.rings.append(DispatchSegment(slot, create=True))
             wiring = ShardWiring(number=number, stage=index, layers=stage.layers, spec=spec, slot=slot)

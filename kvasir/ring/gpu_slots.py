@@ -28,6 +28,18 @@ from kvasir.wire.control import CudaMemoryHandle, EdgeHandles, EdgeSpec
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 
 
+def register_host(pointer: int, size: int, what: str) -> int:
+    """Page-lock ``size`` bytes of host memory at ``pointer`` for CUDA copies; the pointer."""
+    status = int(torch.cuda.cudart().cudaHostRegister(pointer, size, HOST_REGISTER_PORTABLE))
+    if status != 0:
+        raise SlotError(f"{what}: cudaHostRegister of {size} bytes failed (cudaError {status})")
+    return pointer
+
+
+def unregister_host(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
 def _side_device(spec: EdgeSpec, side: Side) -> str:
     return spec.producer if side == "producer" else spec.consumer
 
@@ -43,13 +55,7 @@ class PinnedSlotRing(ShmSlotRing):
         self._registered: int | None = None
         self._events: list[torch.cuda.Event] = []
         if self.device is not None:
-            pointer = self._slots.data_ptr()
-            status = int(torch.cuda.cudart().cudaHostRegister(pointer, edge_bytes(spec), HOST_REGISTER_PORTABLE))
-            if status != 0:
-                raise SlotError(
-                    f"edge {spec.name}: cudaHostRegister of {edge_bytes(spec)} bytes failed (cudaError {status})"
-                )
-            self._registered = pointer
+            self._registered = register_host(self._slots.data_ptr(), edge_bytes(spec), f"edge {spec.name}")
             self._events = [torch.cuda.Event() for _ in range(spec.slots)]
 
     def write(self, slot: int, boundary: torch.Tensor) -> None:
@@ -77,7 +83,7 @@ class PinnedSlotRing(ShmSlotRing):
 
     def close(self) -> None:
         if self._registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            unregister_host(self._registered)
             self._registered = None
         super().close()
 

@@ -101,12 +101,10 @@ class ShardAgent:
             return
         started = time.monotonic()
         rows = message.rows
-        ids = self.slot.ids[:rows].to(self.device)
-        weights = self.slot.weights[:rows].to(self.device, self.weights_dtype)
-        hidden = self.slot.hidden[:rows].to(self.device)
+        hidden, ids, weights = self.slot.read_rows(rows, self.device, self.weights_dtype)
         with torch.inference_mode():
             out = self.bank[message.layer](hidden, ids, weights)
-        self.slot.out[:rows].copy_(out)
+        self.slot.write_out(out)
         self.ports.results.send(ExpertDone(message.seq, self.wiring.number, rows))
         self.clock.busy_s += time.monotonic() - started
         self.clock.dispatches += 1
@@ -118,8 +116,8 @@ class ShardAgent:
             self.slot.check(work.rows)
         except SlotError as exc:
             return str(exc)
-        ids = self.slot.ids[: work.rows]
-        if int(ids.min()) < 0 or int(ids.max()) >= self.num_experts:
+        low, high = self.slot.ids[: work.rows].aminmax()
+        if int(low) < 0 or int(high) >= self.num_experts:
             return f"expert ids outside [0, {self.num_experts})"
         return None
 

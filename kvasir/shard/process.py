@@ -33,7 +33,7 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[ShardA
     bank = load_experts(source, wiring.layers, wiring.experts, dtype, device)
     moe = source.moe
     weights_dtype = torch.float32 if moe is None or moe.float32_weights else dtype
-    slot = DispatchSegment(wiring.slot, create=False)
+    slot = DispatchSegment(wiring.slot, create=False, side="shard")
 
     def push(kind, endpoint: str) -> PushChannel:
         return PushChannel[kind](make_socket(ctx, zmq.PUSH, connect=endpoint))

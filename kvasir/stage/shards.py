@@ -101,7 +101,7 @@ class RemoteShard:
         done = self.results.wait(self.wiring.number, self.seq)
         if done.rows != self._rows:
             raise ShardLost(f"shard-{done.shard} answered dispatch {done.seq} with {done.rows} rows, not {self._rows}")
-        return self.slot.out[: self._rows].to(self.device)
+        return self.slot.read_out(self._rows, self.device)
 
 
 def connect_shards(
@@ -115,7 +115,7 @@ def connect_shards(
     """The stage's RemoteShards (in expert order) and the slots to close at the end;
     ``work(number)`` is a PUSH channel to a shard's work socket."""
     results = ShardResults(inbox, pulse, wait_s)
-    slots = [DispatchSegment(wiring.slot, create=False) for wiring in shards]
+    slots = [DispatchSegment(wiring.slot, create=False, side="stage") for wiring in shards]
     remote = [
         RemoteShard(wiring, slot, work(wiring.number), results, device)
         for wiring, slot in zip(shards, slots, strict=True)

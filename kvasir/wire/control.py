@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from kvasir.config.devices import EdgeKind
+from kvasir.config.devices import DispatchKind, EdgeKind
 from kvasir.config.plan import Plan, Pool
 from kvasir.config.shards import ShardSpec
 from kvasir.wire.base import Role, Side, Tagged, Wire
@@ -60,6 +60,9 @@ class DispatchSlot(msgspec.Struct, frozen=True, kw_only=True):
     hidden: int
     top_k: int
     dtype: str
+    kind: DispatchKind = "shm"  # "pinned": page-locked by its CUDA side(s)
+    stage_device: str = "cpu"
+    shard_device: str = "cpu"
 
 
 class ShardWiring(msgspec.Struct, frozen=True, kw_only=True):

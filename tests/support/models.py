@@ -118,8 +118,13 @@ def save_tiny_tokenizer(folder: Path) -> None:
 
 
 def shard_tables(ranges, table: str = "stages") -> str:
-    """The ``[[stages.experts]]`` tables of a stage's expert shards, one per range."""
-    return "".join(f"[[{table}.experts]]\nexperts = [{a}, {b}]\n" for a, b in ranges)
+    """The ``[[stages.experts]]`` tables of a stage's expert shards, one per range
+    ``(first, end)`` or ``(first, end, device)``."""
+    text = ""
+    for first, end, *device in ranges:
+        text += f"[[{table}.experts]]\nexperts = [{first}, {end}]\n"
+        text += "".join(f'device = "{d}"\n' for d in device)
+    return text
 
 
 def make_plan(

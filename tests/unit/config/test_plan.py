@@ -406,6 +406,10 @@ def test_plan_check_shows_each_shard(tmp_path, tiny_models):
     # layers 3 and 5 are MoE (4 too; the tiny Qwen2-MoE's only dense layer is 1): 3 layers x 3 x 64 x 48
     assert one["parameters"] == 3 * 3 * 64 * 48 and seven["parameters"] == 7 * one["parameters"]
     assert one["stage"] == 1 and one["experts"] == [0, 1] and one["dispatch_bytes"] > 0
+    assert one["dispatch_kind"] == "shm" and lines[start].split()[-1] == "shm"
+    path.write_text(path.read_text().replace("experts = [1, 8]\n", 'experts = [1, 8]\ndevice = "cuda:0"\n'))
+    body = json.loads(CliRunner().invoke(kvasir, ["plan", "check", "--json", str(path)]).output)
+    assert [s["dispatch_kind"] for s in body["shards"]] == ["shm", "pinned"]  # a CUDA side page-locks its slot
     assert body["model"]["experts"] == 8 and body["model"]["moe_layers"] == [0, 2, 3, 4, 5]
     dense = write_plan(tmp_path, str(tiny_models["llama"]), [(0, 3), (3, 6)])
     dense.write_text(dense.read_text() + "[[stages.experts]]\nexperts = [0, 1]\n")
