@@ -1,4 +1,4 @@
-"""``kvasir keys generate``: CURVE key pairs for the TCP endpoint."""
+"""``kvasir keys generate``: CURVE key pairs for the TCP endpoint and for the hosts of a plan."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvasir.errors import KvasirError
 
 @click.group()
 def keys() -> None:
-    """CURVE keys for the daemon's TCP endpoint."""
+    """CURVE keys for the daemon's TCP endpoint and a plan's hosts."""
 
 
 @keys.command("generate")
@@ -23,17 +23,27 @@ def keys() -> None:
     multiple=True,
     default=None,
     metavar="NAME",
-    help="Make a client key pair called NAME (repeatable; default: one called 'client').",
+    help="Make a client key pair called NAME (repeatable; default, without --host: one called 'client').",
 )
-def keys_generate(folder: str, clients: tuple[str, ...]) -> None:
-    """Make key pairs in FOLDER: the daemon's (server.key, server.key_secret; kept if it
-    exists) and each client's (NAME.key, NAME.key_secret, with NAME.key also copied into
-    FOLDER/clients/, the allow-list a plan names as bridge.client_keys). Secret files are
-    mode 0600. Never overwrites a key."""
+@click.option(
+    "--host",
+    "hosts",
+    multiple=True,
+    default=None,
+    metavar="NAME",
+    help="Make the key pair of the plan's host NAME (repeatable): the FOLDER a plan's cluster.keys names.",
+)
+def keys_generate(folder: str, clients: tuple[str, ...], hosts: tuple[str, ...]) -> None:
+    """Make key pairs in FOLDER: with --client (or with no option), the daemon's
+    (server.key, server.key_secret; kept if it exists) and each client's (NAME.key,
+    NAME.key_secret, with NAME.key also copied into FOLDER/clients/, the allow-list a plan
+    names as bridge.client_keys); with --host, each host's (NAME.key, NAME.key_secret:
+    copy the secret file to that host only). Secret files are mode 0600. Never
+    overwrites a key."""
     from kvasir.config.keys import generate as generate_keys
 
     try:
-        made = generate_keys(Path(folder), list(clients) or ["client"])
+        made = generate_keys(Path(folder), list(clients) or ([] if hosts else ["client"]), list(hosts))
     except KvasirError as exc:
         fail(exc)
     for path in made:

@@ -181,23 +181,25 @@ def _print_plan(path, resolved, source, stages) -> None:
         f"restarts at most {sup.max_restarts} in {sup.restart_window_s:g} s, "
         f"hung after {sup.heartbeat_timeout_s:g} s without a heartbeat"
     )
+    if resolved.cluster is not None:
+        hosts = ", ".join(f"{name} ({h.address}:{h.port})" for name, h in resolved.hosts.items())
+        click.echo(f"cluster  leader {resolved.cluster.leader}; hosts {hosts}; keys {resolved.cluster.keys}")
     header = ("stage", "role", "layers", "device", "threads", "params", "param bytes", "kv bytes", "boundary in")
-    rows = [header]
+    rows = [header + (("host",) if resolved.cluster else ())]
     for s in stages:
         slots = f"{s.slots} x {format_bytes(s.slot_bytes)} {s.edge}" if s.slots else "-"
-        rows.append(
-            (
-                str(s.index),
-                f"{s.pool} {s.role}" if s.pool else s.role,
-                f"[{s.layers[0]}, {s.layers[1]})",
-                s.device,
-                str(s.threads),
-                f"{s.parameters:,}",
-                format_bytes(s.parameter_bytes),
-                format_bytes(s.kv_bytes),
-                slots,
-            )
+        row = (
+            str(s.index),
+            f"{s.pool} {s.role}" if s.pool else s.role,
+            f"[{s.layers[0]}, {s.layers[1]})",
+            s.device,
+            str(s.threads),
+            f"{s.parameters:,}",
+            format_bytes(s.parameter_bytes),
+            format_bytes(s.kv_bytes),
+            slots,
         )
+        rows.append(row + ((str(s.host),) if resolved.cluster else ()))
     for line in table_lines(rows):
         click.echo(line)
     for s in stages:
@@ -208,19 +210,20 @@ def _print_plan(path, resolved, source, stages) -> None:
 def _print_shards(shards) -> None:
     if not shards:
         return
-    rows = [("shard", "stage", "experts", "device", "threads", "params", "param bytes", "dispatch")]
+    hosts = any(s.host is not None for s in shards)
+    header: tuple[str, ...] = ("shard", "stage", "experts", "device", "threads", "params", "param bytes", "dispatch")
+    rows = [header + (("host",) if hosts else ())]
     for s in shards:
-        rows.append(
-            (
-                str(s.number),
-                str(s.stage),
-                f"[{s.experts[0]}, {s.experts[1]})",
-                s.device,
-                str(s.threads),
-                f"{s.parameters:,}",
-                format_bytes(s.parameter_bytes),
-                f"{s.slots} x {format_bytes(s.dispatch_bytes)} {s.dispatch_kind}",
-            )
+        row: tuple[str, ...] = (
+            str(s.number),
+            str(s.stage),
+            f"[{s.experts[0]}, {s.experts[1]})",
+            s.device,
+            str(s.threads),
+            f"{s.parameters:,}",
+            format_bytes(s.parameter_bytes),
+            f"{s.slots} x {format_bytes(s.dispatch_bytes)} {s.dispatch_kind}",
         )
+        rows.append(row + ((str(s.host),) if hosts else ()))
     for line in table_lines(rows):
         click.echo(line)

@@ -25,7 +25,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-EdgeKind = Literal["shm", "pinned", "cuda-ipc"]  # what an edge is (kvasir/ring/edges.py picks)
+EdgeKind = Literal["shm", "pinned", "cuda-ipc", "tcp"]  # what an edge is (kvasir/ring/edges.py picks)
 EdgeRequest = Literal["auto", "cuda-ipc", "pinned", "shm"]  # what a plan may ask for
 EDGE_KINDS: tuple[str, ...] = get_args(EdgeRequest)
 

@@ -4,12 +4,15 @@
 share): ``NAME.key`` holds a public key, ``NAME.key_secret`` the pair (mode 0600). The
 daemon's pair is ``server``; each client's public key is also copied into
 ``DIR/clients/``, the folder a plan names as ``bridge.client_keys`` (the allow-list).
+``--host NAME`` makes a host's pair for a plan with several hosts: the folder a plan
+names as ``cluster.keys`` holds every host's public key.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import zmq
@@ -25,27 +28,31 @@ class KeyFileError(KvasirError):
     """A key file or folder is missing or is not a CURVE key."""
 
 
-def generate(folder: Path, clients: list[str]) -> list[Path]:
-    """Make the server pair (unless it exists) and one pair per client name; the files made.
+def generate(folder: Path, clients: Sequence[str], hosts: Sequence[str] = ()) -> list[Path]:
+    """Make the server pair (unless it exists or only hosts are asked for), one pair per
+    client name and one per host name; the files made.
 
-    Never overwrites: an existing client pair of the same name is an error."""
-    for name in clients:
-        if not name or "/" in name or name.startswith(".") or name in (SERVER, ALLOWED):
-            raise KeyFileError(f"{name!r} cannot name a client key (use letters, digits, '-' or '_')")
-        if (folder / f"{name}.key").exists() or (folder / f"{name}.key_secret").exists():
-            raise KeyFileError(f"{folder / name}.key already exists: remove it first or choose another name")
+    Never overwrites: an existing client or host pair of the same name is an error."""
+    for kind, names in (("client", clients), ("host", hosts)):
+        for name in names:
+            if not name or "/" in name or name.startswith(".") or name in (SERVER, ALLOWED):
+                raise KeyFileError(f"{name!r} cannot name a {kind} key (use letters, digits, '-' or '_')")
+            if (folder / f"{name}.key").exists() or (folder / f"{name}.key_secret").exists():
+                raise KeyFileError(f"{folder / name}.key already exists: remove it first or choose another name")
+    if len(set(clients) | set(hosts)) < len(clients) + len(hosts):
+        raise KeyFileError("a name is given twice: each key pair needs its own name")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    allowed = folder / ALLOWED
-    allowed.mkdir(mode=0o700, exist_ok=True)
-    names = ([] if (folder / f"{SERVER}.key_secret").exists() else [SERVER]) + clients
+    server = [] if (folder / f"{SERVER}.key_secret").exists() or not clients else [SERVER]
     made: list[Path] = []
     umask = os.umask(0o077)  # no moment where a secret key is readable by others
     try:
-        for name in names:
+        for name in [*server, *clients, *hosts]:
             public, secret = (Path(p) for p in zmq.auth.create_certificates(folder, name))
             os.chmod(public, 0o644)
             made += [public, secret]
-            if name != SERVER:
+            if name in clients:
+                allowed = folder / ALLOWED
+                allowed.mkdir(mode=0o700, exist_ok=True)
                 shutil.copyfile(public, allowed / public.name)
                 made.append(allowed / public.name)
     finally:

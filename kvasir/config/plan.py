@@ -15,6 +15,7 @@ from typing import Literal
 
 import msgspec
 
+from kvasir.config.cluster import ClusterSpec, HostSpec, check_cluster
 from kvasir.config.devices import DTYPES, check_edge_request
 from kvasir.config.placement import check_placement, positive
 from kvasir.config.shards import ShardSpec, check_shards, check_shards_fit
@@ -74,6 +75,7 @@ class StageSpec(_Section, frozen=True):
     cpus: tuple[int, ...] | None = None
     edge: str | None = None  # slot kind of the edge to the next stage: auto (default) | cuda-ipc | pinned | shm
     experts: tuple[ShardSpec, ...] = ()  # expert shards of its MoE layers; none: the stage runs its experts
+    host: str | None = None  # a [hosts.NAME] of the plan (default: the cluster's leader)
 
 
 class PoolSpec(_Section, frozen=True):
@@ -102,6 +104,8 @@ class Plan(_Section, frozen=True):
     stages: tuple[StageSpec, ...] = ()
     prefill: PoolSpec | None = None  # a disaggregated plan has both pools and no [[stages]]
     decode: PoolSpec | None = None
+    cluster: ClusterSpec | None = None  # several hosts (kvasir/config/cluster.py)
+    hosts: dict[str, HostSpec] = {}
 
     @property
     def disaggregated(self) -> bool:
@@ -217,6 +221,7 @@ def _check_values(plan: Plan) -> None:
     if not plan.handoff.lease_s > 0 or plan.handoff.lease_s == float("inf"):
         raise PlanError(f"handoff.lease_s must be a positive number of seconds, got {plan.handoff.lease_s}")
     _check_pools(plan)
+    check_cluster(plan)
 
 
 def _check_widths(key: str, batch: BatchSpec) -> None:
@@ -399,8 +404,11 @@ def plan_toml(plan: Plan) -> str:
         return [f"[[{name}]]", *table(spec), "", *shards]
 
     lines: list[str] = []
-    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff"):
-        lines += [f"[{name}]", *table(getattr(plan, name)), ""]
+    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff", "cluster"):
+        if getattr(plan, name) is not None:
+            lines += [f"[{name}]", *table(getattr(plan, name)), ""]
+    for host, address in plan.hosts.items():
+        lines += [f"[hosts.{host}]", *table(address), ""]
     for spec in plan.stages:
         lines += stage("stages", spec)
     for name in POOLS:

@@ -22,6 +22,7 @@ class ShardSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     device: str = "cpu"
     threads: int = 1
     cpus: tuple[int, ...] | None = None
+    host: str | None = None  # a [hosts.NAME] of the plan (default: its stage's host)
 
 
 def check_shards(key: str, shards: tuple[ShardSpec, ...]) -> None:

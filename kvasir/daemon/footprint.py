@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvasir.config.cluster import worker_host
 from kvasir.config.devices import DispatchKind, dispatch_kind, torch_dtype
 from kvasir.config.plan import Plan, Pool
 from kvasir.model.kv_cache import PagedKVCache
@@ -39,6 +40,7 @@ class StageFootprint:
         ""  # that edge's slot kind: shm | pinned | cuda-ipc | auto (undecided without CUDA here); "" on the head
     )
     edge_reason: str = ""
+    host: str | None = None  # a plan with [cluster]: the host it runs on
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class ShardFootprint:
     parameters: int
     parameter_bytes: int
     dispatch_bytes: int
-    dispatch_kind: DispatchKind = "shm"
+    dispatch_kind: DispatchKind | Literal["tcp"] = "shm"  # tcp: the shard is on another host
+    host: str | None = None  # a plan with [cluster]: the host it runs on
     slots: int = 1  # a stage has one layer's rows out to a shard at a time
 
 
@@ -71,6 +74,7 @@ def shard_footprint(plan: Plan, source: ModelSource) -> list[ShardFootprint]:
             for shard in stage.experts:
                 params = layers * (shard.experts[1] - shard.experts[0]) * layout.expert_parameters()
                 slot = dispatch_slot_bytes(view.batch.max_tokens, layout.hidden, layout.top_k, dtype.itemsize)
+                host = worker_host(plan.cluster, shard.host, stage.host)
                 out.append(
                     ShardFootprint(
                         len(out),
@@ -81,7 +85,10 @@ def shard_footprint(plan: Plan, source: ModelSource) -> list[ShardFootprint]:
                         params,
                         params * dtype.itemsize,
                         slot,
-                        dispatch_kind(stage.device, shard.device),
+                        "tcp"
+                        if host != worker_host(plan.cluster, stage.host)
+                        else dispatch_kind(stage.device, shard.device),
+                        host,
                     )  # fmt: skip
                 )
         first += len(view.stages)
@@ -103,7 +110,8 @@ def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
 def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> list[StageFootprint]:
     dtype = torch_dtype(plan.model.dtype)
     slot = boundary_slot_bytes(plan, source)
-    edges = pool_edges(plan.stages, torch_peer_access(plan.stages))
+    hosts = [worker_host(plan.cluster, stage.host) for stage in plan.stages]
+    edges = pool_edges(plan.stages, torch_peer_access(plan.stages), hosts)
     out = []
     for index, stage in enumerate(plan.stages):
         spec = slice_spec(plan, index)
@@ -132,6 +140,7 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> 
                 slots=0 if spec.is_head else plan.batch.inflight,
                 edge="" if spec.is_head else edges[index - 1].kind,
                 edge_reason="" if spec.is_head else edges[index - 1].reason,
+                host=hosts[index],
             )
         )
     return out

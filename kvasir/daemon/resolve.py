@@ -6,7 +6,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvasir.config.keys import KeyFileError, allowed_keys, load_pair
+from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_public
 from kvasir.config.plan import Plan, check_model_fit, load_plan
 from kvasir.errors import ModelSourceError, PlanError
 from kvasir.model.source import ModelSource, resolve_source
@@ -21,7 +21,7 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
     try:
         source = resolve_source(plan.model.source, base_dir=base)
         check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
-        plan = resolve_keys(plan, base)
+        plan = resolve_cluster(resolve_keys(plan, base), base)
     except (PlanError, ModelSourceError) as exc:
         raise PlanError(f"{path}: {exc}") from None
     return plan, source
@@ -43,3 +43,20 @@ def resolve_keys(plan: Plan, base: Path) -> Plan:
         raise PlanError(f"bridge.client_keys: {exc}") from None
     bridge = msgspec.structs.replace(bridge, server_key=str(server_key), client_keys=str(client_keys))
     return msgspec.structs.replace(plan, bridge=bridge)
+
+
+def resolve_cluster(plan: Plan, base: Path) -> Plan:
+    """The plan with an absolute ``cluster.keys``, once every host's public key loads."""
+    if plan.cluster is None or plan.cluster.keys is None:  # the plan check: hosts need keys
+        return plan
+    folder = base / plan.cluster.keys
+    if not folder.is_dir():
+        raise PlanError(f"cluster.keys: host key folder not found: {folder}")
+    for name in sorted(plan.hosts):
+        try:
+            load_public(folder / f"{name}.key")
+        except KeyFileError as exc:
+            raise PlanError(
+                f"cluster.keys: host {name}: {exc} (make the pairs with `kvasir keys generate DIR --host {name}`)"
+            ) from None
+    return msgspec.structs.replace(plan, cluster=msgspec.structs.replace(plan.cluster, keys=str(folder)))

@@ -7,6 +7,8 @@ Kinds (docs/architecture.md, Edge kinds):
     cuda-ipc  slot buffers on the consumer's GPU that the producer opens through CUDA IPC;
               interprocess CUDA events order each write before its read, and each read
               before the slot is written again
+    tcp       between stages on different hosts of a plan with [cluster] (ZMQ over TCP
+              with CURVE; running such a ring needs `kvasird join`, not in this version)
 
 A stage's ``edge`` key picks the kind of the edge from it to the next stage. ``auto`` (the
 default) picks CUDA IPC between two GPU stages (one GPU, or two that have peer access),
@@ -21,14 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast
 
 from kvasir.config.devices import IPC, EdgeRequest, cuda_ordinal
 
 
 @dataclass(frozen=True)
 class EdgeChoice:
-    kind: EdgeRequest  # "auto" while undecided (peer access unknown here)
+    kind: EdgeRequest | Literal["tcp"]  # "auto" while undecided (peer access unknown here)
     reason: str
 
 
@@ -63,9 +65,18 @@ def choose_edge(
     return EdgeChoice("pinned", f"{producer} has no peer access to {consumer}: staged through page-locked memory")
 
 
-def pool_edges(stages, peer_access: Callable[[int, int], bool] | None) -> list[EdgeChoice]:
-    """The choice for each edge of one pipeline (``stages``: a pool's StageSpecs, in order)."""
-    return [choose_edge(s.edge, s.device, nxt.device, peer_access) for s, nxt in zip(stages, stages[1:])]
+def pool_edges(
+    stages, peer_access: Callable[[int, int], bool] | None, hosts: list[str | None] | None = None
+) -> list[EdgeChoice]:
+    """The choice for each edge of one pipeline (``stages``: a pool's StageSpecs, in order;
+    ``hosts``: where each runs, None for a plan on one machine). Between hosts: tcp."""
+    where = hosts or [None] * len(stages)
+    return [
+        EdgeChoice("tcp", f"stages on hosts {where[k]} and {where[k + 1]}")
+        if where[k] != where[k + 1]
+        else choose_edge(s.edge, s.device, nxt.device, peer_access)
+        for k, (s, nxt) in enumerate(zip(stages, stages[1:]))
+    ]
 
 
 def torch_peer_access(stages) -> Callable[[int, int], bool] | None:

@@ -40,3 +40,22 @@ def test_bad_key_files_are_named(tmp_path):
     (tmp_path / "short.key").write_text('curve\n    public-key = "abc"\n')
     with pytest.raises(KeyFileError, match="malformed"):
         load_public(tmp_path / "short.key")
+
+
+def test_keys_generate_makes_each_hosts_pair_and_nothing_else(tmp_path):
+    folder = tmp_path / "keys"
+    result = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), "--host", "a", "--host", "b"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in folder.iterdir()) == ["a.key", "a.key_secret", "b.key", "b.key_secret"]
+    for name in ("a", "b"):
+        public, secret = load_pair(folder / f"{name}.key_secret")
+        assert zmq.curve_public(secret) == public == load_public(folder / f"{name}.key")
+        assert mode(folder / f"{name}.key_secret") == 0o600 and mode(folder / f"{name}.key") == 0o644
+    for args, expected in (
+        (["--host", "a"], "already exists"),
+        (["--host", "c", "--client", "c"], "given twice"),
+        (["--host", "clients"], "cannot name a host key"),
+    ):
+        refused = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), *args])
+        assert refused.exit_code == 2 and expected in refused.output, refused.output
+    assert not (folder / "c.key").exists()

@@ -1,0 +1,142 @@
+"""Several hosts in a plan: ``[cluster]``, ``[hosts.NAME]`` and ``host`` on stages and
+expert shards (kvasir/config/cluster.py), the host keys (kvasir/daemon/resolve.py), what
+``kvasir plan check`` shows and what ``kvasird start`` refuses in this version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvasir.cli.kvasird import kvasird
+from kvasir.cli.main import kvasir
+from kvasir.config.cluster import DEFAULT_PORT, worker_host
+from kvasir.config.plan import parse_plan, plan_toml
+from kvasir.errors import PlanError
+
+HOSTS = """
+[cluster]
+leader = "a"
+keys = "keys"
+[hosts.a]
+address = "10.0.0.1"
+[hosts.b]
+address = "10.0.0.2"
+port = 7400
+"""
+STAGES = """
+[[stages]]
+layers = [0, 3]
+[[stages.experts]]
+experts = [0, 4]
+host = "b"
+[[stages.experts]]
+experts = [4, 8]
+[[stages]]
+layers = [3, 6]
+host = "b"
+"""
+
+
+def refused(text: str) -> str:
+    with pytest.raises(PlanError) as info:
+        parse_plan(text)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_hosts_read_back_and_place_every_worker():
+    plan = parse_plan(HOSTS + STAGES)
+    assert parse_plan(plan_toml(plan)) == plan
+    assert plan.hosts["a"].port == DEFAULT_PORT and plan.hosts["b"].port == 7400
+    head, tail = plan.stages
+    assert worker_host(plan.cluster, head.host) == "a"  # a stage's default: the leader
+    assert worker_host(plan.cluster, tail.host) == "b"
+    assert [worker_host(plan.cluster, s.host, head.host) for s in head.experts] == ["b", "a"]  # a shard's: its stage's
+    assert worker_host(parse_plan(STAGES.replace('host = "b"\n', "")).cluster, None) is None  # one machine
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda t: t.replace(HOSTS, ""), "stages[0].experts[0].host = 'b' is not a host of the plan (the plan has no"),
+        (lambda t: t.replace('leader = "a"\nkeys = "keys"\n', 'leader = "a"\n'), "cluster.keys is missing"),
+        (lambda t: t.replace('[cluster]\nleader = "a"\nkeys = "keys"\n', ""), "hosts: a plan with [hosts.NAME]"),
+        (lambda t: t.replace('leader = "a"', 'leader = "c"'), "cluster.leader = 'c' is not one of the hosts (a, b)"),
+        (lambda t: t.replace('address = "10.0.0.2"', 'address = "10.0.0.1"'), "hosts.b.address = '10.0.0.1' is"),
+        (lambda t: t.replace('address = "10.0.0.2"', 'address = "not an address!"'), "neither an IP address nor"),
+        (lambda t: t.replace("port = 7400", "port = 70000"), "hosts.b.port = 70000 is not a TCP port"),
+        (lambda t: t.replace("[hosts.b]", "[hosts.\"b/c\"]").replace('"b"', '"b/c"'), "a host name is 1-63 letters"),
+        (lambda t: t.replace('layers = [3, 6]\nhost = "b"', 'layers = [3, 6]\nhost = "c"'), "stages[1].host = 'c'"),
+        (lambda t: t.replace("[[stages.experts]]\nexperts = [4, 8]", '[[stages.experts]]\nexperts = [4, 8]\nhost = "x"'),
+         "stages[0].experts[1].host = 'x' is not a host of the plan (the plan's hosts are a, b)"),
+        (lambda t: t.replace("layers = [0, 3]\n", 'layers = [0, 3]\nedge = "shm"\n'),
+         "stages[0].edge = 'shm': the edge goes from host a to host b, and only tcp crosses hosts"),
+        (lambda t: t.replace("address", "adress", 1), "hosts[...].adress: unknown key"),
+    ],
+)  # fmt: skip
+def test_bad_clusters_are_refused_naming_the_key(change, expected):
+    assert expected in refused(change(HOSTS + STAGES))
+
+
+def test_a_cluster_without_hosts_and_pool_stages_with_hosts():
+    assert "cluster: the plan names no hosts" in refused('[cluster]\nleader = "a"\nkeys = "k"\n' + STAGES)
+    pools = HOSTS + "".join(
+        f'[[{pool}.stages]]\nlayers = [0, 3]\nhost = "{host}"\n[[{pool}.stages]]\nlayers = [3, 6]\nhost = "{host}"\n'
+        for pool, host in (("prefill", "a"), ("decode", "b"))
+    )
+    assert parse_plan(pools).decode.stages[0].host == "b"
+    assert "decode.stages[1].host = 'z'" in refused(
+        pools.replace('layers = [3, 6]\nhost = "b"', 'layers = [3, 6]\nhost = "z"')
+    )
+
+
+@pytest.fixture
+def cluster_plan(tmp_path, tiny_models):
+    def write(keys: bool = True):
+        if keys:
+            made = CliRunner().invoke(
+                kvasir, ["keys", "generate", str(tmp_path / "keys"), "--host", "a", "--host", "b"]
+            )
+            assert made.exit_code == 0, made.output
+        path = tmp_path / "plan.toml"
+        model = f'[model]\nsource = "{tiny_models["mixtral"]}"\nmax_seq_len = 256\n[kv]\nnum_blocks = 64\n'
+        path.write_text(model + HOSTS + STAGES)
+        return path
+
+    return write
+
+
+def test_plan_check_shows_hosts_and_tcp_where_workers_are_on_two_hosts(cluster_plan, tmp_path):
+    path = cluster_plan()
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert f"cluster  leader a; hosts a (10.0.0.1:7300), b (10.0.0.2:7400); keys {tmp_path / 'keys'}" in lines
+    assert "edge     0 -> 1: tcp (stages on hosts a and b)" in lines
+    stage_rows = [line.split() for line in lines if line[:2] in ("0 ", "1 ") and ("head" in line or "tail" in line)]
+    assert [row[-1] for row in stage_rows] == ["a", "b"] and stage_rows[1][-2] == "tcp"
+    body = json.loads(CliRunner().invoke(kvasir, ["plan", "check", "--json", str(path)]).output)
+    assert [(s["host"], s["edge"]) for s in body["stages"]] == [("a", ""), ("b", "tcp")]
+    assert [(s["host"], s["dispatch_kind"]) for s in body["shards"]] == [("b", "tcp"), ("a", "shm")]
+    assert body["plan"]["cluster"] == {"leader": "a", "keys": str(tmp_path / "keys")}
+
+
+def test_missing_host_keys_are_named(cluster_plan, tmp_path):
+    path = cluster_plan(keys=False)
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 2 and f"cluster.keys: host key folder not found: {tmp_path / 'keys'}" in result.output
+    cluster_plan()
+    (tmp_path / "keys" / "b.key").unlink()
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 2 and "cluster.keys: host b: key file not found" in result.output
+
+
+def test_kvasird_start_refuses_workers_off_the_leader_in_this_version(cluster_plan, tmp_path):
+    path = cluster_plan()
+    result = CliRunner().invoke(kvasird, ["start", "--plan", str(path), "--runtime-dir", str(tmp_path / "rt")])
+    assert result.exit_code == 2
+    assert "stages[0].experts[0] runs on host b: this version runs every worker on the leader (a)" in result.output
+    assert not (tmp_path / "rt").exists()  # refused before anything was made
