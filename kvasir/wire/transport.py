@@ -10,12 +10,17 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import msgspec
 import zmq
 
+from kvasir.errors import KvasirError
 from kvasir.units import MIB
+
+if TYPE_CHECKING:
+    from kvasir.wire.curve import Fabric
+    from kvasir.wire.routes import Routes
 
 T = TypeVar("T")
 
@@ -32,13 +37,19 @@ def default_runtime_dir() -> Path:
 
 
 class Endpoints:
-    """The daemon's socket paths under one runtime directory."""
+    """The daemon's socket paths under one runtime directory; with ``routes`` (a plan
+    whose workers span hosts, kvasir/wire/routes.py) the internal sockets are TCP
+    endpoints instead, and only the clients' sockets stay files."""
 
-    def __init__(self, runtime_dir: str | Path) -> None:
+    def __init__(self, runtime_dir: str | Path, routes: Routes | None = None) -> None:
         self.dir = Path(runtime_dir)
+        self.routes = routes
 
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.dir / name}"
+
+    def _internal(self, name: str) -> str:
+        return self.routes.endpoint(name) if self.routes is not None else self._ipc(f"{name}.sock")
 
     @property
     def client(self) -> str:  # bridge ROUTER: submit, cancel, stats
@@ -54,29 +65,29 @@ class Endpoints:
 
     @property
     def bridge_in(self) -> str:  # bridge PULL: token events, request ends, stats
-        return self._ipc("bridge-in.sock")
+        return self._internal("bridge-in")
 
     def stage_in(self, index: int) -> str:  # stage PULL: descriptors (head: its inbox)
-        return self._ipc(f"stage-{index}.sock")
+        return self._internal(f"stage-{index}")
 
     def credits(self, edge: int) -> str:  # producer of edge k binds PULL for its credits
-        return self._ipc(f"credits-{edge}.sock")
+        return self._internal(f"credits-{edge}")
 
     def kv_in(self, index: int) -> str:  # decode stage PULL: KV hand-off announcements and placements
-        return self._ipc(f"kv-{index}.sock")
+        return self._internal(f"kv-{index}")
 
     def shard_in(self, number: int) -> str:  # expert shard PULL: work from its stage
-        return self._ipc(f"shard-{number}.sock")
+        return self._internal(f"shard-{number}")
 
     def experts_out(self, stage: int) -> str:  # stage PULL: its expert shards' results
-        return self._ipc(f"experts-{stage}.sock")
+        return self._internal(f"experts-{stage}")
 
     @property
     def control(self) -> str:  # launcher PULL: Ready, Drained
-        return self._ipc("control.sock")
+        return self._internal("control")
 
     def command(self, name: str) -> str:  # child PULL: commands from the launcher
-        return self._ipc(f"command-{name}.sock")
+        return self._internal(f"command-{name}")
 
     def socket_files(self) -> list[Path]:
         """The daemon's own socket files in the runtime dir (never another program's)."""
@@ -89,6 +100,7 @@ class Endpoints:
         return [
             Path(url.removeprefix("ipc://"))
             for url in (self.client, self.events, self.bridge_in, self.command("bridge"))
+            if url.startswith("ipc://")
         ]
 
 
@@ -99,13 +111,25 @@ SocketT = TypeVar("SocketT", bound=zmq.Socket)
 
 
 def make_socket(
-    ctx: zmq.Context[SocketT], kind: int, *, bind: str | None = None, connect: str | None = None
+    ctx: zmq.Context[SocketT],
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    fabric: Fabric | None = None,
 ) -> SocketT:
     """A socket of ``ctx``'s kind (an asyncio context makes asyncio sockets), with no
-    linger and the internal message size limit, bound or connected."""
+    linger and the internal message size limit, bound or connected. A ``tcp://``
+    endpoint (a plan across hosts) is CURVE-secured by ``fabric``, and refused without it."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_INTERNAL_MESSAGE)
+    endpoint = bind or connect or ""
+    if endpoint.startswith("tcp://"):
+        if fabric is None:
+            sock.close()
+            raise KvasirError(f"{endpoint}: an internal TCP socket needs the hosts' CURVE keys, and none were given")
+        fabric.secure(sock, bind=bind, connect=connect)
     if bind is not None:
         sock.bind(bind)
     if connect is not None:
