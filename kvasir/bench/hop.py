@@ -10,43 +10,50 @@ trip between the same two processes.
 On "cpu" the ring is shared memory. On "cuda:N" both processes use that GPU and the ring
 is CUDA IPC slots (the two sides swap their handles once, as stages do at start-up); the
 consumer waits for the boundary to be on its device before returning the credit, so a
-hand-off there is end to end.
+hand-off there is end to end. With link "tcp" the edge is the one between two hosts
+(kvasir/ring/tcp_slots.py: the boundary as a frame after its descriptor), over loopback
+TCP with CURVE and two throwaway host key pairs, and so are the round trips.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any, Literal, cast
 
 import msgspec
 import torch
 import zmq
 
+from kvasir.config.keys import generate as generate_keys
 from kvasir.ring.attach import attach_ring, create_ring
 from kvasir.ring.handshake import IpcRing
 from kvasir.ring.shm import segment_prefix
 from kvasir.ring.slots import ShmSlotRing, SlotRing
+from kvasir.ring.tcp_slots import FramedDescriptors, FramedIntake, TcpSlotRing
 from kvasir.stage.outlets import DownstreamOutlet
 from kvasir.stage.upstream import UpstreamIntake
 from kvasir.units import KIB, gib_per_s
 from kvasir.wire.batch import BatchDescriptor, Credit, Row
 from kvasir.wire.control import EdgeHandles, EdgeSpec
+from kvasir.wire.curve import Fabric, HostKeys, end_context
 from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 SIZES = (1, 16, 128, 512)  # boundary tokens
 HIDDEN = 576  # SmolLM2-135M's hidden size
 PING = b"p" * 64
+HopLink = Literal["local", "tcp"]  # a local edge (shared memory or CUDA IPC), or one between hosts
 
 
-def _edge(device: str) -> EdgeSpec:
+def _edge(device: str, link: HopLink) -> EdgeSpec:
     return EdgeSpec(
-        kind="shm" if device == "cpu" else "cuda-ipc",
+        kind="tcp" if link == "tcp" else "shm" if device == "cpu" else "cuda-ipc",
         name=f"{segment_prefix()}-hop",
         slots=1,
         max_tokens=max(SIZES),
@@ -57,31 +64,60 @@ def _edge(device: str) -> EdgeSpec:
     )
 
 
-def _endpoints(folder: Path) -> tuple[str, str, str]:
+def _endpoints(folder: Path, link: HopLink) -> tuple[str, str, str]:
+    if link == "tcp":
+        return cast(tuple[str, str, str], tuple(f"tcp://127.0.0.1:{port}" for port in _free_ports(3)))
     return (f"ipc://{folder / 'descriptors.sock'}", f"ipc://{folder / 'credits.sock'}", f"ipc://{folder / 'ping.sock'}")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def _fabric(folder: Path, side: str, ends: tuple[str, str, str]) -> Fabric | None:
+    """The CURVE set-up of one side of a tcp hop (None for a local one)."""
+    if not ends[0].startswith("tcp://"):
+        return None
+    descriptors_at, credits_at, ping_at = ends
+    owners = {descriptors_at: "consumer", credits_at: "producer", ping_at: "consumer"}
+    return Fabric(owners, HostKeys.load(folder, side, ["producer", "consumer"]))
 
 
 def consumer_main(argv: list[str]) -> None:
     """The child: echo pings, take boundaries and return credits until told to stop."""
     folder, edge = Path(argv[0]), msgspec.json.decode(argv[1].encode(), type=EdgeSpec)
-    descriptors_at, credits_at, ping_at = _endpoints(folder)
+    ends = cast(tuple[str, str, str], tuple(msgspec.json.decode(argv[2].encode(), type=list[str])))
+    descriptors_at, credits_at, ping_at = ends
     torch.set_num_threads(1)
     cuda = edge.kind == "cuda-ipc"
     if cuda:
         torch.cuda.set_device(torch.device(edge.consumer))
     ctx = zmq.Context()
+    fabric = _fabric(folder, "consumer", ends)
+    auth = fabric.authenticator(ctx) if fabric is not None else None
     ring = attach_ring(edge, "consumer")
-    pings = make_socket(ctx, zmq.PULL, bind=ping_at)
-    credits = make_socket(ctx, zmq.PUSH, connect=credits_at)
+    pings = make_socket(ctx, zmq.PULL, bind=ping_at, fabric=fabric)
+    credits = make_socket(ctx, zmq.PUSH, connect=credits_at, fabric=fabric)
     if cuda:  # the producer's half came with the arguments; ours goes back first thing
         ipc = cast(IpcRing, ring)  # a cuda-ipc edge's ring
-        ipc.attach(msgspec.json.decode(argv[2].encode(), type=EdgeHandles))
+        ipc.attach(msgspec.json.decode(argv[3].encode(), type=EdgeHandles))
         credits.send(msgspec.msgpack.encode(ipc.local_half(1, os.getpid())))
-    descriptors = PullChannel[BatchDescriptor](make_socket(ctx, zmq.PULL, bind=descriptors_at), BatchDescriptor)
+    inbox = make_socket(ctx, zmq.PULL, bind=descriptors_at, fabric=fabric)
+    descriptors: Any = (
+        FramedIntake(inbox, cast(TcpSlotRing, ring))
+        if edge.kind == "tcp"
+        else PullChannel[BatchDescriptor](inbox, BatchDescriptor)
+    )
     intake = UpstreamIntake(descriptors, ring, PushChannel[Credit](credits))
     poller = zmq.Poller()
     poller.register(pings, zmq.POLLIN)
-    poller.register(descriptors.socket, zmq.POLLIN)
+    poller.register(inbox, zmq.POLLIN)
     try:
         while True:
             ready = dict(poller.poll())
@@ -90,7 +126,7 @@ def consumer_main(argv: list[str]) -> None:
                 if frame == b"stop":
                     return
                 credits.send(frame)
-            if descriptors.socket in ready:
+            if inbox in ready:
                 intake.receive()
                 while (work := intake.take(True)) is not None:
                     if cuda:
@@ -98,44 +134,56 @@ def consumer_main(argv: list[str]) -> None:
                     intake.consumed(work[0])
     finally:
         ring.close()
-        ctx.destroy(linger=0)
+        end_context(ctx, [pings, credits, inbox], auth)
 
 
 def _median_us(samples: list[int]) -> float:
     return statistics.median(samples) / 1e3
 
 
-def hop_report(iterations: int = 400, device: str = "cpu") -> dict:
+def hop_report(iterations: int = 400, device: str = "cpu", link: HopLink = "local") -> dict:
     """Measure the bare copy into a slot, the ZMQ round trip and the hand-off per size."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvasir-hop-") as tmp:
         folder = Path(tmp)
-        edge = _edge(device)
+        edge = _edge(device, link)
+        ends = _endpoints(folder, link)
+        if link == "tcp":
+            generate_keys(folder, [], ["producer", "consumer"])
         argv = [sys.executable, "-m", "kvasir.bench.hop", str(folder), msgspec.json.encode(edge).decode()]
+        argv.append(msgspec.json.encode(list(ends)).decode())
         ring: SlotRing
         ipc: IpcRing | None = None
-        if device == "cpu":
+        if edge.kind == "shm":
             ring = create_ring(edge)
         else:
-            torch.cuda.set_device(torch.device(device))
+            if edge.kind == "cuda-ipc":
+                torch.cuda.set_device(torch.device(device))
             ring = attach_ring(edge, "producer")
-            ipc = cast(IpcRing, ring)  # a cuda-ipc edge's ring
-            argv.append(msgspec.json.encode(ipc.local_half(0, os.getpid())).decode())
+            if edge.kind == "cuda-ipc":
+                ipc = cast(IpcRing, ring)  # a cuda-ipc edge's ring
+                argv.append(msgspec.json.encode(ipc.local_half(0, os.getpid())).decode())
         ctx = zmq.Context()
-        descriptors_at, credits_at, ping_at = _endpoints(folder)
-        credits = make_socket(ctx, zmq.PULL, bind=credits_at)
+        fabric = _fabric(folder, "producer", ends)
+        auth = fabric.authenticator(ctx) if fabric is not None else None
+        descriptors_at, credits_at, ping_at = ends
+        credits = make_socket(ctx, zmq.PULL, bind=credits_at, fabric=fabric)
+        opened = [credits]
         child = subprocess.Popen(argv)
         try:
             if ipc is not None:
                 if not credits.poll(120_000):
                     raise RuntimeError("the hop consumer sent no CUDA IPC handles within 120 s")
                 ipc.attach(msgspec.msgpack.decode(credits.recv(), type=EdgeHandles))
-            pings = make_socket(ctx, zmq.PUSH, connect=ping_at)
-            descriptors = make_socket(ctx, zmq.PUSH, connect=descriptors_at)
-            outlet = DownstreamOutlet(
-                PushChannel[BatchDescriptor](descriptors), ring, PullChannel[Credit](credits, Credit), slots=1
+            pings = make_socket(ctx, zmq.PUSH, connect=ping_at, fabric=fabric)
+            out = make_socket(ctx, zmq.PUSH, connect=descriptors_at, fabric=fabric)
+            opened += [pings, out]
+            descriptors: Any = (
+                FramedDescriptors(out, cast(TcpSlotRing, ring)) if link == "tcp" else PushChannel[BatchDescriptor](out)
             )
+            outlet = DownstreamOutlet(descriptors, ring, PullChannel[Credit](credits, Credit), slots=1)
             report = _measure(outlet, pings, credits, ring, iterations, device)
+            report["link"] = link
             pings.send(b"stop")
             child.wait(30)
         finally:
@@ -145,7 +193,7 @@ def hop_report(iterations: int = 400, device: str = "cpu") -> dict:
             ring.close()
             if isinstance(ring, ShmSlotRing):  # the cpu edge's shared memory, made here
                 ring.unlink()
-            ctx.destroy(linger=0)
+            end_context(ctx, opened, auth)
     return report
 
 
@@ -212,7 +260,8 @@ def _measure(outlet: DownstreamOutlet, pings, credits, ring, iterations: int, de
 
 def print_hop(report: dict, echo) -> None:
     echo(
-        f"medians of {report['iterations']} samples each; hand-offs alternate with 64-byte ZMQ ipc round trips; "
+        f"medians of {report['iterations']} samples each; hand-offs alternate with 64-byte ZMQ "
+        f"{'tcp (CURVE, loopback)' if report['kind'] == 'tcp' else 'ipc'} round trips; "
         f"{report['kind']} slots on {report['device']}"
     )
     echo(

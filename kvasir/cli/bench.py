@@ -96,6 +96,14 @@ from kvasir.errors import KvasirError
     help="With --hop: 'cpu' (shared-memory slots) or 'cuda:N' (both processes on that GPU, CUDA IPC slots).",
 )
 @click.option(
+    "--hop-link",
+    type=click.Choice(["local", "tcp"]),
+    default="local",
+    show_default=True,
+    help="With --hop: 'tcp' measures the edge between two hosts (boundary as a frame after its "
+    "descriptor, CURVE) over loopback TCP; cpu only.",
+)
+@click.option(
     "--submit-only",
     is_flag=True,
     help="Measure submission line rate: --requests one-token requests as fast as one client can.",
@@ -135,6 +143,7 @@ def bench(
     plot_dir,
     hop,
     hop_device,
+    hop_link,
     submit_only,
     failover,
     as_json,
@@ -193,7 +202,9 @@ def bench(
         if hop:
             from kvasir.bench.hop import hop_report, print_hop
 
-            report = hop_report(device=_hop_device(hop_device))
+            if hop_link == "tcp" and hop_device != "cpu":
+                raise click.UsageError("--hop-link tcp measures a cpu edge: leave out --hop-device")
+            report = hop_report(device=_hop_device(hop_device), link=hop_link)
             click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
             return
         if failover:

@@ -1,5 +1,6 @@
 """Opening an edge's slot ring by its kind: the launcher creates shared-memory rings, each
-stage attaches its end (``cuda-ipc`` rings still need the handle exchange, kvasir/ring/handshake.py)."""
+stage attaches its end (``cuda-ipc`` rings still need the handle exchange, kvasir/ring/handshake.py;
+``tcp`` rings carry the boundary in a frame after the descriptor, kvasir/ring/tcp_slots.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def attach_ring(spec: EdgeSpec, side: Side) -> SlotRing:
         raise SlotError(f"edge {spec.name}: side {side!r} is neither producer nor consumer")
     if spec.kind == "shm":
         return ShmSlotRing(spec, create=False)
+    if spec.kind == "tcp":
+        from kvasir.ring.tcp_slots import TcpSlotRing
+
+        return TcpSlotRing(spec, side)
     if spec.kind in ("pinned", "cuda-ipc"):
         from kvasir.ring.gpu_slots import CudaIpcSlotRing, PinnedSlotRing
 

@@ -65,13 +65,18 @@ class AllowList:
 
 
 class Fabric:
-    """One process's view of the hosts: where each internal socket is (``routes``) and
+    """One process's view of the hosts: who binds each TCP endpoint it connects to, and
     the keys its TCP sockets authenticate with."""
 
-    def __init__(self, routes: Routes, keys: HostKeys) -> None:
-        self.routes = routes
+    def __init__(self, owners: Mapping[str, str], keys: HostKeys) -> None:
+        """``owners``: each TCP endpoint this process may connect to, and the host that binds it."""
         self.keys = keys
-        self._owners = {routes.endpoint(name): routes.owner(name) for name in routes.names()}
+        self._owners = dict(owners)
+
+    @classmethod
+    def of(cls, routes: Routes, keys: HostKeys) -> Fabric:
+        """The fabric of a plan's internal sockets."""
+        return cls({routes.endpoint(name): routes.owner(name) for name in routes.names()}, keys)
 
     def authenticator(self, ctx: zmq.Context) -> ThreadAuthenticator:
         """Start the context's ZAP handler for the hosts' domain (stop it before the context)."""
@@ -91,3 +96,14 @@ class Fabric:
         if owner is None:
             raise FabricError(f"{connect} is not a socket of this plan's hosts")
         sock.curve_serverkey = self.keys.hosts[owner]
+
+
+def end_context(ctx: zmq.Context, sockets: Iterable[zmq.Socket], auth: ThreadAuthenticator | None) -> None:
+    """Close ``sockets``, then stop the ZAP handler, then end the context: in the other
+    order a handshake still waiting for ZAP, or the handler's own socket closed from this
+    thread, can hold up the context's end for good."""
+    for sock in sockets:
+        sock.close(linger=0)
+    if auth is not None:
+        auth.stop()
+    ctx.destroy(linger=0)

@@ -125,15 +125,20 @@ def make_socket(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_INTERNAL_MESSAGE)
     endpoint = bind or connect or ""
-    if endpoint.startswith("tcp://"):
-        if fabric is None:
-            sock.close()
-            raise KvasirError(f"{endpoint}: an internal TCP socket needs the hosts' CURVE keys, and none were given")
-        fabric.secure(sock, bind=bind, connect=connect)
-    if bind is not None:
-        sock.bind(bind)
-    if connect is not None:
-        sock.connect(connect)
+    try:
+        if endpoint.startswith("tcp://"):
+            if fabric is None:
+                raise KvasirError(
+                    f"{endpoint}: an internal TCP socket needs the hosts' CURVE keys, and none were given"
+                )
+            fabric.secure(sock, bind=bind, connect=connect)
+        if bind is not None:
+            sock.bind(bind)
+        if connect is not None:
+            sock.connect(connect)
+    except BaseException:
+        sock.close(linger=0)  # a socket left open would hold up the context's end
+        raise
     return sock
 
 

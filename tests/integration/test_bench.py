@@ -213,6 +213,26 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     assert [s["tokens"] for s in sizes] == [1, 16, 128, 512]
     assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 and s["memcpy_gibps"] > 0 for s in sizes)
     assert not list(Path("/dev/shm").glob("kvasir-*-hop"))
+    tcp = subprocess.run(
+        [str(BIN / "kvasir"), "bench", "--hop", "--hop-link", "tcp", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert tcp.returncode == 0, tcp.stderr
+    report = json.loads(tcp.stdout)
+    assert (report["kind"], report["link"]) == ("tcp", "tcp") and [s["tokens"] for s in report["sizes"]] == [
+        1,
+        16,
+        128,
+        512,
+    ]
+    assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 for s in report["sizes"])
+    refused = subprocess.run(
+        [str(BIN / "kvasir"), "bench", "--hop", "--hop-link", "tcp", "--hop-device", "cuda:0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--hop-link tcp measures a cpu edge" in refused.stderr
     for device, why in (("gpu", "is not 'cpu' or 'cuda:N'"), ("cuda:99", "cuda:99: ")):  # cuda:99 is never here
         bad = subprocess.run(
             [str(BIN / "kvasir"), "bench", "--hop", "--hop-device", device], capture_output=True, text=True, timeout=120

@@ -22,7 +22,7 @@ SIDE = """
 import sys, zmq
 from kvasir.config.plan import load_plan
 from kvasir.wire.control import ControlMessage, Heartbeat
-from kvasir.wire.curve import Fabric, HostKeys
+from kvasir.wire.curve import Fabric, HostKeys, end_context
 from kvasir.wire.routes import Placement, Routes
 from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
 
@@ -30,7 +30,7 @@ plan_path, host, role = sys.argv[1:4]
 plan = load_plan(plan_path)
 routes = Routes(Placement.of(plan))
 folder = plan_path.rsplit("/", 1)[0] + "/keys"
-fabric = Fabric(routes, HostKeys.load(folder, host, [*plan.hosts, host]))
+fabric = Fabric.of(routes, HostKeys.load(folder, host, [*plan.hosts, host]))
 ctx = zmq.Context()
 ends = Endpoints("/nonexistent", routes)
 if role == "leader":
@@ -39,13 +39,13 @@ if role == "leader":
     print("bound", flush=True)
     got = inbox.socket.poll(int(sys.argv[4]))
     print(repr(inbox.recv()) if got else "nothing", flush=True)
-    auth.stop()
+    end_context(ctx, [inbox.socket], auth)
 else:
     out = PushChannel[ControlMessage](make_socket(ctx, zmq.PUSH, connect=ends.control, fabric=fabric))
     out.send(Heartbeat("stage", 1, 4242))
     out.socket.setsockopt(zmq.LINGER, 20000)
     out.socket.close()  # waits (up to LINGER) for the message to go
-ctx.destroy(linger=0)
+    ctx.term()
 """
 
 PLAN = """
@@ -76,8 +76,10 @@ def network():
     net.close()
 
 
-def side(network: Network, host: str, args: list[str]) -> subprocess.Popen:
-    return network.run(host, [sys.executable, "-c", SIDE, *args], stdout=subprocess.PIPE, text=True)
+def side(network: Network, host: str, args: list[str], started: list[subprocess.Popen]) -> subprocess.Popen:
+    process = network.run(host, [sys.executable, "-c", SIDE, *args], stdout=subprocess.PIPE, text=True)
+    started.append(process)
+    return process
 
 
 def test_a_follower_reaches_the_leader_across_namespaces_and_a_stranger_does_not(network, tmp_path, tiny_models):
@@ -87,15 +89,21 @@ def test_a_follower_reaches_the_leader_across_namespaces_and_a_stranger_does_not
     assert keys.exit_code == 0, keys.output
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN.format(model=tiny_models["llama"], a=network.address("a"), b=network.address("b")))
-    leader = side(network, "a", [str(plan), "a", "leader", "60000"])
-    assert leader.stdout.readline().strip() == "bound"
-    follower = side(network, "b", [str(plan), "b", "follower"])
-    assert leader.wait(timeout=90) == 0 and leader.stdout.read().strip() == "Heartbeat(role='stage', index=1, pid=4242)"
-    assert follower.wait(timeout=60) == 0
-    # host x's key is a real pair, but not one of the plan's hosts: nothing it sends gets in
-    leader = side(network, "a", [str(plan), "a", "leader", "3000"])
-    assert leader.stdout.readline().strip() == "bound"
-    stranger = side(network, "b", [str(plan), "x", "follower"])
-    assert leader.wait(timeout=90) == 0 and leader.stdout.read().strip() == "nothing"
-    stranger.kill()  # still lingering over a message that cannot go
-    stranger.wait(timeout=30)
+    started: list[subprocess.Popen] = []
+    try:
+        leader = side(network, "a", [str(plan), "a", "leader", "60000"], started)
+        assert leader.stdout.readline().strip() == "bound"
+        follower = side(network, "b", [str(plan), "b", "follower"], started)
+        expected = "Heartbeat(role='stage', index=1, pid=4242)"
+        assert leader.wait(timeout=90) == 0 and leader.stdout.read().strip() == expected
+        assert follower.wait(timeout=60) == 0
+        # host x's key is a real pair, but not one of the plan's hosts: nothing it sends gets in
+        leader = side(network, "a", [str(plan), "a", "leader", "3000"], started)
+        assert leader.stdout.readline().strip() == "bound"
+        side(network, "b", [str(plan), "x", "follower"], started)  # lingers over a message that cannot go
+        assert leader.wait(timeout=90) == 0 and leader.stdout.read().strip() == "nothing"
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)

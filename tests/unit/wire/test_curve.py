@@ -37,62 +37,93 @@ host = "b"
 """
 
 
+class Hosts:
+    """Two hosts' fabrics over loopback; every socket made here is closed before the
+    authenticator stops and the context ends (closing sockets another thread owns, or
+    stopping ZAP under a pending handshake, can hang the context's end)."""
+
+    def __init__(self, folder, routes, fabrics) -> None:
+        self.folder, self.routes, self.fabrics = folder, routes, fabrics
+        self.ends = Endpoints(folder, routes)
+        self.ctx = zmq.Context()
+        self.auth = fabrics["a"].authenticator(self.ctx)
+        self.sockets: list[zmq.Socket] = []
+
+    def socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.auth.stop()
+        self.ctx.term()
+
+
 @pytest.fixture
 def hosts(tmp_path, unused_tcp_port):
     made = CliRunner().invoke(kvasir, ["keys", "generate", str(tmp_path), "--host", "a", "--host", "b", "--host", "x"])
     assert made.exit_code == 0, made.output
     routes = Routes(Placement.of(parse_plan(PLAN.format(port=unused_tcp_port))))
-    fabrics = {name: Fabric(routes, HostKeys.load(tmp_path, name, ["a", "b"])) for name in ("a", "b")}
-    ctx = zmq.Context()
-    auth = fabrics["a"].authenticator(ctx)
-    yield tmp_path, routes, fabrics, ctx
-    auth.stop()
-    ctx.destroy(linger=0)
+    fabrics = {name: Fabric.of(routes, HostKeys.load(tmp_path, name, ["a", "b"])) for name in ("a", "b")}
+    fabrics["x"] = Fabric.of(routes, HostKeys.load(tmp_path, "x", ["a", "b", "x"]))  # a real pair, not the plan's
+    made_hosts = Hosts(tmp_path, routes, fabrics)
+    yield made_hosts
+    made_hosts.close()
 
 
-def handshake(sock: zmq.Socket, timeout_s: float = 30.0) -> int:
-    """The first handshake outcome the connecting socket reports."""
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)  # fmt: skip
+def connect(hosts: Hosts, fabric: Fabric | None, timeout_s: float = 60.0) -> tuple[zmq.Socket, int]:
+    """A PUSH socket to the leader's control socket, monitored from before it connects (a
+    refused plaintext peer is reported once, and not retried), and the first handshake
+    outcome it reports."""
+    sock = hosts.socket(zmq.PUSH)
+    if fabric is not None:
+        fabric.secure(sock, connect=hosts.ends.control)
+    events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    monitor = sock.get_monitor_socket(events | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    hosts.sockets.append(monitor)
+    sock.connect(hosts.ends.control)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if monitor.poll(100):
-            return recv_monitor_message(monitor)["event"]
+            return sock, recv_monitor_message(monitor)["event"]
     raise AssertionError("no handshake outcome within the bound")
 
 
 def test_a_listed_host_reaches_the_leaders_control_socket(hosts):
-    folder, routes, fabrics, ctx = hosts
-    ends = Endpoints(folder, routes)
-    inbox = PullChannel(make_socket(ctx, zmq.PULL, bind=ends.control, fabric=fabrics["a"]), Heartbeat)
-    sender = make_socket(ctx, zmq.PUSH, connect=ends.control, fabric=fabrics["b"])
-    assert handshake(sender) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    inbox = PullChannel(hosts.socket(zmq.PULL), Heartbeat)
+    hosts.fabrics["a"].secure(inbox.socket, bind=hosts.ends.control)
+    inbox.socket.bind(hosts.ends.control)
+    sender, outcome = connect(hosts, hosts.fabrics["b"])
+    assert outcome == zmq.EVENT_HANDSHAKE_SUCCEEDED
     PushChannel[Heartbeat](sender).send(Heartbeat("stage", 1, 42))
     assert inbox.socket.poll(30_000) and inbox.recv() == Heartbeat("stage", 1, 42)
 
 
 def test_an_unlisted_key_and_a_plaintext_peer_are_refused(hosts):
-    folder, routes, fabrics, ctx = hosts
-    ends = Endpoints(folder, routes)
-    inbox = make_socket(ctx, zmq.PULL, bind=ends.control, fabric=fabrics["a"])
-    stranger = Fabric(routes, HostKeys.load(folder, "x", ["a", "b", "x"]))  # a real pair, not one of the plan's
-    intruder = make_socket(ctx, zmq.PUSH, connect=ends.control, fabric=stranger)
-    assert handshake(intruder) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    plain = ctx.socket(zmq.PUSH)
-    plain.connect(ends.control)
-    assert handshake(plain) in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    inbox = hosts.socket(zmq.PULL)
+    hosts.fabrics["a"].secure(inbox, bind=hosts.ends.control)
+    inbox.bind(hosts.ends.control)
+    intruder, outcome = connect(hosts, hosts.fabrics["x"])
+    assert outcome == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    plain, outcome = connect(hosts, None)
+    assert outcome in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
     for sock in (intruder, plain):
         with contextlib.suppress(zmq.Again):  # queued at most: no handshake, no delivery
             sock.send(b"\x01", zmq.NOBLOCK)
     assert not inbox.poll(500)  # nothing got in
-    plain.close()
 
 
 def test_no_internal_tcp_socket_without_keys(hosts):
-    folder, routes, fabrics, ctx = hosts
+    folder, ctx = hosts.folder, hosts.ctx
     with pytest.raises(KvasirError, match="needs the hosts' CURVE keys"):
-        make_socket(ctx, zmq.PULL, bind=Endpoints(folder, routes).control)
+        make_socket(ctx, zmq.PULL, bind=hosts.ends.control)
     with pytest.raises(FabricError, match="is not a socket of this plan's hosts"):
-        make_socket(ctx, zmq.PUSH, connect="tcp://127.0.0.9:1", fabric=fabrics["b"])
+        make_socket(ctx, zmq.PUSH, connect="tcp://127.0.0.9:1", fabric=hosts.fabrics["b"])
     with pytest.raises(FabricError, match="does not match"):
         HostKeys.load(folder, "a", ["a", "b"], secret_file=folder / "b.key_secret")
+    pull = make_socket(ctx, zmq.PULL, bind=hosts.ends.control, fabric=hosts.fabrics["a"])
+    hosts.sockets.append(pull)
+    assert pull.curve_server and pull.zap_domain == b"kvasir-hosts"
