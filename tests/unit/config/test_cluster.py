@@ -13,38 +13,10 @@ from kvasir.cli.kvasird import kvasird
 from kvasir.cli.main import kvasir
 from kvasir.config.cluster import DEFAULT_PORT, worker_host
 from kvasir.config.plan import parse_plan, plan_toml
-from kvasir.errors import PlanError
+from tests.support.plans import CLUSTER_STAGES, cluster_hosts, refused
 
-HOSTS = """
-[cluster]
-leader = "a"
-keys = "keys"
-[hosts.a]
-address = "10.0.0.1"
-[hosts.b]
-address = "10.0.0.2"
-port = 7400
-"""
-STAGES = """
-[[stages]]
-layers = [0, 3]
-[[stages.experts]]
-experts = [0, 4]
-host = "b"
-[[stages.experts]]
-experts = [4, 8]
-[[stages]]
-layers = [3, 6]
-host = "b"
-"""
-
-
-def refused(text: str) -> str:
-    with pytest.raises(PlanError) as info:
-        parse_plan(text)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
+HOSTS = cluster_hosts()
+STAGES = CLUSTER_STAGES
 
 
 def test_hosts_read_back_and_place_every_worker():

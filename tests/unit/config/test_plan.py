@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from kvasir.cli.main import kvasir
 from kvasir.config.plan import check_model_fit, load_plan, parse_plan, plan_toml
 from kvasir.errors import PlanError
+from tests.support.plans import refused
 
 TWO = """
 [[stages]]
@@ -21,14 +22,6 @@ layers = [0, 3]
 [[stages]]
 layers = [3, 6]
 """
-
-
-def refused(text: str) -> str:
-    with pytest.raises(PlanError) as info:
-        parse_plan(text)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 def test_defaults_fill_omitted_keys():

@@ -7,29 +7,10 @@ import pytest
 from kvasir.config.plan import parse_plan
 from kvasir.wire.routes import Placement, RouteError, Routes, socket_names
 from kvasir.wire.transport import Endpoints
+from tests.support.plans import CLUSTER_STAGES, cluster_hosts
 
-HOSTS = """
-[cluster]
-leader = "a"
-keys = "keys"
-[hosts.a]
-address = "10.0.0.1"
-[hosts.b]
-address = "fd00::2"
-port = 9000
-"""
-STAGES = """
-[[stages]]
-layers = [0, 3]
-[[stages.experts]]
-experts = [0, 4]
-host = "b"
-[[stages.experts]]
-experts = [4, 8]
-[[stages]]
-layers = [3, 6]
-host = "b"
-"""
+HOSTS = cluster_hosts(b_address="fd00::2", b_port=9000)
+STAGES = CLUSTER_STAGES
 
 
 def test_a_plan_on_one_machine_keeps_ipc_files(tmp_path):
@@ -69,6 +50,6 @@ def test_every_internal_socket_is_tcp_on_its_owners_host(tmp_path):
 
 
 def test_a_port_range_past_65535_is_refused():
-    plan = parse_plan(HOSTS.replace("port = 9000", "port = 65530") + STAGES)
+    plan = parse_plan(cluster_hosts(b_address="fd00::2", b_port=65530) + STAGES)
     with pytest.raises(RouteError, match=r"hosts.b.port = 65530: its sockets need ports up to 65536"):
         Routes(Placement.of(plan))
