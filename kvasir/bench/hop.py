@@ -156,13 +156,13 @@ def hop_report(iterations: int = 400, device: str = "cpu", link: HopLink = "loca
         ipc: IpcRing | None = None
         if edge.kind == "shm":
             ring = create_ring(edge)
-        else:
-            if edge.kind == "cuda-ipc":
-                torch.cuda.set_device(torch.device(device))
+        elif edge.kind == "tcp":
             ring = attach_ring(edge, "producer")
-            if edge.kind == "cuda-ipc":
-                ipc = cast(IpcRing, ring)  # a cuda-ipc edge's ring
-                argv.append(msgspec.json.encode(ipc.local_half(0, os.getpid())).decode())
+        else:
+            torch.cuda.set_device(torch.device(device))
+            ring = attach_ring(edge, "producer")
+            ipc = cast(IpcRing, ring)  # a cuda-ipc edge's ring
+            argv.append(msgspec.json.encode(ipc.local_half(0, os.getpid())).decode())
         ctx = zmq.Context()
         fabric = _fabric(folder, "producer", ends)
         auth = fabric.authenticator(ctx) if fabric is not None else None

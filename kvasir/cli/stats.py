@@ -125,7 +125,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
 
 def _share_cells(entry: dict) -> tuple[str, str, str]:
     """A stage's or shard's busy, starved and blocked seconds with their shares."""
-    return tuple(f"{entry[f'{part}_s']:.1f}s {entry[f'{part}_fraction']:.0%}" for part in PARTS)  # type: ignore[return-value]
+    busy, starved, blocked = (f"{entry[f'{part}_s']:.1f}s {entry[f'{part}_fraction']:.0%}" for part in PARTS)
+    return busy, starved, blocked
 
 
 def _print_experts(body: dict) -> None:

@@ -43,6 +43,9 @@ def generate(folder: Path, clients: Sequence[str], hosts: Sequence[str] = ()) ->
         raise KeyFileError("a name is given twice: each key pair needs its own name")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     server = [] if (folder / f"{SERVER}.key_secret").exists() or not clients else [SERVER]
+    allowed = folder / ALLOWED
+    if clients:
+        allowed.mkdir(mode=0o700, exist_ok=True)
     made: list[Path] = []
     umask = os.umask(0o077)  # no moment where a secret key is readable by others
     try:
@@ -51,8 +54,6 @@ def generate(folder: Path, clients: Sequence[str], hosts: Sequence[str] = ()) ->
             os.chmod(public, 0o644)
             made += [public, secret]
             if name in clients:
-                allowed = folder / ALLOWED
-                allowed.mkdir(mode=0o700, exist_ok=True)
                 shutil.copyfile(public, allowed / public.name)
                 made.append(allowed / public.name)
     finally:

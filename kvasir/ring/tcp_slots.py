@@ -1,8 +1,8 @@
 """The slots of an edge between two hosts (kind ``tcp``): the boundary crosses the network
 as a second ZMQ frame after its descriptor.
 
-The producer keeps each written boundary on the host, contiguous, until its descriptor
-goes (``FramedDescriptors``: descriptor, then the boundary's bytes as a zero-copy frame).
+The producer writes each boundary into a slot of its own, in host memory, and sends the
+slot's bytes after the descriptor as a zero-copy frame (``FramedDescriptors``).
 The consumer (``FramedIntake``) receives both, checks the bytes against the descriptor
 (slot, tokens, size) and copies them into its own preallocated slot; from there on the
 edge is the same as a shared-memory one: read in place, credit back when done, and
@@ -110,10 +110,9 @@ class FramedIntake:
     """The consumer's descriptor channel on a tcp edge: what a PullChannel[BatchDescriptor]
     is to UpstreamIntake, except that anything malformed fails the stage (``EdgeError``)."""
 
-    def __init__(self, sock: zmq.Socket, ring: TcpSlotRing, log: Any = None) -> None:
+    def __init__(self, sock: zmq.Socket, ring: TcpSlotRing) -> None:
         self.socket = sock
         self.ring = ring
-        self.log = log
         self._decoder = msgspec.msgpack.Decoder(BatchDescriptor)
 
     def drain(self) -> list[BatchDescriptor]:
