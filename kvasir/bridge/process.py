@@ -24,7 +24,7 @@ def run_bridge(encoded: bytes) -> None:
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        bridge = None
+        bridge: Bridge | None = None
         try:
             bridge = Bridge(settings, ctx, log)
             watch = asyncio.create_task(_watch_launcher(settings.launcher_pid, bridge, log))
@@ -32,9 +32,10 @@ def run_bridge(encoded: bytes) -> None:
             await bridge.serve()
             watch.cancel()
         finally:
-            if bridge is not None and bridge.authenticator is not None:
-                bridge.authenticator.stop()
-            ctx.destroy()
+            if bridge is not None:
+                bridge.sockets.end()  # its sockets, its ZAP handler, the context
+            else:
+                ctx.destroy(linger=0)
 
     try:
         uvloop.run(main())

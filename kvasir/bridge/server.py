@@ -47,8 +47,9 @@ from kvasir.wire.client import (
     TokenOut,
 )
 from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.fabric import Sockets, open_fabric
 from kvasir.wire.head import CancelRequest, Enqueue
-from kvasir.wire.transport import BatchedSocket, Endpoints, make_socket
+from kvasir.wire.transport import BatchedSocket, make_socket
 
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
@@ -57,7 +58,7 @@ PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before i
 class Bridge:
     def __init__(self, settings: WorkerSettings, ctx: zmq.asyncio.Context, log) -> None:
         plan = settings.plan
-        ends = Endpoints(settings.runtime_dir)
+        ends, fabric = open_fabric(settings.runtime_dir, settings.fabric)
         model = settings.model
         if model is None:
             raise RuntimeError("the launcher sent the bridge no model facts")
@@ -77,15 +78,19 @@ class Bridge:
         self.publisher = make_socket(ctx, zmq.PUB)
         self.publisher.setsockopt(zmq.SNDHWM, PUB_QUEUE)
         self.ends = ends
-        self.inbox = make_socket(ctx, zmq.PULL, bind=ends.bridge_in)
-        self.commands = make_socket(ctx, zmq.PULL, bind=ends.command("bridge"))
-        self.control = make_socket(ctx, zmq.PUSH, connect=ends.control)
-        self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
         self.tcp = plan.bridge.tcp
-        self.authenticator: AsyncioAuthenticator | None = None
+        authenticator: AsyncioAuthenticator | None = None
         self.remote_io: BatchedSocket | None = None
         if self.tcp is not None:
-            self.remote_io, self.authenticator = remote_router(ctx, plan.bridge)
+            self.remote_io, authenticator = remote_router(ctx, plan.bridge)
+        self.sockets = Sockets(ctx, ends, fabric, authenticator)  # ends the context (and its ZAP handler)
+        self.remote_curve = authenticator is not None
+        for sock in (self.clients, self.publisher, *([self.remote_io.socket] if self.remote_io else [])):
+            self.sockets.keep(sock)
+        self.inbox = self.sockets.bind(zmq.PULL, ends.bridge_in)
+        self.commands = self.sockets.bind(zmq.PULL, ends.command("bridge"))
+        self.control = self.sockets.connect(zmq.PUSH, ends.control)
+        self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
         self.inbox_io = BatchedSocket(self.inbox)
         self.ctx = ctx
         self.head, self.head_io = self._connect_head()
@@ -110,6 +115,7 @@ class Bridge:
         self.restarting: str | None = None  # what failed, while the ring restarts
         self.ring_pids: frozenset[int] = frozenset()  # the serving stages (stats from others are stale)
         self.restarts = 0
+        self.hosts_missing: list[str] = []  # a plan across hosts: hosts whose kvasird join is not there
         self.last_failure: str | None = None
         self.last_failure_at = 0.0
         self.stopped = asyncio.Event()
@@ -291,6 +297,8 @@ class Bridge:
                 self._serve(command)
             elif command.kind == "ring_down":
                 await self._ring_down(command.message)
+            elif command.kind == "hosts":
+                self.hosts_missing = list(command.hosts)
             elif command.kind == "drain":
                 self.draining = True
                 self.log.info("draining", requests=len(self.requests))
@@ -313,7 +321,7 @@ class Bridge:
                 except zmq.ZMQError as exc:
                     raise RuntimeError(f"cannot bind bridge.tcp = {self.tcp}: {exc}") from None
                 self._tasks.append(asyncio.create_task(self._clients(self.remote_io)))
-                self.log.info("accepting remote clients", endpoint=self.tcp, curve=self.authenticator is not None)
+                self.log.info("accepting remote clients", endpoint=self.tcp, curve=self.remote_curve)
             self.bound = True
         if command.message and command.message != self.last_failure:  # a bridge started after a failure
             self.last_failure, self.last_failure_at = command.message, time.monotonic()
@@ -338,9 +346,9 @@ class Bridge:
     def _connect_head(self):
         # unbounded: accepted requests are bounded by bridge.max_waiting, and a send that
         # waited for a dead head would stall every client
-        head = make_socket(self.ctx, zmq.PUSH)
+        head = self.sockets.unbound(zmq.PUSH)
         head.setsockopt(zmq.SNDHWM, 0)
-        head.connect(self.ends.stage_in(0))
+        self.sockets.attach(head, self.ends.stage_in(0))
         return head, BatchedSocket(head)
 
     async def _heartbeat(self) -> None:
@@ -398,4 +406,5 @@ class Bridge:
             client_bytes_waiting=self.outbox.waiting_bytes,
             clients_lost=self.clients_lost,
             malformed=self.malformed,
+            hosts_missing=self.hosts_missing,
         )

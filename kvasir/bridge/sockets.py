@@ -5,11 +5,13 @@ from __future__ import annotations
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.auth.certs import load_certificates
 
 from kvasir.bridge.outbox import ZMQ_QUEUE
 from kvasir.config.keys import load_pair
 from kvasir.config.plan import BridgeSpec
 from kvasir.units import MIB
+from kvasir.wire.curve import AllowList
 from kvasir.wire.transport import BatchedSocket, make_socket
 
 MAX_CLIENT_MESSAGE = 16 * MIB  # a client sending more is disconnected by ZMQ
@@ -36,7 +38,8 @@ def remote_router(ctx: zmq.asyncio.Context, spec: BridgeSpec) -> tuple[BatchedSo
     if spec.server_key is not None and spec.client_keys is not None:  # the plan gives both or neither
         authenticator = AsyncioAuthenticator(ctx)
         authenticator.start()
-        authenticator.configure_curve(domain="*", location=spec.client_keys)
+        clients = AllowList(load_certificates(spec.client_keys), domain="*")  # a callback: see AllowList
+        authenticator.configure_curve_callback(domain="*", credentials_provider=clients)
         sock.curve_publickey, sock.curve_secretkey = load_pair(spec.server_key)
         sock.curve_server = True
     return BatchedSocket(sock), authenticator

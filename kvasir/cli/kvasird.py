@@ -15,6 +15,14 @@ from kvasir.config.plan import default_plan_path
 from kvasir.errors import KvasirError
 from kvasir.wire.transport import default_runtime_dir
 
+KEY = click.option(
+    "--key",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A plan across hosts: this host's secret key (default: KEYS/HOST.key_secret, KEYS the plan's cluster.keys).",
+)
+LOG_LEVEL = click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvasird")
@@ -51,13 +59,15 @@ def kvasird() -> None:
     help="Drain and stop, as on SIGTERM, when the process that started kvasird exits "
     "(kvasir bench starts its daemons so: a killed bench leaves none behind).",
 )
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+@KEY
+@LOG_LEVEL
 def start(
     plan_path: str | None,
     runtime_dir: str | None,
     ready_timeout: float,
     drain_timeout: float,
     stop_with_parent: bool,
+    key: str | None,
     log_level: str,
 ) -> None:
     """Serve a plan in the foreground until SIGTERM or SIGINT (then drain and exit 0).
@@ -69,30 +79,25 @@ def start(
     each to report ready, and serves. A worker that dies or hangs ends every request in
     the daemon with stage_failed and the workers are restarted (the plan's [supervise]
     section bounds how often); past that bound the daemon exits 1.
+
+    A plan with [cluster] runs this as its leader: it waits for `kvasird join` on every
+    other host that runs workers, then hands each its workers.
     """
+    from kvasir.daemon.foreground import run_launcher
     from kvasir.daemon.host import check_host
-    from kvasir.daemon.launcher import Launcher, Timeouts, run_launcher
+    from kvasir.daemon.launcher import Launcher, Timeouts
     from kvasir.daemon.notify import ServiceNotifier
+    from kvasir.daemon.remote import Cluster
     from kvasir.daemon.resolve import resolve_plan
-    from kvasir.logs import setup_logging
-    from kvasir.model.convert import ConversionInterrupted, prepare
 
     path = plan_path or str(default_plan_path())
     try:
         plan, source = resolve_plan(path)
         check_host(plan)
+        cluster = Cluster.of(plan, key)
     except KvasirError as exc:
         fail(exc)
-    log = setup_logging(log_level, role="launcher", pid=os.getpid())
-    try:
-        source = prepare(source, log)
-        source.require_weights()
-    except ConversionInterrupted as exc:
-        log.info("stopped during start-up", why=str(exc))
-        sys.exit(0)
-    except KvasirError as exc:
-        fail(exc)
-    plan = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))
+    log, plan, source = _ready_model(plan, source, log_level, "launcher")
     launcher = Launcher(
         plan=plan,
         source=source,
@@ -102,5 +107,63 @@ def start(
         log_level=log_level,
         notifier=ServiceNotifier.from_environment(),
         parent_pid=os.getppid() if stop_with_parent else None,
+        cluster=cluster,
     )
     sys.exit(run_launcher(launcher))
+
+
+@kvasird.command("join")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), required=True, help="The leader's plan (a copy).")
+@click.option("--host", "host", required=True, help="This host's name in the plan's [hosts].")
+@RUNTIME_DIR
+@KEY
+@LOG_LEVEL
+def join(plan_path: str, host: str, runtime_dir: str | None, key: str | None, log_level: str) -> None:
+    """Run this host's workers of a plan across hosts, for its leader (`kvasird start`).
+
+    Connects to the leader (CURVE, with this host's key), waits to be handed its
+    workers, starts and supervises them and reports to the leader. When the leader stops,
+    dies or cannot be reached for the plan's heartbeat timeout, the workers are stopped
+    and the follower waits for a leader again. Runs until SIGTERM or SIGINT (exit 0);
+    exit 2 for a plan or key that does not load here.
+    """
+    from kvasir.daemon.follower import Follower, Local
+    from kvasir.daemon.foreground import run_follower
+    from kvasir.daemon.host import check_host
+    from kvasir.daemon.notify import ServiceNotifier
+    from kvasir.daemon.resolve import resolve_plan
+
+    try:
+        plan, source = resolve_plan(plan_path)
+        if plan.cluster is None or host not in plan.hosts:
+            raise KvasirError(
+                f"{plan_path}: host {host!r} is not one of the plan's [hosts] ({', '.join(plan.hosts) or 'none'})"
+            )
+        if host == plan.cluster.leader:
+            raise KvasirError(f"host {host} is the plan's leader: run `kvasird start --plan {plan_path}` there")
+        check_host(plan, host)
+        secret = key or str(Path(plan.cluster.keys or ".") / f"{host}.key_secret")
+        log, plan, source = _ready_model(plan, source, log_level, "follower")
+        here = Local(host, Path(runtime_dir) if runtime_dir else default_runtime_dir(), secret, source.name)
+        follower = Follower(plan, here, log, ServiceNotifier.from_environment())
+    except KvasirError as exc:
+        fail(exc)
+    sys.exit(run_follower(follower))
+
+
+def _ready_model(plan, source, log_level: str, role: str):
+    """Logging, then the model converted (once, into the cache) and its weights present."""
+    from kvasir.logs import setup_logging
+    from kvasir.model.convert import ConversionInterrupted, prepare
+
+    log = setup_logging(log_level, role=role, pid=os.getpid())
+    try:
+        source = prepare(source, log)
+        source.require_weights()
+    except ConversionInterrupted as exc:
+        log.info("stopped during start-up", why=str(exc))
+        sys.exit(0)
+    except KvasirError as exc:
+        fail(exc)
+    plan = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))
+    return log, plan, source

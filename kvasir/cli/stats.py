@@ -60,6 +60,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         f"{body['state']}, uptime {body['uptime_s']:.1f} s, requests {body['requests']}, "
         f"in flight {body['in_flight']}, restarts {body['restarts']}"
     )
+    if body["hosts_missing"]:
+        click.echo(f"hosts missing: {', '.join(body['hosts_missing'])} (waiting for their kvasird join)")
     if body["last_failure"] is not None:
         click.echo(f"last failure {body['last_failure_age_s']:.0f} s ago: {body['last_failure']}")
     if body["clients_lost"] or body["client_bytes_waiting"] or body["malformed"]:
@@ -86,13 +88,15 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         "inflight",
         "kv reqs",
     )
+    if any(s["host"] for s in body["stages"]):
+        header = tuple("pid@host" if name == "pid" else name for name in header)
     rows: list[tuple[str, ...]] = [header]
     for s in body["stages"]:
         rows.append(
             (
                 f"{s['index']} {s['pool']}".rstrip(),
                 f"[{s['layers'][0]}, {s['layers'][1]})",
-                str(s["pid"]),
+                _pid_cell(s),
                 *_share_cells(s),
                 str(s["batches"]),
                 str(s["rows"]),
@@ -123,6 +127,11 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         )
 
 
+def _pid_cell(entry: dict) -> str:
+    """A worker's pid, and in a plan across hosts the host it runs on."""
+    return f"{entry['pid']}@{entry['host']}" if entry["host"] else str(entry["pid"])
+
+
 def _share_cells(entry: dict) -> tuple[str, str, str]:
     """A stage's or shard's busy, starved and blocked seconds with their shares."""
     busy, starved, blocked = (f"{entry[f'{part}_s']:.1f}s {entry[f'{part}_fraction']:.0%}" for part in PARTS)
@@ -142,14 +151,15 @@ def _print_experts(body: dict) -> None:
             )
     if not body["shards"]:
         return
-    rows = [("shard", "stage", "experts", "pid", "busy", "starved", "blocked", "dispatches", "tokens")]
+    pid = "pid@host" if any(s["host"] for s in body["shards"]) else "pid"
+    rows = [("shard", "stage", "experts", pid, "busy", "starved", "blocked", "dispatches", "tokens")]
     for s in body["shards"]:
         rows.append(
             (
                 str(s["number"]),
                 f"{s['stage']} {s['pool']}".rstrip(),
                 f"[{s['experts'][0]}, {s['experts'][1]})",
-                str(s["pid"]),
+                _pid_cell(s),
                 *_share_cells(s),
                 str(s["dispatches"]),
                 str(s["tokens"]),

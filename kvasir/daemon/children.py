@@ -5,20 +5,39 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 import zmq
 
 from kvasir.config.plan import Plan, Pool
 from kvasir.wire.control import Command, EdgeSpec, ShardWiring, WorkerSettings
-from kvasir.wire.transport import Endpoints, PushChannel, make_socket
+from kvasir.wire.fabric import Sockets
+from kvasir.wire.transport import PushChannel
+
+
+class Process(Protocol):
+    """What the launcher uses of a child's process: a Popen here, a RemoteProcess on a follower."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclass
 class Child:
     name: str  # "stage-0", ..., "shard-0", ..., "bridge"
-    process: subprocess.Popen
+    process: Process
     command: PushChannel
     ready: bool = False
 
@@ -34,13 +53,34 @@ class StagePlace:
     shards: list[ShardWiring] = field(default_factory=list)  # its expert shards
 
 
-def spawn_child(settings: WorkerSettings, ctx: zmq.Context, ends: Endpoints) -> Child:
-    """Start a child as a fresh interpreter (never a fork after torch is imported), hand it
-    its settings as msgpack on stdin, and connect to its command socket."""
-    name = "bridge" if settings.role == "bridge" else f"{settings.role}-{settings.index}"
+def child_name(settings: WorkerSettings) -> str:
+    return "bridge" if settings.role == "bridge" else f"{settings.role}-{settings.index}"
+
+
+def start_worker(settings: WorkerSettings) -> subprocess.Popen:
+    """Start a worker as a fresh interpreter (never a fork after torch is imported) and
+    hand it its settings as msgpack on stdin."""
     process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE)
     if process.stdin is not None:  # always, with stdin=PIPE
         process.stdin.write(msgspec.msgpack.encode(settings))
         process.stdin.close()
-    command = PushChannel[Command](make_socket(ctx, zmq.PUSH, connect=ends.command(name)))
-    return Child(name, process, command)
+    return process
+
+
+def spawn_child(settings: WorkerSettings, sockets: Sockets) -> Child:
+    """Start a child here and connect to its command socket."""
+    name = child_name(settings)
+    process = start_worker(settings)
+    return Child(name, process, PushChannel[Command](sockets.connect(zmq.PUSH, sockets.ends.command(name))))
+
+
+def join_children(log, children: list[Child], timeout_s: float) -> None:
+    """Wait for ``children`` to exit, together up to ``timeout_s``; kill those still running then."""
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("child did not stop; killing", child=child.name)
+            child.process.kill()
+            child.process.wait()

@@ -1,5 +1,5 @@
-"""Checks of a plan against this host before anything starts: the CPUs and CUDA devices it
-names exist, and every worker runs on this host (the leader)."""
+"""Checks of a plan against this host before anything starts: the CPUs and CUDA devices
+named by the workers this host runs exist, and what crosses hosts can be wired."""
 
 from __future__ import annotations
 
@@ -10,29 +10,50 @@ from kvasir.config.plan import Plan
 from kvasir.errors import PlanError
 
 
-def check_host(plan: Plan) -> None:
-    """Refuse (PlanError) a plan this machine cannot run: absent CPUs or CUDA devices."""
+def check_host(plan: Plan, here: str | None = None) -> None:
+    """Refuse (PlanError) a plan this machine cannot run: absent CPUs or CUDA devices for
+    the workers it runs (``here``: its host in a plan across hosts, default the leader),
+    or workers split across hosts in a way this version cannot wire."""
     import torch
 
     usable = os.sched_getaffinity(0)
+    cluster = plan.cluster
+    here = here or (cluster.leader if cluster is not None else None)
+    _check_split(plan)
     for pool, view in plan.pools():
         for index, stage in enumerate(view.stages):
             key = f"{pool}.stages[{index}]" if pool else f"stages[{index}]"
-            _check_on_leader(key, plan, stage.host)
-            _check_stage_host(key, stage, usable, torch)
+            if worker_host(cluster, stage.host) == here:
+                _check_stage_host(key, stage, usable, torch)
             for j, shard in enumerate(stage.experts):  # expert shards: the same keys
-                _check_on_leader(f"{key}.experts[{j}]", plan, shard.host, stage.host)
-                _check_stage_host(f"{key}.experts[{j}]", shard, usable, torch)
+                if worker_host(cluster, shard.host, stage.host) == here:
+                    _check_stage_host(f"{key}.experts[{j}]", shard, usable, torch)
 
 
-def _check_on_leader(key: str, plan: Plan, *hosts: str | None) -> None:
-    """This version runs every worker on the leader: followers (`kvasird join`) are not built yet."""
-    host = worker_host(plan.cluster, *hosts)
-    if plan.cluster is not None and host != plan.cluster.leader:
-        raise PlanError(
-            f"{key} runs on host {host}: this version runs every worker on the leader ({plan.cluster.leader}); "
-            "workers on other hosts need `kvasird join`, which is not built yet (kvasir plan check shows the layout)"
-        )
+def _check_split(plan: Plan) -> None:
+    """What crosses hosts in this version: ring edges (tcp). Not yet: an expert shard on
+    another host than its stage, a KV hand-off between hosts."""
+    cluster = plan.cluster
+    if cluster is None:
+        return
+    for pool, view in plan.pools():
+        for index, stage in enumerate(view.stages):
+            key = f"{pool}.stages[{index}]" if pool else f"stages[{index}]"
+            home = worker_host(cluster, stage.host)
+            for j, shard in enumerate(stage.experts):
+                if worker_host(cluster, shard.host, stage.host) != home:
+                    raise PlanError(
+                        f"{key}.experts[{j}].host = {shard.host!r}: this version runs an expert shard on its "
+                        f"stage's host ({home}); dispatch between hosts is not built yet"
+                    )
+    if plan.disaggregated:
+        pools = {name: {str(worker_host(cluster, stage.host)) for stage in view.stages} for name, view in plan.pools()}
+        if len(pools["prefill"] | pools["decode"]) > 1:
+            raise PlanError(
+                "the prefill and decode pools run on hosts "
+                f"{sorted(pools['prefill'])} and {sorted(pools['decode'])}: this version hands KV off "
+                "within one host only (the hand-off between hosts is not built yet)"
+            )
 
 
 def _check_stage_host(key: str, stage, usable: set[int], torch) -> None:

@@ -6,10 +6,7 @@ signal only moves the state; the loop does the work.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,15 +15,17 @@ from typing import Literal
 import zmq
 
 from kvasir.config.plan import Plan
-from kvasir.daemon.children import Child, spawn_child
+from kvasir.daemon.children import Child, join_children
 from kvasir.daemon.layout import Layout, LayoutError, lay_out
 from kvasir.daemon.notify import ServiceNotifier
+from kvasir.daemon.remote import Cluster, HostLink, RemoteProcess
+from kvasir.daemon.spawner import Spawner
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
 from kvasir.ring.handshake import HandleExchange, HandshakeError
-from kvasir.ring.shm import segment_prefix, sweep_stale_segments
+from kvasir.ring.shm import sweep_stale_segments
 from kvasir.wire.base import Role
 from kvasir.wire.control import (
     Command,
@@ -34,12 +33,12 @@ from kvasir.wire.control import (
     Drained,
     EdgeHandles,
     Heartbeat,
-    ModelFacts,
     Ready,
-    WorkerSettings,
 )
-from kvasir.wire.rundir import RuntimeDirError, make_runtime_dir
-from kvasir.wire.transport import Endpoints, PullChannel, make_socket
+from kvasir.wire.curve import Fabric
+from kvasir.wire.fabric import Sockets
+from kvasir.wire.rundir import RuntimeDirError, lock_runtime_dir
+from kvasir.wire.transport import Endpoints, PullChannel
 
 DaemonPhase = Literal["starting", "running", "draining", "stopping", "stopped"]
 RingState = Literal["up", "down", "starting"]  # the children, while the daemon runs
@@ -81,10 +80,24 @@ class Launcher:
     exit_code: int = 0
     notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
     parent_pid: int | None = None  # stop (drain) once this process is no longer the parent
+    cluster: Cluster | None = None  # a plan across hosts (kvasir/daemon/remote.py)
 
     def __post_init__(self) -> None:
-        self.ends = Endpoints(self.runtime_dir)
-        self.ctx = zmq.Context()
+        cluster = self.cluster
+        self.ends = Endpoints(self.runtime_dir, cluster.routes if cluster else None)
+        fabric = Fabric.of(cluster.routes, cluster.keys) if cluster else None
+        self.sockets = Sockets(zmq.Context(), self.ends, fabric)
+        self.hosts: HostLink | None = None  # the followers' link, bound by prepare()
+        self.spawner = Spawner(
+            self.plan,
+            self.source,
+            self.runtime_dir,
+            self.sockets,
+            cluster,
+            self.stats_interval_s,
+            self.log_level,
+            self.log,
+        )
         self.stages: list[Child] = []
         self.bridge: Child | None = None
         self.layout = Layout()  # edges and KV segments, made by prepare()
@@ -100,6 +113,7 @@ class Launcher:
         self._respawn_at = 0.0
         self._ring_deadline = 0.0
         self._new_bridge = False
+        self._absent: tuple[str, ...] = ()  # the missing hosts the bridge was last told of
 
     @property
     def children(self) -> list[Child]:
@@ -109,25 +123,18 @@ class Launcher:
     def prepare(self) -> None:
         """Make the runtime dir (0700), take its lock, clear stale sockets, create the edges."""
         try:
-            make_runtime_dir(self.runtime_dir)
+            self._lock_fd = lock_runtime_dir(self.runtime_dir)
         except RuntimeDirError as exc:
             raise LaunchError(str(exc)) from None
-        fd = os.open(self.runtime_dir / "kvasird.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LaunchError(f"another kvasird is serving from runtime dir {self.runtime_dir}") from None
-        self._lock_fd = fd
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         for stale in self.ends.socket_files():  # only Kvasir's names (make_runtime_dir checked)
             stale.unlink(missing_ok=True)
         for path, size in sweep_stale_segments():
             self.log.warning("removed stale shared memory", file=str(path), bytes=size)
-        self._control = PullChannel(make_socket(self.ctx, zmq.PULL, bind=self.ends.control), ControlMessage, self.log)
+        self._control = PullChannel(self.sockets.bind(zmq.PULL, self.ends.control), ControlMessage, self.log)
+        if self.cluster is not None:
+            self.hosts = self.spawner.hosts = self.cluster.link(self.sockets, self.plan, self.log)
         try:
-            self.layout = lay_out(self.plan, self.source, segment_prefix(), self.log)
+            self.layout = lay_out(self.plan, self.source, self.spawner.prefix, self.log)
         except LayoutError as exc:
             raise LaunchError(str(exc)) from None
         self.exchange = HandleExchange(self.layout.ipc_edges)
@@ -137,36 +144,24 @@ class Launcher:
         the stages (and the bridge when it was the one that died)."""
         if not self.stages:  # the ring's children: its stages, then their expert shards
             self.exchange.clear()
-            self.stages = [self._spawn("stage", k) for k in range(len(self.layout.places))]
-            self.stages += [self._spawn("shard", k) for k in range(len(self.layout.shards))]
+            wanted: list[tuple[Role, int]] = [("stage", k) for k in range(len(self.layout.places))]
+            self.stages = self.spawner.start(
+                self.layout, wanted + [("shard", k) for k in range(len(self.layout.shards))]
+            )
         if self.bridge is None:
-            self.bridge = self._spawn("bridge", 0)
+            [self.bridge] = self.spawner.start(self.layout, [("bridge", 0)])
             self._new_bridge = True
 
-    def _spawn(self, role: Role, index: int) -> Child:
-        place, shards = self.layout.place_of(role, index, self.plan)
-        settings = WorkerSettings(
-            role=role,
-            index=index,
-            plan=place.plan,
-            runtime_dir=str(self.runtime_dir),
-            launcher_pid=os.getpid(),
-            edges=place.edges if role == "stage" else [],
-            stats_interval_s=self.stats_interval_s,
-            log_level=self.log_level,
-            pool=place.pool,
-            first=place.first,
-            handoff=self.layout.wiring,
-            model=self._model_facts() if role == "bridge" else None,
-            shards=shards,
-        )
-        child = spawn_child(settings, self.ctx, self.ends)
-        self.log.info("spawned", child=child.name, pid=child.process.pid)
-        return child
-
-    def _model_facts(self) -> ModelFacts:
-        folder = self.source.weights_dir
-        return ModelFacts(self.source.vocab_size, str(folder) if folder is not None else None)
+    def wait_hosts(self) -> None:
+        """A plan across hosts: wait (as long as for readiness) for every follower to join."""
+        deadline = time.monotonic() + self.timeouts.ready_s
+        while self.hosts is not None and self.hosts.absent:
+            if time.monotonic() > deadline:
+                raise LaunchError(f"hosts {', '.join(self.hosts.absent)} did not join: start `kvasird join` there")
+            self._pulse("while waiting for hosts")
+            self.notifier.status(f"waiting for hosts {', '.join(self.hosts.absent)} to join")
+            self.hosts.receive(100)
+            self.hosts.tick(time.monotonic())
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.timeouts.ready_s
@@ -174,23 +169,27 @@ class Launcher:
             if time.monotonic() > deadline:
                 late = [c.name for c in self.children if not c.ready]
                 raise LaunchError(f"not ready after {self.timeouts.ready_s:.0f} s: {', '.join(late)}")
-            dead = self._dead()
-            if dead is not None:
-                raise LaunchError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
-            self._watch_parent()
-            if self.state == "draining":
-                raise StartInterrupted("stopped during start-up")
-            self.notifier.watchdog()
+            failure = self._lost()
+            if failure is not None:
+                raise LaunchError(f"{failure} during start-up")
+            self._pulse("during start-up")
             self._note(self._control_messages(100))
         self._open(deadline)
         if self.state == "starting":  # a SIGTERM that came during _open stands: serve() drains at once
             self.state = "running"
         self.notifier.ready(f"serving {len(self.layout.places)} stages from {self.runtime_dir}")
 
+    def _pulse(self, doing: str) -> None:
+        """While starting: stop as on SIGTERM once the parent is gone; ping the watchdog."""
+        self._watch_parent()
+        if self.state == "draining":
+            raise StartInterrupted(f"stopped {doing}")
+        self.notifier.watchdog()
+
     def _open(self, deadline: float, restarts: int = 0) -> None:
         """Every child is ready: the bridge takes requests (a new bridge binds the client
         endpoint first, and binding an ipc socket makes its file)."""
-        pids = tuple(c.process.pid for c in self.stages)
+        pids = tuple(c.process.pid for c in self.stages if c.process.pid is not None)
         if self.bridge is None:
             raise LaunchError("no bridge to open")
         self.bridge.command.send(Command("serve", message=self.last_failure, restarts=restarts, pids=pids))
@@ -213,6 +212,10 @@ class Launcher:
             role = getattr(message, "role", "stage")  # EdgeHandles come from stages
             name = "bridge" if role == "bridge" else f"{role}-{message.index}"
             child = next((c for c in self.children if c.name == name and c.process.pid == message.pid), None)
+            if child is None and isinstance(message, Ready):  # a follower's worker may say so before its follower
+                child = next((c for c in self.children if c.name == name and c.process.pid is None), None)
+                if child is not None and isinstance(child.process, RemoteProcess):
+                    child.process.pid = message.pid
             if child is None:
                 continue  # from a child of a ring that has already been replaced
             if isinstance(message, EdgeHandles):
@@ -275,17 +278,32 @@ class Launcher:
                     self.log.warning("drain timeout: ending the requests still running")
                     self._stop_all("shutting_down")
 
+    def _lost(self) -> str | None:
+        """A host gone silent, or a child that exited: what to report."""
+        missing = self.hosts.missing(time.monotonic()) if self.hosts is not None else None
+        if missing is not None:  # before its workers' silence: the host is what failed
+            return missing
+        dead = self._dead()
+        if dead is None:
+            return None
+        code = dead.process.returncode or 0  # set: the child is dead
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        why = getattr(dead.process, "reason", "")  # a follower's worker: what its follower or the link said
+        return f"{dead.name} (pid {dead.process.pid}) {how}" + (f": {why}" if why else "")
+
     def _failure(self) -> str | None:
         """What has gone wrong with a child, if anything: it exited, or it went silent."""
-        dead = self._dead()
-        if dead is not None:
-            code = dead.process.returncode
-            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            return f"{dead.name} (pid {dead.process.pid}) {how}"
+        lost = self._lost()
+        if lost is not None:
+            return lost
         silent = self.heartbeats.silent(time.monotonic())
         if silent is not None:
             name, quiet_s = silent
             child = next(c for c in self.children if c.name == name)
+            if isinstance(child.process, RemoteProcess) and self.hosts is not None:
+                lost = self.hosts.silent_host(child.process.host, time.monotonic())
+                if lost is not None:  # its follower has gone quiet too: the host is what failed
+                    return lost
             self._kill([child])
             return f"{name} (pid {child.process.pid}) hung: no heartbeat for {quiet_s:.1f} s; killed it"
         return None
@@ -329,6 +347,8 @@ class Launcher:
     def _restart_step(self) -> None:
         now = time.monotonic()
         if self.ring == "down" and now >= self._respawn_at:
+            if self.hosts is not None and self.hosts.absent:
+                return  # the ring needs every host: wait for their kvasird join
             self.spawn()
             self.ring = "starting"
             self._ring_deadline = now + self.timeouts.ready_s
@@ -350,9 +370,19 @@ class Launcher:
     def _control_messages(self, timeout_ms: int) -> list:
         if self._control is None:  # before prepare()
             return []
+        if self.hosts is not None:
+            self.hosts.receive()
+            self.hosts.tick(time.monotonic())
+            self._report_hosts(tuple(self.hosts.absent))
         if self._control.socket.poll(timeout_ms):
             return self._control.drain()
         return []
+
+    def _report_hosts(self, absent: tuple[str, ...]) -> None:
+        """Tell the bridge (for its stats) which hosts are missing, when that changes."""
+        if absent != self._absent and self.bridge is not None and self.bridge.ready:
+            self.bridge.command.send(Command("hosts", hosts=absent))
+            self._absent = absent
 
     def _dead(self) -> Child | None:
         for child in self.children:
@@ -374,23 +404,13 @@ class Launcher:
         bridge = self.bridge
         if bridge is not None and bridge.process.poll() is None:
             bridge.command.send(Command("stop", code))
-            self._join([bridge], self.timeouts.stop_s)
+            join_children(self.log, [bridge], self.timeouts.stop_s)
         # stages before their expert shards: a stage may need its shards to finish a batch
         for group in ([c for c in self.stages if c.name.startswith("stage-")], self.stages):
             for child in group:
                 if child.process.poll() is None:
                     child.command.send(Command("stop", code))
-            self._join(group, self.timeouts.stop_s)
-
-    def _join(self, children: list[Child], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for child in children:
-            try:
-                child.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.log.warning("child did not stop; killing", child=child.name)
-                child.process.kill()
-                child.process.wait()
+            join_children(self.log, group, self.timeouts.stop_s)
 
     # -- cleanup --------------------------------------------------------------------------
     def cleanup(self) -> None:
@@ -399,8 +419,10 @@ class Launcher:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
+        if self.hosts is not None:
+            self.hosts.halt_all("the leader stops")
         self.layout.close()
-        self.ctx.destroy(linger=0)
+        self.sockets.end()
         if self._lock_fd is not None:
             for sock in self.ends.socket_files():
                 sock.unlink(missing_ok=True)
@@ -408,28 +430,3 @@ class Launcher:
             os.close(self._lock_fd)
             self._lock_fd = None
         self.state = "stopped"
-
-
-def run_launcher(launcher: Launcher) -> int:
-    """Run the daemon in the foreground; the exit code for ``kvasird start``."""
-    previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        launcher.prepare()
-        launcher.spawn()
-        launcher.notifier.status(f"loading {len(launcher.plan.all_stages)} stages")
-        launcher.wait_ready()
-        launcher.serve()
-        launcher.log.info("stopped", code=launcher.exit_code)
-        return launcher.exit_code
-    except StartInterrupted:
-        launcher.log.info("stopped during start-up")
-        return 0
-    except LaunchError as exc:
-        launcher.log.error("start failed", error=str(exc))
-        return 1
-    finally:
-        launcher.notifier.stopping("stopping")
-        launcher.cleanup()
-        launcher.notifier.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

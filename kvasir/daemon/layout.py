@@ -1,8 +1,12 @@
-"""The shared memory a daemon's launcher lays out before spawning anything: each pool's
-edges (slot rings of the kind kvasir/ring/edges.py picks; the launcher creates the
-shared-memory ones, CUDA IPC edges are paired at each start), each expert shard's
-dispatch slot and, in a disaggregated plan, the prefill stages' KV caches that decode
-stages copy handed-off requests from."""
+"""The shared memory a daemon lays out before spawning anything: each pool's edges (slot
+rings of the kind kvasir/ring/edges.py picks; shared-memory ones are created here, CUDA
+IPC edges are paired at each start, ``tcp`` edges between hosts need nothing made), each
+expert shard's dispatch slot and, in a disaggregated plan, the prefill stages' KV caches
+that decode stages copy handed-off requests from.
+
+In a plan across hosts every segment belongs to the host of the workers that map it:
+the launcher lays out the whole plan, creates its own host's segments, and hands each
+follower (``kvasird join``) the specs of its host's (``Layout.hosted``)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.slots import ShmSlotRing
 from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.wire.base import Role
-from kvasir.wire.control import DispatchSlot, EdgeSpec, HandoffWiring, KvSegment, ShardWiring
+from kvasir.wire.control import DispatchSlot, EdgeSpec, HandoffWiring, HostSegments, KvSegment, ShardWiring
+from kvasir.wire.routes import Placement
 
 
 class LayoutError(KvasirError):
@@ -33,6 +38,10 @@ class Layout:
     rings: list[ShmSlotRing | KvSegmentMap | DispatchSegment] = field(default_factory=list)  # the launcher's
     ipc_edges: dict[str, tuple[int, int]] = field(default_factory=dict)  # edge name -> (producer, consumer)
     wiring: HandoffWiring | None = None  # disaggregated plans: the prefill caches
+    hosted: dict[str | None, HostSegments] = field(default_factory=dict)  # what each host makes
+
+    def segments(self, host: str | None) -> HostSegments:
+        return self.hosted.setdefault(host, HostSegments())
 
     def place_of(self, role: Role, index: int, plan: Plan) -> tuple[StagePlace, list[ShardWiring]]:
         """Where a child sits and the expert shards it deals with: a stage's place and its
@@ -54,26 +63,42 @@ class Layout:
 
 
 def lay_out(plan: Plan, source: ModelSource, prefix: str, log) -> Layout:
-    """Create every edge's shared memory (and the prefill caches), named from ``prefix``.
-    On failure, whatever was already created is removed before the error goes on."""
+    """Lay out every edge (and the prefill caches), named from ``prefix``, and create the
+    shared memory of this host's workers (the leader's, in a plan across hosts). On
+    failure, whatever was already created is removed before the error goes on."""
     layout = Layout()
-    try:
-        _edges(plan, source, prefix, log, layout)
-        _shards(source, prefix, layout)
-        if plan.disaggregated:
-            layout.wiring = _kv_segments(plan, source, prefix, layout)
-    except BaseException:
-        layout.close()
-        raise
+    placement = Placement.of(plan)
+    _edges(plan, source, prefix, log, layout, placement)
+    _shards(source, prefix, layout, placement)
+    if plan.disaggregated:
+        layout.wiring = _kv_segments(plan, source, prefix, layout, placement)
+    layout.rings = make_segments(layout.segments(placement.leader))
     return layout
 
 
-def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout) -> None:
+def make_segments(segments: HostSegments) -> list[ShmSlotRing | KvSegmentMap | DispatchSegment]:
+    """Create one host's shared memory; on failure what was made is removed first."""
+    made: list[ShmSlotRing | KvSegmentMap | DispatchSegment] = []
+    try:
+        for edge in segments.edges:
+            made.append(create_ring(edge))
+        for slot in segments.slots:
+            made.append(DispatchSegment(slot, create=True))
+        for kv in segments.kv:
+            made.append(KvSegmentMap(kv, create=True))
+    except BaseException:
+        Layout(rings=made).close()
+        raise
+    return made
+
+
+def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout, placement: Placement) -> None:
     peer_access = torch_peer_access(plan.all_stages)
     for pool, view in plan.pools():
         first = len(layout.places)
         edges = []
-        for k, choice in enumerate(pool_edges(view.stages, peer_access)):
+        hosts = list(placement.stages[first : first + len(view.stages)])
+        for k, choice in enumerate(pool_edges(view.stages, peer_access, hosts)):
             kind = choice.kind
             if kind == "auto":
                 raise LayoutError(f"edge {first + k} -> {first + k + 1}: {choice.reason} (no CUDA to ask here)")
@@ -88,15 +113,15 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout) ->
                 consumer=view.stages[k + 1].device,
             )
             if kind in SHARED_MEMORY_KINDS:
-                layout.rings.append(create_ring(spec))
-            else:
+                layout.segments(hosts[k]).edges.append(spec)
+            elif kind != "tcp":
                 layout.ipc_edges[spec.name] = (first + k, first + k + 1)
             log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
             edges.append(spec)
         layout.places += [StagePlace(pool, view, first, edges) for _ in view.stages]
 
 
-def _shards(source: ModelSource, prefix: str, layout: Layout) -> None:
+def _shards(source: ModelSource, prefix: str, layout: Layout, placement: Placement) -> None:
     """Each expert shard's dispatch slot, sized from its pool's widths."""
     moe = source.moe
     for index, place in enumerate(layout.places):
@@ -115,13 +140,13 @@ def _shards(source: ModelSource, prefix: str, layout: Layout) -> None:
                 stage_device=stage.device,
                 shard_device=spec.device,
             )
-            layout.rings.append(DispatchSegment(slot, create=True))
+            layout.segments(placement.shards[number]).slots.append(slot)
             wiring = ShardWiring(number=number, stage=index, layers=stage.layers, spec=spec, slot=slot)
             layout.shards.append(wiring)
             place.shards.append(wiring)
 
 
-def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout) -> HandoffWiring:
+def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout, placement: Placement) -> HandoffWiring:
     """The prefill stages' caches, in shared memory the decode stages copy from."""
     prefill, decode = (view for _, view in plan.pools())
     segments = []
@@ -135,7 +160,7 @@ def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout) -
             head_dim=source.head_dim,
             dtype=prefill.model.dtype,
         )
-        layout.rings.append(KvSegmentMap(segment, create=True))
+        layout.segments(placement.stages[k]).kv.append(segment)
         segments.append(segment)
     return HandoffWiring(
         prefill=segments, decode=[stage.layers for stage in decode.stages], lease_s=plan.handoff.lease_s

@@ -137,6 +137,7 @@ class ShardAgent:
             stage=self.wiring.stage,
             experts=self.wiring.experts,
             pid=os.getpid(),
+            host=self.settings.fabric.host if self.settings.fabric is not None else "",
             wall_s=now - c.started,
             busy_s=c.busy_s,
             starved_s=c.starved_s,

@@ -20,12 +20,13 @@ from kvasir.shard.agent import ShardAgent, ShardPorts
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
 from kvasir.wire.experts import ExpertMessage
-from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+from kvasir.wire.fabric import Sockets, open_fabric
+from kvasir.wire.transport import PullChannel, PushChannel
 
 
-def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[ShardAgent, DispatchSegment]:
+def build_agent(settings: WorkerSettings, sockets: Sockets, log) -> tuple[ShardAgent, DispatchSegment]:
     [wiring] = settings.shards
-    ends = Endpoints(settings.runtime_dir)
+    ends = sockets.ends
     source = resolve_source(settings.plan.model.source)
     dtype = torch_dtype(settings.plan.model.dtype)
     ordinal = cuda_ordinal(wiring.spec.device)
@@ -36,10 +37,10 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[ShardA
     slot = DispatchSegment(wiring.slot, create=False, side="shard")
 
     def push(kind, endpoint: str) -> PushChannel:
-        return PushChannel[kind](make_socket(ctx, zmq.PUSH, connect=endpoint))
+        return PushChannel[kind](sockets.connect(zmq.PUSH, endpoint))
 
     def pull(kind, endpoint: str) -> PullChannel:
-        return PullChannel[kind](make_socket(ctx, zmq.PULL, bind=endpoint), kind, log)
+        return PullChannel[kind](sockets.bind(zmq.PULL, endpoint), kind, log)
 
     ports = ShardPorts(
         work=pull(ExpertMessage, ends.shard_in(wiring.number)),
@@ -58,11 +59,11 @@ def run_shard(encoded: bytes) -> None:
     settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
     [wiring] = settings.shards
     log = setup_logging(settings.log_level, role="shard", index=settings.index, pid=os.getpid())
-    ctx = zmq.Context()
-    slot = None
+    slot = sockets = None
     try:
         pin_process(wiring.spec.device, wiring.spec.threads, wiring.spec.cpus)
-        agent, slot = build_agent(settings, ctx, log)
+        sockets = Sockets(zmq.Context(), *open_fabric(settings.runtime_dir, settings.fabric))
+        agent, slot = build_agent(settings, sockets, log)
         agent.ports.control.send(Ready("shard", settings.index, os.getpid()))
         log.info("shard ready", stage=wiring.stage, experts=list(wiring.experts), layers=sorted(agent.bank))
         agent.serve()
@@ -73,4 +74,5 @@ def run_shard(encoded: bytes) -> None:
     finally:
         if slot is not None:
             slot.close()
-        ctx.destroy(linger=0)
+        if sockets is not None:
+            sockets.end()

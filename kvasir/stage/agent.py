@@ -140,6 +140,7 @@ class StageAgent:
             index=self.index,
             layers=self.engine.spec.layers,
             pid=os.getpid(),
+            host=self.settings.fabric.host if self.settings.fabric is not None else "",
             wall_s=now - c.started,
             busy_s=c.busy_s,
             starved_s=c.starved_s,

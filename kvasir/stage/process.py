@@ -18,6 +18,7 @@ from kvasir.model.source import resolve_source
 from kvasir.ring.attach import attach_ring
 from kvasir.ring.handshake import IpcRing, exchange_handles
 from kvasir.ring.slots import SlotRing
+from kvasir.ring.tcp_slots import FramedDescriptors, FramedIntake, TcpSlotRing
 from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.agent import StageAgent
 from kvasir.stage.engine import StageEngine
@@ -33,9 +34,10 @@ from kvasir.wire.batch import BatchDescriptor, Credit
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.control import Command, ControlMessage, HandoffWiring, Heartbeat, Ready, WorkerSettings
 from kvasir.wire.experts import ExpertMessage
+from kvasir.wire.fabric import Sockets, open_fabric
 from kvasir.wire.head import HeadMessage
 from kvasir.wire.kv import KvMessage
-from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+from kvasir.wire.transport import Endpoints, PullChannel, PushChannel
 
 HANDSHAKE_TIMEOUT_S = 300.0  # as the launcher's start-up wait: it gives up on a stage no sooner
 
@@ -46,9 +48,12 @@ class Wiring:
     """A stage's place: its index in its pool's ring, its global index, its sockets' context."""
 
     settings: WorkerSettings
-    ctx: zmq.Context
-    ends: Endpoints
+    sockets: Sockets
     log: Logger
+
+    @property
+    def ends(self) -> Endpoints:
+        return self.sockets.ends
 
     @property
     def local(self) -> int:
@@ -70,17 +75,17 @@ class Wiring:
         return self.settings.handoff
 
     def push(self, kind, endpoint: str) -> PushChannel:
-        return PushChannel[kind](make_socket(self.ctx, zmq.PUSH, connect=endpoint))
+        return PushChannel[kind](self.sockets.connect(zmq.PUSH, endpoint))
 
     def pull(self, kind, endpoint: str) -> PullChannel:
-        return PullChannel[kind](make_socket(self.ctx, zmq.PULL, bind=endpoint), kind, self.log)
+        return PullChannel[kind](self.sockets.bind(zmq.PULL, endpoint), kind, self.log)
 
 
-def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageAgent, list]:
+def build_agent(settings: WorkerSettings, sockets: Sockets, log) -> tuple[StageAgent, list]:
     """Wire one stage: its engine, its intake and outlet (chosen by position and pool),
     its hand-off role, its sockets. Returns the agent and what to close at the end."""
     plan = settings.plan  # a disaggregated plan's workers get their pool's view
-    w = Wiring(settings, ctx, Endpoints(settings.runtime_dir), log)
+    w = Wiring(settings, sockets, log)
     index, ends = settings.index, w.ends
     source = resolve_source(plan.model.source)
     segment = None
@@ -101,9 +106,7 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
         ring_in = attach_ring(settings.edges[w.local - 1], "consumer")
         closing.append(ring_in)
         rings.append(ring_in)
-        intake = UpstreamIntake(
-            w.pull(BatchDescriptor, ends.stage_in(index)), ring_in, w.push(Credit, ends.credits(index - 1))
-        )
+        intake = UpstreamIntake(_descriptors_in(w, ring_in), ring_in, w.push(Credit, ends.credits(index - 1)))
     if w.local == w.last:
         sampler, head = (
             Sampler(source.eos_token_ids, plan.model.max_seq_len),
@@ -120,13 +123,28 @@ def build_agent(settings: WorkerSettings, ctx: zmq.Context, log) -> tuple[StageA
         closing.append(ring_out)
         rings.append(ring_out)
         outlet = DownstreamOutlet(
-            w.push(BatchDescriptor, ends.stage_in(index + 1)), ring_out, w.pull(Credit, ends.credits(index)), edge.slots
+            _descriptors_out(w, ring_out), ring_out, w.pull(Credit, ends.credits(index)), edge.slots
         )
     handoff = _handoff(w, engine)
     closing.append(handoff)
     ipc = [cast(IpcRing, ring) for ring in rings if ring.spec.kind == "cuda-ipc"]  # CudaIpcSlotRing
     exchange_handles(ipc, index, control, commands, settings.launcher_pid, HANDSHAKE_TIMEOUT_S)
     return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log, handoff), closing
+
+
+def _descriptors_in(w: Wiring, ring: SlotRing):
+    """The upstream edge's descriptors: a typed channel, or on a tcp edge each with its boundary frame."""
+    endpoint = w.ends.stage_in(w.settings.index)
+    if isinstance(ring, TcpSlotRing):
+        return FramedIntake(w.sockets.bind(zmq.PULL, endpoint), ring)
+    return w.pull(BatchDescriptor, endpoint)
+
+
+def _descriptors_out(w: Wiring, ring: SlotRing):
+    endpoint = w.ends.stage_in(w.settings.index + 1)
+    if isinstance(ring, TcpSlotRing):
+        return FramedDescriptors(w.sockets.connect(zmq.PUSH, endpoint), ring)
+    return w.push(BatchDescriptor, endpoint)
 
 
 def _attach_shards(w: Wiring, engine: StageEngine, control: PushChannel) -> list:
@@ -185,12 +203,13 @@ def run_stage(encoded: bytes) -> None:
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
     settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
     log = setup_logging(settings.log_level, role="stage", index=settings.index, pid=os.getpid())
-    ctx = zmq.Context()
     closing: list = []
+    sockets = None
     try:
         stage = settings.plan.stages[settings.index - settings.first]
         pin_process(stage.device, stage.threads, stage.cpus)
-        agent, closing = build_agent(settings, ctx, log)
+        sockets = Sockets(zmq.Context(), *open_fabric(settings.runtime_dir, settings.fabric))
+        agent, closing = build_agent(settings, sockets, log)
         agent.control.send(Ready("stage", settings.index, os.getpid()))
         log.info("stage ready", layers=list(agent.engine.spec.layers), pool=settings.pool or None)
         agent.serve()
@@ -201,4 +220,5 @@ def run_stage(encoded: bytes) -> None:
     finally:
         for resource in closing:
             resource.close()
-        ctx.destroy(linger=0)
+        if sockets is not None:
+            sockets.end()

@@ -57,6 +57,7 @@ class StageStats(Tagged, frozen=True):
     expert_tokens: tuple[int, ...] = ()  # MoE stages: tokens routed to each expert (one per top-k pick), all layers
     expert_imbalance: float = 0.0  # MoE stages: the busiest expert's tokens over the mean (1.0: even)
     dispatch_s: float = 0.0  # stages with expert shards: of busy time, spent dispatching rows and combining
+    host: str = ""  # a plan across hosts: the host it runs on
 
 
 class ShardStats(Tagged, frozen=True):
@@ -74,6 +75,7 @@ class ShardStats(Tagged, frozen=True):
     tokens: int  # tokens routed to its experts (one per pick)
     expert_tokens: tuple[int, ...]  # of those, per expert of its range
     pool: Pool = ""
+    host: str = ""  # a plan across hosts: the host it runs on
 
 
 class HandoffReport(Tagged, frozen=True):

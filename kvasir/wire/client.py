@@ -125,6 +125,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
         0  # clients the bridge gave up on (gone, or not reading): their requests cancelled, events dropped
     )
     malformed: int = 0  # internal messages the bridge dropped because they did not decode
+    hosts_missing: list[str] = []  # a plan across hosts: hosts with workers whose kvasird join is not there
 
 
 class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):

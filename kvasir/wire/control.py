@@ -79,6 +79,15 @@ class ShardWiring(msgspec.Struct, frozen=True, kw_only=True):
         return self.spec.experts
 
 
+class HostSegments(msgspec.Struct, frozen=True, kw_only=True):
+    """The shared memory one host makes for its own workers: the edges between two of
+    them, its expert shards' dispatch slots, its prefill stages' caches."""
+
+    edges: list[EdgeSpec] = []
+    slots: list[DispatchSlot] = []
+    kv: list[KvSegment] = []
+
+
 class CudaMemoryHandle(Wire, frozen=True):
     """A CUDA allocation exported for another process (torch's storage sharing, as bytes)."""
 
@@ -114,6 +123,16 @@ class ModelFacts(msgspec.Struct, frozen=True):
     folder: str | None  # the converted model folder, where a tokenizer may be
 
 
+class FabricSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's place among the hosts of a plan that spans several: every internal
+    socket's TCP endpoint and owner (kvasir/wire/routes.py), and the keys to reach them."""
+
+    host: str  # where the worker runs
+    keys: str  # the folder of every host's public key (absolute)
+    secret: str  # this host's secret key file (absolute)
+    sockets: dict[str, tuple[str, str]]  # socket name -> (tcp endpoint, owner host)
+
+
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a child process needs, handed over as msgpack bytes (never pickle)."""
 
@@ -130,6 +149,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     shards: list[ShardWiring] = []  # a stage's expert shards; a shard's own wiring (one)
     stats_interval_s: float = 0.5
     log_level: str = "info"
+    fabric: FabricSettings | None = None  # a plan across hosts: TCP with CURVE, not ipc files
 
 
 class Ready(Tagged, frozen=True):
@@ -153,16 +173,18 @@ class Heartbeat(Tagged, frozen=True):
 ControlMessage = Ready | Drained | Heartbeat | EdgeHandles
 
 
-CommandKind = Literal["serve", "ring_down", "attach", "drain", "stop"]
+CommandKind = Literal["serve", "ring_down", "attach", "drain", "stop", "hosts"]
 
 
 class Command(Wire, frozen=True):
     # "serve" (bridge: every stage is ready; bind the client endpoints, or after a restart
     # take requests again) | "ring_down" (bridge: the stages failed and are restarting) |
-    # "attach" (stage: CUDA IPC handles of its edges' other sides) | "drain" | "stop"
+    # "attach" (stage: CUDA IPC handles of its edges' other sides) | "drain" | "stop" |
+    # "hosts" (bridge: which hosts are missing, whenever that changes)
     kind: CommandKind
     code: str = "shutting_down"  # with "stop": the error code for requests still running
     message: str = ""  # with "ring_down": what failed; with "serve": the last failure ("" for none)
     restarts: int = 0  # with "serve": ring restarts so far
     pids: tuple[int, ...] = ()  # with "serve": the stages' pids (stats from any other process are stale)
     handles: tuple[EdgeHandles, ...] = ()  # with "attach" (stages at start-up): the other sides' CUDA IPC handles
+    hosts: tuple[str, ...] = ()  # with "hosts" (bridge, a plan across hosts): the hosts missing now

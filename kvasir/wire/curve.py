@@ -55,13 +55,16 @@ class HostKeys:
 
 
 class AllowList:
-    """A ZAP credentials provider: the hosts' public keys, nothing else."""
+    """A ZAP credentials provider: these public keys (z85) on this domain, nothing else.
+    (Once one domain of a ZAP handler has a provider, every domain needs one: the handler
+    then no longer reads certificate folders.)"""
 
-    def __init__(self, keys: Iterable[bytes]) -> None:
+    def __init__(self, keys: Iterable[bytes], domain: str = HOSTS_DOMAIN) -> None:
         self.keys = frozenset(keys)
+        self.domain = domain
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return domain == HOSTS_DOMAIN and key in self.keys
+        return domain == self.domain and key in self.keys
 
 
 class Fabric:
@@ -82,8 +85,12 @@ class Fabric:
         """Start the context's ZAP handler for the hosts' domain (stop it before the context)."""
         auth = ThreadAuthenticator(ctx)
         auth.start()
-        auth.configure_curve_callback(domain=HOSTS_DOMAIN, credentials_provider=AllowList(self.keys.hosts.values()))
+        self.allow(auth)
         return auth
+
+    def allow(self, auth) -> None:
+        """Let the hosts' keys in on ``auth``'s hosts domain (a ZAP handler of any kind)."""
+        auth.configure_curve_callback(domain=HOSTS_DOMAIN, credentials_provider=AllowList(self.keys.hosts.values()))
 
     def secure(self, sock: zmq.Socket, *, bind: str | None = None, connect: str | None = None) -> None:
         """Set CURVE on ``sock`` for the TCP endpoint it is about to bind or connect."""

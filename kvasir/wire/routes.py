@@ -59,7 +59,12 @@ def socket_names(placement: Placement) -> list[tuple[str, str | None]]:
     """Every internal socket (its name in the runtime dir, less ``.sock``) with its owner's
     host, in the fixed order ports are handed out."""
     leader = placement.leader
-    names: list[tuple[str, str | None]] = [("control", leader), ("bridge-in", leader), ("command-bridge", leader)]
+    names: list[tuple[str, str | None]] = [
+        ("control", leader),
+        ("hosts", leader),  # the followers' link (kvasird join)
+        ("bridge-in", leader),
+        ("command-bridge", leader),
+    ]
     for k, host in enumerate(placement.stages):
         names += [(f"{part}-{k}", host) for part in ("stage", "credits", "kv", "experts", "command-stage")]
     for n, host in enumerate(placement.shards):
@@ -68,13 +73,17 @@ def socket_names(placement: Placement) -> list[tuple[str, str | None]]:
 
 
 class Routes:
-    """The TCP endpoint of each internal socket of a plan that spans hosts."""
+    """The TCP endpoint of each internal socket of a plan that spans hosts, with the host
+    that binds it (``Routes.of``; workers get the table in their settings)."""
 
-    def __init__(self, placement: Placement) -> None:
+    def __init__(self, endpoints: Mapping[str, tuple[str, str]]) -> None:
+        self._endpoints = dict(endpoints)  # name -> (endpoint, owner host)
+
+    @classmethod
+    def of(cls, placement: Placement) -> Routes:
         if not placement.spans_hosts:
             raise RouteError("the plan runs on one machine: its sockets are ipc files, not routes")
-        self.placement = placement
-        self._endpoints: dict[str, tuple[str, str]] = {}  # name -> (endpoint, owner host)
+        endpoints: dict[str, tuple[str, str]] = {}
         used: dict[str, int] = {}
         for name, host in socket_names(placement):
             if host is None:  # a plan with [cluster] places every worker (worker_host)
@@ -86,7 +95,12 @@ class Routes:
                     f"hosts.{host}.port = {spec.port}: its sockets need ports up to {port}, past {MAX_PORT}"
                 )
             used[host] = used.get(host, 0) + 1
-            self._endpoints[name] = (f"tcp://{_bracketed(spec.address)}:{port}", host)
+            endpoints[name] = (f"tcp://{_bracketed(spec.address)}:{port}", host)
+        return cls(endpoints)
+
+    def table(self) -> dict[str, tuple[str, str]]:
+        """Every socket's (endpoint, owner host), by name: what a worker's settings carry."""
+        return dict(self._endpoints)
 
     def endpoint(self, name: str) -> str:
         try:
@@ -108,3 +122,16 @@ class Routes:
 
 def _bracketed(address: str) -> str:
     return f"[{address}]" if ":" in address else address
+
+
+def plan_digest(plan: Plan, routes: Routes) -> str:
+    """What the leader and a follower must agree on, hashed: every socket's endpoint and
+    owner, each stage's layers and each shard's experts (their plan files may differ in
+    paths, never in these)."""
+    import hashlib
+
+    import msgspec
+
+    shape = [[stage.layers, [shard.experts for shard in stage.experts]] for stage in plan.all_stages]
+    encoded = msgspec.json.encode([sorted(routes.table().items()), shape])
+    return hashlib.sha256(encoded).hexdigest()[:16]

@@ -25,7 +25,7 @@ from pathlib import Path
 from kvasir.errors import KvasirError
 
 OURS = re.compile(
-    r"^(kvasird\.lock|(client|events|bridge-in|control|command-bridge|((stage|credits|kv|shard|experts|command-stage|command-shard)-[0-9]+))\.sock)$"
+    r"^(kvasird\.lock|(client|events|bridge-in|control|hosts|command-bridge|((stage|credits|kv|shard|experts|command-stage|command-shard)-[0-9]+))\.sock)$"
 )
 
 
@@ -60,6 +60,23 @@ def make_runtime_dir(path: Path) -> None:
             "of its own (it removes stale sockets there)"
         )
     os.chmod(path, 0o700)
+
+
+def lock_runtime_dir(path: Path) -> int:
+    """Make (or check) the runtime dir and take its lock for this process: the lock file's
+    descriptor, holding our pid. RuntimeDirError when another kvasird holds it."""
+    import fcntl
+
+    make_runtime_dir(path)
+    fd = os.open(path / "kvasird.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeDirError(f"another kvasird is serving from runtime dir {path}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def check_client_dir(path: Path) -> None:

@@ -86,6 +86,10 @@ class Endpoints:
     def control(self) -> str:  # launcher PULL: Ready, Drained
         return self._internal("control")
 
+    @property
+    def hosts(self) -> str:  # launcher ROUTER: the followers (kvasird join) of a plan across hosts
+        return self._internal("hosts")
+
     def command(self, name: str) -> str:  # child PULL: commands from the launcher
         return self._internal(f"command-{name}")
 

@@ -28,7 +28,7 @@ from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_sock
 
 plan_path, host, role = sys.argv[1:4]
 plan = load_plan(plan_path)
-routes = Routes(Placement.of(plan))
+routes = Routes.of(Placement.of(plan))
 folder = plan_path.rsplit("/", 1)[0] + "/keys"
 fabric = Fabric.of(routes, HostKeys.load(folder, host, [*plan.hosts, host]))
 ctx = zmq.Context()

@@ -106,9 +106,21 @@ def test_missing_host_keys_are_named(cluster_plan, tmp_path):
     assert result.exit_code == 2 and "cluster.keys: host b: key file not found" in result.output
 
 
-def test_kvasird_start_refuses_workers_off_the_leader_in_this_version(cluster_plan, tmp_path):
+def test_kvasird_refuses_an_expert_shard_off_its_stages_host_in_this_version(cluster_plan, tmp_path):
     path = cluster_plan()
-    result = CliRunner().invoke(kvasird, ["start", "--plan", str(path), "--runtime-dir", str(tmp_path / "rt")])
-    assert result.exit_code == 2
-    assert "stages[0].experts[0] runs on host b: this version runs every worker on the leader (a)" in result.output
-    assert not (tmp_path / "rt").exists()  # refused before anything was made
+    for command in (["start"], ["join", "--host", "b"]):
+        result = CliRunner().invoke(kvasird, [*command, "--plan", str(path), "--runtime-dir", str(tmp_path / "rt")])
+        assert result.exit_code == 2
+        assert (
+            "stages[0].experts[0].host = 'b': this version runs an expert shard on its stage's host (a)"
+            in result.output
+        )
+        assert not (tmp_path / "rt").exists()  # refused before anything was made
+
+
+def test_kvasird_join_refuses_a_host_the_plan_does_not_name_and_the_leader(cluster_plan, tmp_path):
+    path = cluster_plan()
+    result = CliRunner().invoke(kvasird, ["join", "--plan", str(path), "--host", "z"])
+    assert result.exit_code == 2 and "host 'z' is not one of the plan's [hosts] (a, b)" in result.output
+    result = CliRunner().invoke(kvasird, ["join", "--plan", str(path), "--host", "a"])
+    assert result.exit_code == 2 and "host a is the plan's leader: run `kvasird start" in result.output

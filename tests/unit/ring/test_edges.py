@@ -344,9 +344,9 @@ def check_the_launcher_passes_halves_between_its_children(launcher, edge: str, t
     for k in range(3):
         process = subprocess.Popen(["sleep", "60"])
         at = f"ipc://{tmp_path}/stage-{k}.sock"
-        inboxes.append(PullChannel(make_socket(launcher.ctx, zmq.PULL, bind=at), Command))
+        inboxes.append(PullChannel(launcher.sockets.bind(zmq.PULL, at), Command))
         launcher.stages.append(
-            Child(f"stage-{k}", process, PushChannel[Command](make_socket(launcher.ctx, zmq.PUSH, connect=at)))
+            Child(f"stage-{k}", process, PushChannel[Command](launcher.sockets.connect(zmq.PUSH, at)))
         )
     pids = [c.process.pid for c in launcher.stages]
     producer = msgspec.structs.replace(half(edge, "producer", 1), pid=pids[1])

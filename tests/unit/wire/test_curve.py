@@ -66,7 +66,7 @@ class Hosts:
 def hosts(tmp_path, unused_tcp_port):
     made = CliRunner().invoke(kvasir, ["keys", "generate", str(tmp_path), "--host", "a", "--host", "b", "--host", "x"])
     assert made.exit_code == 0, made.output
-    routes = Routes(Placement.of(parse_plan(PLAN.format(port=unused_tcp_port))))
+    routes = Routes.of(Placement.of(parse_plan(PLAN.format(port=unused_tcp_port))))
     fabrics = {name: Fabric.of(routes, HostKeys.load(tmp_path, name, ["a", "b"])) for name in ("a", "b")}
     fabrics["x"] = Fabric.of(routes, HostKeys.load(tmp_path, "x", ["a", "b", "x"]))  # a real pair, not the plan's
     made_hosts = Hosts(tmp_path, routes, fabrics)

@@ -18,7 +18,7 @@ def test_a_plan_on_one_machine_keeps_ipc_files(tmp_path):
         placement = Placement.of(parse_plan(text))
         assert not placement.spans_hosts
         with pytest.raises(RouteError, match="runs on one machine"):
-            Routes(placement)
+            Routes.of(placement)
     ends = Endpoints(tmp_path)
     assert ends.stage_in(1) == f"ipc://{tmp_path}/stage-1.sock" and ends.control == f"ipc://{tmp_path}/control.sock"
 
@@ -26,7 +26,7 @@ def test_a_plan_on_one_machine_keeps_ipc_files(tmp_path):
 def test_every_internal_socket_is_tcp_on_its_owners_host(tmp_path):
     placement = Placement.of(parse_plan(HOSTS + STAGES))
     assert placement.spans_hosts and placement.stages == ("a", "b") and placement.shards == ("b", "a")
-    routes = Routes(placement)
+    routes = Routes.of(placement)
     ends = Endpoints(tmp_path, routes)
     owners = {
         ends.control: "a", ends.bridge_in: "a", ends.command("bridge"): "a",
@@ -40,7 +40,7 @@ def test_every_internal_socket_is_tcp_on_its_owners_host(tmp_path):
     assert len(names) == len({url for url in map(routes.endpoint, (n for n, _ in names))})  # no two alike
     assert routes.ports("a") == list(range(7300, 7300 + sum(h == "a" for _, h in names)))  # consecutive from port
     assert routes.ports("b") == list(range(9000, 9000 + sum(h == "b" for _, h in names)))
-    assert Routes(Placement.of(parse_plan(HOSTS + STAGES))).ports("b") == routes.ports("b")  # every host agrees
+    assert Routes.of(Placement.of(parse_plan(HOSTS + STAGES))).ports("b") == routes.ports("b")  # every host agrees
     assert ends.client == f"ipc://{tmp_path}/client.sock" and ends.bridge_files() == [
         tmp_path / "client.sock",
         tmp_path / "events.sock",
@@ -52,4 +52,4 @@ def test_every_internal_socket_is_tcp_on_its_owners_host(tmp_path):
 def test_a_port_range_past_65535_is_refused():
     plan = parse_plan(cluster_hosts(b_address="fd00::2", b_port=65530) + STAGES)
     with pytest.raises(RouteError, match=r"hosts.b.port = 65530: its sockets need ports up to 65536"):
-        Routes(Placement.of(plan))
+        Routes.of(Placement.of(plan))

@@ -1,0 +1,239 @@
+"""``kvasird join``: a follower host of a plan across hosts.
+
+A follower connects to the leader's ``hosts`` socket (CURVE, its host's key) and says it
+is alive about twice a second. The leader hands it the workers of its host (``Run``:
+settings and the shared memory to make for them); the follower makes the segments under
+its own names, starts the workers with its own paths (runtime dir, model, keys) and
+reports each start and each exit. The workers talk to the leader and to each other
+directly over the plan's TCP routes. When the leader says ``Halt``, or has been silent
+for the plan's heartbeat timeout (dead, or the link is down), the follower kills its
+workers and waits for a leader to take it again; it runs until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, cast
+
+import msgspec
+import zmq
+
+from kvasir.config.plan import Plan
+from kvasir.daemon.children import child_name, start_worker
+from kvasir.daemon.layout import Layout, make_segments
+from kvasir.daemon.notify import ServiceNotifier
+from kvasir.errors import KvasirError
+from kvasir.logs import Logger
+from kvasir.ring.shm import segment_prefix
+from kvasir.wire.control import HostSegments, WorkerSettings
+from kvasir.wire.curve import Fabric, HostKeys
+from kvasir.wire.fabric import Sockets
+from kvasir.wire.hosts import ALIVE_EVERY_S, Alive, Exited, Halt, LeaderMessage, Ping, Refused, Run, Spawned
+from kvasir.wire.routes import Placement, Routes, plan_digest
+from kvasir.wire.rundir import lock_runtime_dir
+from kvasir.wire.transport import Endpoints
+
+FollowerState = Literal["waiting", "running", "stopping"]
+
+
+@dataclass(frozen=True)
+class Local:
+    """What a follower puts in its workers' settings in place of the leader's paths."""
+
+    host: str
+    runtime_dir: Path
+    secret: str  # this host's secret key file
+    source: str  # the model, resolved on this host
+    prefix: str = field(default_factory=segment_prefix)  # this follower's shared-memory names
+
+
+def renamed(segments: HostSegments, leader_prefix: str, prefix: str) -> dict[str, str]:
+    """Each segment's name under this follower's prefix (a sweep on this host then knows its creator)."""
+    names = [spec.name for group in (segments.edges, segments.slots, segments.kv) for spec in group]
+    return {name: prefix + name[len(leader_prefix) :] for name in names if name.startswith(leader_prefix)}
+
+
+def localize(settings: WorkerSettings, here: Local, names: dict[str, str]) -> WorkerSettings:
+    """A worker's settings from the leader, with this host's paths, pid and segment names."""
+    replace = msgspec.structs.replace
+    plan = replace(settings.plan, model=replace(settings.plan.model, source=here.source))
+    handoff = settings.handoff
+    if handoff is not None:
+        handoff = replace(handoff, prefill=[replace(kv, name=names.get(kv.name, kv.name)) for kv in handoff.prefill])
+    fabric = settings.fabric
+    if fabric is None or fabric.host != here.host:
+        raise KvasirError(f"the leader sent {child_name(settings)}, which is not a worker of host {here.host}")
+    return replace(
+        settings,
+        plan=plan,
+        runtime_dir=str(here.runtime_dir),
+        launcher_pid=os.getpid(),
+        edges=[replace(edge, name=names.get(edge.name, edge.name)) for edge in settings.edges],
+        shards=[replace(w, slot=replace(w.slot, name=names.get(w.slot.name, w.slot.name))) for w in settings.shards],
+        handoff=handoff,
+        fabric=replace(fabric, secret=here.secret),
+    )
+
+
+def segments_named(segments: HostSegments, names: dict[str, str]) -> HostSegments:
+    replace = msgspec.structs.replace
+    return HostSegments(
+        edges=[replace(spec, name=names.get(spec.name, spec.name)) for spec in segments.edges],
+        slots=[replace(spec, name=names.get(spec.name, spec.name)) for spec in segments.slots],
+        kv=[replace(spec, name=names.get(spec.name, spec.name)) for spec in segments.kv],
+    )
+
+
+@dataclass
+class Follower:
+    plan: Plan  # resolved on this host (its cluster.keys absolute)
+    here: Local
+    log: Logger
+    notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
+    state: FollowerState = "waiting"
+
+    def __post_init__(self) -> None:
+        if self.plan.cluster is None or self.plan.cluster.keys is None:
+            raise KvasirError("kvasird join needs a plan with [cluster] and its host keys")
+        routes = Routes.of(Placement.of(self.plan))
+        keys = HostKeys.load(self.plan.cluster.keys, self.here.host, sorted(self.plan.hosts), self.here.secret)
+        self.digest = plan_digest(self.plan, routes)
+        self.timeout_s = self.plan.supervise.heartbeat_timeout_s
+        self.sockets = Sockets(zmq.Context(), Endpoints(self.here.runtime_dir, routes), Fabric.of(routes, keys))
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.generation = 0
+        self.layout = Layout()  # the shared memory made here, kept across runs
+        self._made: set[str] = set()  # its names
+        self.heard = 0.0  # when the leader last said anything (0: not since we started or lost it)
+        self._lock_fd: int | None = None
+        self._link: zmq.Socket | None = None
+
+    # -- the loop --------------------------------------------------------------------------
+    def prepare(self) -> None:
+        self._lock_fd = lock_runtime_dir(self.here.runtime_dir)
+        link = self.sockets.unbound(zmq.DEALER)
+        link.routing_id = self.here.host.encode()
+        link.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a leader that is not there
+        link.setsockopt(zmq.SNDHWM, 1000)
+        self.sockets.attach(link, self.sockets.ends.hosts)
+        self._link = link
+
+    def request_stop(self, signum: int, _frame=None) -> None:
+        self.state = "stopping"
+
+    def run(self) -> None:
+        self.notifier.ready(f"host {self.here.host}: waiting for the leader")
+        self.log.info("following", host=self.here.host, leader=self.sockets.ends.hosts)
+        next_alive = 0.0
+        while self.state != "stopping":
+            now = time.monotonic()
+            if now >= next_alive:
+                self._send(Alive(self.here.host, os.getpid(), self.digest))
+                next_alive = now + ALIVE_EVERY_S
+            for message in self._receive(100):
+                self._handle(message)
+            self._reap()
+            if self.workers and self.heard and time.monotonic() - self.heard > self.timeout_s:
+                self._halt(f"the leader has been silent for {self.timeout_s:g} s")
+                self.heard = 0.0
+            self.notifier.watchdog()
+
+    def _receive(self, timeout_ms: int) -> list:
+        link = self._link
+        if link is None or not link.poll(timeout_ms):
+            return []
+        out = []
+        decoder = msgspec.msgpack.Decoder(LeaderMessage)
+        while cast(int, link.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frame = link.recv(zmq.NOBLOCK)
+            try:
+                out.append(decoder.decode(frame))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.log.warning("dropped a malformed message from the leader", error=str(exc))
+        return out
+
+    def _handle(self, message) -> None:
+        self.heard = time.monotonic()
+        if isinstance(message, Run):
+            self._run(message)
+        elif isinstance(message, Halt):
+            self._halt(message.reason)
+        elif isinstance(message, Refused):
+            self.log.error("the leader refused this host", reason=message.reason)
+            self.notifier.status(f"refused by the leader: {message.reason}")
+        elif not isinstance(message, Ping):
+            self.log.warning("unexpected message from the leader", kind=type(message).__name__)
+
+    def _send(self, message) -> None:
+        if self._link is None:
+            return
+        try:
+            self._link.send(msgspec.msgpack.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no leader connected: it learns what it needs from the next Alive
+
+    # -- workers ---------------------------------------------------------------------------
+    def _run(self, run: Run) -> None:
+        self._halt("the leader starts a new ring")
+        self.generation = run.generation
+        names = renamed(run.segments, run.prefix, self.here.prefix)
+        try:
+            wanted = segments_named(run.segments, names)
+            made = self._made
+            self.layout.rings += make_segments(
+                HostSegments(
+                    edges=[s for s in wanted.edges if s.name not in made],
+                    slots=[s for s in wanted.slots if s.name not in made],
+                    kv=[s for s in wanted.kv if s.name not in made],
+                )
+            )
+            made.update(spec.name for group in (wanted.edges, wanted.slots, wanted.kv) for spec in group)
+            workers = [localize(settings, self.here, names) for settings in run.workers]
+        except KvasirError as exc:
+            self.log.error("cannot run the leader's workers", error=str(exc))
+            for settings in run.workers:
+                self._send(Exited(run.generation, child_name(settings), 0, 1, f"host {self.here.host}: {exc}"))
+            return
+        for settings in workers:
+            name = child_name(settings)
+            process = start_worker(settings)
+            self.workers[name] = process
+            self._send(Spawned(run.generation, name, process.pid))
+            self.log.info("spawned", child=name, pid=process.pid)
+        self.state = "running"
+        self.notifier.status(f"host {self.here.host}: running {', '.join(self.workers)}")
+
+    def _reap(self) -> None:
+        for name, process in list(self.workers.items()):
+            code = process.poll()
+            if code is not None:
+                del self.workers[name]
+                self.log.warning("worker exited", child=name, pid=process.pid, code=code)
+                self._send(Exited(self.generation, name, process.pid, code, ""))
+
+    def _halt(self, reason: str) -> None:
+        if self.workers:
+            self.log.info("stopping the workers", reason=reason, workers=list(self.workers))
+        for process in self.workers.values():
+            if process.poll() is None:
+                process.kill()
+        for name, process in self.workers.items():
+            process.wait()
+            self._send(Exited(self.generation, name, process.pid, process.returncode, reason))
+        self.workers = {}
+        if self.state == "running":
+            self.state = "waiting"
+            self.notifier.status(f"host {self.here.host}: waiting for the leader ({reason})")
+
+    def cleanup(self) -> None:
+        self._halt("kvasird join is stopping")
+        self.layout.close()
+        self.sockets.end()
+        if self._lock_fd is not None:
+            (self.here.runtime_dir / "kvasird.lock").unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,78 @@
+"""How the launcher starts its children: each one's settings (its place in the layout,
+its sockets' routes when the plan spans hosts), then the process, here for the leader's
+own children, on its follower (kvasir/daemon/remote.py) for another host's."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvasir.config.plan import Plan
+from kvasir.daemon.children import Child, child_name, spawn_child
+from kvasir.daemon.layout import Layout
+from kvasir.daemon.remote import Cluster, HostLink
+from kvasir.logs import Logger
+from kvasir.model.source import ModelSource
+from kvasir.ring.shm import segment_prefix
+from kvasir.wire.base import Role
+from kvasir.wire.control import ModelFacts, WorkerSettings
+from kvasir.wire.fabric import Sockets
+
+
+@dataclass
+class Spawner:
+    plan: Plan
+    source: ModelSource
+    runtime_dir: Path
+    sockets: Sockets
+    cluster: Cluster | None
+    stats_interval_s: float
+    log_level: str
+    log: Logger
+    hosts: HostLink | None = None  # the followers, once the launcher bound their socket
+    prefix: str = field(default_factory=segment_prefix)  # the shared-memory names' start
+
+    def start(self, layout: Layout, wanted: list[tuple[Role, int]]) -> list[Child]:
+        """Spawn the leader's children here, hand the others to their followers."""
+        settings = [self.settings(layout, role, index) for role, index in wanted]
+        leader = self.cluster.keys.host if self.cluster is not None else None
+        here = [s for s in settings if s.fabric is None or s.fabric.host == leader]
+        children = {child.name: child for child in (spawn_child(s, self.sockets) for s in here)}
+        if self.hosts is not None:
+            children.update(self.hosts.start([s for s in settings if s not in here], layout, self.prefix))
+        for child in children.values():
+            self.log.info("spawned", child=child.name, pid=child.process.pid)
+        return [children[child_name(s)] for s in settings]
+
+    def settings(self, layout: Layout, role: Role, index: int) -> WorkerSettings:
+        place, shards = layout.place_of(role, index, self.plan)
+        return WorkerSettings(
+            role=role,
+            index=index,
+            plan=place.plan,
+            runtime_dir=str(self.runtime_dir),
+            launcher_pid=os.getpid(),
+            edges=place.edges if role == "stage" else [],
+            stats_interval_s=self.stats_interval_s,
+            log_level=self.log_level,
+            pool=place.pool,
+            first=place.first,
+            handoff=layout.wiring,
+            model=self._model_facts() if role == "bridge" else None,
+            shards=shards,
+            fabric=self.cluster.fabric(self._host(role, index)) if self.cluster is not None else None,
+        )
+
+    def _host(self, role: Role, index: int) -> str | None:
+        """Where a child runs: the bridge on the leader, a stage or shard where the plan says."""
+        if self.cluster is None:
+            return None
+        if role == "bridge":
+            return self.cluster.keys.host
+        placement = self.cluster.placement
+        return (placement.stages if role == "stage" else placement.shards)[index]
+
+    def _model_facts(self) -> ModelFacts:
+        folder = self.source.weights_dir
+        return ModelFacts(self.source.vocab_size, str(folder) if folder is not None else None)

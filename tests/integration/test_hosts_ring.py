@@ -1,0 +1,159 @@
+"""Rings across hosts (network namespaces, tests/support/netns.py): ``kvasird start`` on
+the leader, ``kvasird join`` on the followers, stages talking over TCP with CURVE; greedy
+output equals Hugging Face ``generate``. Skipped where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+
+from kvasir.wire.client import ErrorEvent, Finished
+from tests.integration.test_ring import check_events, run_all
+from tests.integration.test_supervision import load_then, one_greedy, terminal_codes, wait_serving_again
+from tests.support.cluster import HostedDaemon, hosts_table
+from tests.support.daemon import BIN, alive
+from tests.support.models import hf_greedy, random_prompts, reference_model
+from tests.support.netns import Network, netns_unavailable
+
+pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
+
+MODEL = """
+[model]
+source = "{model}"
+max_seq_len = 256
+dtype = "float32"
+[batch]
+max_rows = 6
+max_tokens = 32
+inflight = 3
+[kv]
+block_size = 4
+num_blocks = 200
+[supervise]
+heartbeat_timeout_s = 3.0
+"""
+
+
+@pytest.fixture
+def network():
+    net = Network(["a", "b", "c"])
+    yield net
+    net.close()
+
+
+@pytest.fixture
+def hosted(network, tmp_path, request):
+    started: list[HostedDaemon] = []
+
+    def start(plan_text: str, stages: int) -> HostedDaemon:
+        daemon = HostedDaemon(network, tmp_path, plan_text, stages)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        codes = daemon.stop()
+        if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+            print(daemon.log())
+        assert all(code == 0 for code in codes.values()), (codes, daemon.log())
+
+
+def ring_plan(network: Network, model) -> str:
+    stages = '[[stages]]\nlayers = [0, 2]\n[[stages]]\nlayers = [2, 4]\nhost = "b"\n[[stages]]\nlayers = [4, 6]\nhost = "c"\n'
+    return MODEL.format(model=model) + hosts_table(network) + stages
+
+
+def test_a_ring_across_three_hosts_matches_generate(network, hosted, tiny_models):
+    daemon = hosted(ring_plan(network, tiny_models["llama"]), 3)
+    try:
+        daemon.wait_ready()
+    except Exception:
+        print(daemon.log())
+        raise
+    prompts = random_prompts(320, [1, 5, 12, 30, 64, 3, 20, 47], seed=11)
+    budgets = [3 + (i * 5) % 14 for i in range(len(prompts))]
+    results = asyncio.run(run_all(daemon.runtime_dir, prompts, budgets))
+    model = reference_model(tiny_models["llama"])
+    for prompt, budget, events in zip(prompts, budgets, results):
+        tokens, final = check_events(events)
+        assert isinstance(final, Finished), final
+        assert final.token_ids == [t.token_id for t in tokens] == hf_greedy(model, prompt, budget)
+    stats = daemon.stats()
+    assert [(s.index, s.host) for s in stats.stages] == [(0, "a"), (1, "b"), (2, "c")]
+
+
+def two_host_plan(network: Network, model) -> str:
+    """Stages 0 and 1 on the leader a, stage 2 on b (host c runs nothing)."""
+    stages = '[[stages]]\nlayers = [0, 2]\n[[stages]]\nlayers = [2, 4]\n[[stages]]\nlayers = [4, 6]\nhost = "b"\n'
+    return MODEL.format(model=model) + hosts_table(network) + stages
+
+
+def check_host_failure(daemon: HostedDaemon, strike, model) -> list:
+    """Load, strike, then: every request ended once (stage_failed for some), the failure
+    names host b, the stats say so, and once b's kvasird join is back the ring serves
+    again and equals generate. Returns the pids of b's first workers."""
+    before = {s.index: s for s in daemon.stats().stages}
+    assert before[2].host == "b" and before[0].host == "a"
+    events, _, _, late = asyncio.run(load_then(daemon, 20, strike))
+    codes = terminal_codes(events)
+    assert "stage_failed" in codes and set(codes) <= {"finished", "stage_failed"}, codes
+    failure = next(e for evs in events.values() for e in evs if isinstance(e, ErrorEvent))
+    assert "host b" in failure.message, failure.message
+    assert isinstance(late, ErrorEvent) and late.code == "restarting", late
+    return [before[2].pid]
+
+
+def test_a_follower_killed_under_load_fails_every_request_once_and_the_ring_returns_with_it(
+    network, hosted, tiny_models
+):
+    daemon = hosted(two_host_plan(network, tiny_models["llama"]), 3).wait_ready()
+    check_host_failure(daemon, lambda: daemon.kill_host("b"), tiny_models["llama"])
+    stats = daemon.stats()
+    assert stats.state == "restarting" and stats.hosts_missing == ["b"] and "host b is missing" in stats.last_failure
+    shown = subprocess.run(
+        [str(BIN / "kvasir"), "stats", "--runtime-dir", str(daemon.runtime_dir)], capture_output=True, text=True
+    )
+    assert "hosts missing: b (waiting for their kvasird join)" in shown.stdout, shown.stdout
+    daemon.start("b")
+    stats = wait_serving_again(daemon.runtime_dir, 3)
+    assert stats.hosts_missing == [] and [s.host for s in stats.stages] == ["a", "a", "b"]
+    shown = subprocess.run(
+        [str(BIN / "kvasir"), "stats", "--runtime-dir", str(daemon.runtime_dir)], capture_output=True, text=True
+    )
+    assert f"{stats.stages[2].pid}@b" in shown.stdout, shown.stdout
+    reference = reference_model(tiny_models["llama"])
+    assert one_greedy(daemon.runtime_dir, [4, 8, 15, 16], 10) == hf_greedy(reference, [4, 8, 15, 16], 10)
+
+
+def test_a_link_down_under_load_fails_every_request_once_and_the_ring_returns_when_it_is_up(
+    network, hosted, tiny_models
+):
+    daemon = hosted(two_host_plan(network, tiny_models["llama"]), 3).wait_ready()
+    [worker] = check_host_failure(daemon, lambda: network.link_down("b"), tiny_models["llama"])
+    assert daemon.stats().hosts_missing == ["b"]
+    network.link_up("b")
+    stats = wait_serving_again(daemon.runtime_dir, 3)
+    assert stats.stages[2].host == "b" and stats.stages[2].pid != worker
+    assert not alive(worker)  # b's follower stopped the worker it ran when the leader went silent
+    reference = reference_model(tiny_models["llama"])
+    assert one_greedy(daemon.runtime_dir, [4, 8, 15, 16], 10) == hf_greedy(reference, [4, 8, 15, 16], 10)
+
+
+def test_a_dead_leader_leaves_nothing_running_on_the_followers_which_serve_the_next_leader(
+    network, hosted, tiny_models
+):
+    daemon = hosted(ring_plan(network, tiny_models["llama"]), 3).wait_ready()
+    workers = [s.pid for s in daemon.stats().stages if s.host != "a"]
+    daemon.kill_host("a")
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers)  # the followers stopped them (the leader is silent)
+    assert all(daemon.processes[host].poll() is None for host in ("b", "c"))  # and wait for a leader
+    daemon.start("a")
+    daemon.wait_ready()
+    reference = reference_model(tiny_models["llama"])
+    assert one_greedy(daemon.runtime_dir, [4, 8, 15, 16], 10) == hf_greedy(reference, [4, 8, 15, 16], 10)
