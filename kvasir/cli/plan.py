@@ -182,8 +182,7 @@ def _print_plan(path, resolved, source, stages) -> None:
         f"hung after {sup.heartbeat_timeout_s:g} s without a heartbeat"
     )
     if resolved.cluster is not None:
-        hosts = ", ".join(f"{name} ({h.address}:{h.port})" for name, h in resolved.hosts.items())
-        click.echo(f"cluster  leader {resolved.cluster.leader}; hosts {hosts}; keys {resolved.cluster.keys}")
+        _print_cluster(resolved)
     header = ("stage", "role", "layers", "device", "threads", "params", "param bytes", "kv bytes", "boundary in")
     rows = [header + (("host",) if resolved.cluster else ())]
     for s in stages:
@@ -227,3 +226,16 @@ def _print_shards(shards) -> None:
         rows.append(row + ((str(s.host),) if hosts else ()))
     for line in table_lines(rows):
         click.echo(line)
+
+
+def _print_cluster(plan) -> None:
+    """The leader, the keys, and each host's address with the ports its processes bind."""
+    from kvasir.wire.routes import Placement, Routes
+
+    placement = Placement.of(plan)
+    routes = Routes.of(placement) if placement.spans_hosts else None
+    click.echo(f"cluster  leader {plan.cluster.leader}; keys {plan.cluster.keys}")
+    for name, host in plan.hosts.items():
+        ports = routes.ports(name) if routes is not None else []
+        bound = f"ports {ports[0]}-{ports[-1]} (TCP, CURVE)" if ports else "no ports (runs no worker)"
+        click.echo(f"  host {name}  {host.address}: {bound}")

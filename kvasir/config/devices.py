@@ -32,11 +32,14 @@ EDGE_KINDS: tuple[str, ...] = get_args(EdgeRequest)
 
 IPC: Literal["cuda-ipc"] = "cuda-ipc"
 
-DispatchKind = Literal["shm", "pinned"]  # an expert shard's dispatch slot (kvasir/ring/expert_slots.py)
+DispatchKind = Literal["shm", "pinned", "tcp"]  # an expert shard's dispatch slot (kvasir/ring/expert_slots.py)
 
 
-def dispatch_kind(stage: str, shard: str) -> DispatchKind:
-    """Host shared memory, page-locked ("pinned") where the stage or the shard is on CUDA."""
+def dispatch_kind(stage: str, shard: str, same_host: bool = True) -> DispatchKind:
+    """Host shared memory, page-locked ("pinned") where the stage or the shard is on CUDA;
+    between hosts ("tcp") each side's own copy, the rows and results sent as frames."""
+    if not same_host:
+        return "tcp"
     return "pinned" if cuda_ordinal(stage) is not None or cuda_ordinal(shard) is not None else "shm"
 
 

@@ -56,7 +56,7 @@ class ShardFootprint:
     parameters: int
     parameter_bytes: int
     dispatch_bytes: int
-    dispatch_kind: DispatchKind | Literal["tcp"] = "shm"  # tcp: the shard is on another host
+    dispatch_kind: DispatchKind = "shm"  # tcp: the shard is on another host
     host: str | None = None  # a plan with [cluster]: the host it runs on
     slots: int = 1  # a stage has one layer's rows out to a shard at a time
 
@@ -85,9 +85,7 @@ def shard_footprint(plan: Plan, source: ModelSource) -> list[ShardFootprint]:
                         params,
                         params * dtype.itemsize,
                         slot,
-                        "tcp"
-                        if host != worker_host(plan.cluster, stage.host)
-                        else dispatch_kind(stage.device, shard.device),
+                        dispatch_kind(stage.device, shard.device, host == worker_host(plan.cluster, stage.host)),
                         host,
                     )  # fmt: skip
                 )

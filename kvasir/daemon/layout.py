@@ -136,11 +136,12 @@ def _shards(source: ModelSource, prefix: str, layout: Layout, placement: Placeme
                 hidden=moe.hidden,
                 top_k=moe.top_k,
                 dtype=place.plan.model.dtype,
-                kind=dispatch_kind(stage.device, spec.device),
+                kind=dispatch_kind(stage.device, spec.device, placement.shards[number] == placement.stages[index]),
                 stage_device=stage.device,
                 shard_device=spec.device,
             )
-            layout.segments(placement.shards[number]).slots.append(slot)
+            if slot.kind != "tcp":  # between hosts each side keeps its own copy
+                layout.segments(placement.shards[number]).slots.append(slot)
             wiring = ShardWiring(number=number, stage=index, layers=stage.layers, spec=spec, slot=slot)
             layout.shards.append(wiring)
             place.shards.append(wiring)
@@ -163,5 +164,8 @@ def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout, p
         layout.segments(placement.stages[k]).kv.append(segment)
         segments.append(segment)
     return HandoffWiring(
-        prefill=segments, decode=[stage.layers for stage in decode.stages], lease_s=plan.handoff.lease_s
+        prefill=segments,
+        decode=[stage.layers for stage in decode.stages],
+        lease_s=plan.handoff.lease_s,
+        hosts=[host or "" for host in placement.stages] if placement.spans_hosts else [],
     )

@@ -8,7 +8,8 @@ Kinds (docs/architecture.md, Edge kinds):
               interprocess CUDA events order each write before its read, and each read
               before the slot is written again
     tcp       between stages on different hosts of a plan with [cluster] (ZMQ over TCP
-              with CURVE; running such a ring needs `kvasird join`, not in this version)
+              with CURVE: the descriptor, then the boundary as a zero-copy frame;
+              kvasir/ring/tcp_slots.py)
 
 A stage's ``edge`` key picks the kind of the edge from it to the next stage. ``auto`` (the
 default) picks CUDA IPC between two GPU stages (one GPU, or two that have peer access),

@@ -1,4 +1,5 @@
-"""A stage's dispatch slot for one expert shard, in shared memory the launcher creates.
+"""A stage's dispatch slot for one expert shard, in shared memory the launcher creates
+(between hosts, kind ``tcp``: a copy on each side, the rows and results sent as frames).
 
 For each MoE layer the stage writes the rows routed to the shard (their expert ids,
 routing weights and hidden states) and the shard writes their partial sums back into
@@ -17,15 +18,23 @@ when the stage is on a GPU too (CUDA IPC is for ring edges only, kvasir/ring/gpu
 
 from __future__ import annotations
 
-from typing import Literal
+import mmap
+from typing import Any, Literal
 
 import torch
 
 from kvasir.config.devices import cuda_ordinal, torch_dtype
 from kvasir.ring.shm import SHM_DIR, SlotError, close_map, map_file
+from kvasir.ring.slots import received
 from kvasir.wire.control import DispatchSlot
 
 DispatchSide = Literal["stage", "shard"]
+
+
+def _frame(tensor: torch.Tensor) -> memoryview:
+    """A view of a slot's rows (contiguous: whole rows from the start) as bytes, no copy."""
+    array: Any = tensor.view(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def dispatch_slot_bytes(max_rows: int, hidden: int, top_k: int, itemsize: int) -> int:
@@ -41,8 +50,14 @@ class DispatchSegment:
         self.path = SHM_DIR / spec.name
         dtype = torch_dtype(spec.dtype)
         size = dispatch_slot_bytes(spec.max_rows, spec.hidden, spec.top_k, dtype.itemsize)
-        self._map = map_file(self.path, size, create)
-        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        device = spec.stage_device if side == "stage" else spec.shard_device if side == "shard" else "cpu"
+        self._map: mmap.mmap | None = None
+        if spec.kind == "tcp":  # between hosts: this side's own copy (page-locked on a CUDA side)
+            raw = torch.zeros(size, dtype=torch.uint8)
+            raw = raw.pin_memory() if cuda_ordinal(device) is not None else raw
+        else:
+            self._map = map_file(self.path, size, create)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8)
         rows, k, h = spec.max_rows, spec.top_k, spec.hidden
         ids_end = rows * k * 8
         weights_end = ids_end + rows * k * 4
@@ -53,7 +68,8 @@ class DispatchSegment:
         self.out = raw[hidden_end:].view(dtype).view(rows, h)
         self._registered: int | None = None
         self._landed: torch.cuda.Event | None = None
-        device = spec.stage_device if side == "stage" else spec.shard_device if side == "shard" else "cpu"
+        if spec.kind == "tcp" and cuda_ordinal(device) is not None:
+            self._landed = torch.cuda.Event()
         if spec.kind == "pinned" and cuda_ordinal(device) is not None:
             from kvasir.ring.gpu_slots import register_host
 
@@ -98,6 +114,31 @@ class DispatchSegment:
             self._landed.record(torch.cuda.current_stream(device))
             self._landed.synchronize()
 
+    # -- between hosts (kind tcp): the rows and the results travel as frames -------------
+    def row_frames(self, rows: int) -> list[memoryview]:
+        """The stage's side: the rows it wrote, as frames to send after the work."""
+        return [_frame(part[:rows]) for part in (self.ids, self.weights, self.hidden)]
+
+    def fill_rows(self, rows: int, frames: list) -> None:
+        """The shard's side: the frames that came with the work, into this side's copy."""
+        self._fill([self.ids, self.weights, self.hidden], rows, frames)
+
+    def out_frame(self, rows: int) -> memoryview:
+        return _frame(self.out[:rows])
+
+    def fill_out(self, rows: int, frames: list) -> None:
+        """The stage's side: the shard's partial sums, into this side's copy."""
+        self._fill([self.out], rows, frames)
+
+    def _fill(self, parts: list[torch.Tensor], rows: int, frames: list) -> None:
+        self.check(rows)
+        sizes = [part[:rows].nbytes for part in parts]
+        got = [memoryview(frame).nbytes for frame in frames]
+        if got != sizes:
+            raise SlotError(f"dispatch slot {self.spec.name}: frames of {got} bytes for {rows} rows, expected {sizes}")
+        for part, frame in zip(parts, frames, strict=True):
+            part[:rows].view(-1).view(torch.uint8).copy_(received(frame))
+
     def close(self) -> None:
         if self._registered is not None:
             from kvasir.ring.gpu_slots import unregister_host
@@ -105,7 +146,8 @@ class DispatchSegment:
             unregister_host(self._registered)
             self._registered = None
         self.ids = self.weights = self.hidden = self.out = None  # type: ignore[assignment]
-        close_map(self._map)
+        if self._map is not None:
+            close_map(self._map)
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ interface. The launcher creates the shared-memory files of ``shm`` and ``pinned`
 
 from __future__ import annotations
 
+import warnings
 from typing import Protocol
 
 import torch
@@ -37,6 +38,15 @@ class SlotRing(Protocol):
         """Consumer: done with the slot (the work reading it is queued); its credit goes next."""
 
     def close(self) -> None: ...
+
+
+def received(buffer) -> torch.Tensor:
+    """A received network frame's bytes as a uint8 tensor, without a copy. The frame is
+    read-only and is only ever read from (copied into a slot, a cache or a buffer), so
+    torch's warning about tensors over read-only memory is silenced here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def check_slot(spec: EdgeSpec, slot: int, num_tokens: int) -> None:

@@ -23,7 +23,7 @@ import zmq
 
 from kvasir.config.devices import cuda_ordinal, torch_dtype
 from kvasir.errors import KvasirError
-from kvasir.ring.slots import check_slot
+from kvasir.ring.slots import check_slot, received
 from kvasir.wire.base import Side
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.control import EdgeSpec
@@ -77,7 +77,7 @@ class TcpSlotRing:
             raise EdgeError(
                 f"edge {self.spec.name}: a {num_tokens}-token boundary is {expected} bytes, the frame {payload.nbytes}"
             )
-        target.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        target.view(-1).view(torch.uint8).copy_(received(payload))
 
     def read(self, slot: int, num_tokens: int) -> torch.Tensor:
         view = self._slot(slot, num_tokens)

@@ -18,6 +18,7 @@ import zmq
 from kvasir.model.moe import LocalExperts
 from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.shm import SlotError
+from kvasir.ring.tcp_slots import EdgeError
 from kvasir.wire.bridge import ShardStats
 from kvasir.wire.control import Heartbeat, ShardWiring, WorkerSettings
 from kvasir.wire.experts import ExpertDone, ExpertWork
@@ -76,9 +77,9 @@ class ShardAgent:
             for command in self.ports.commands.drain():
                 if command.kind == "stop":
                     self._stopping = True
-            work = self.ports.work.drain()
-            for message in work:
-                self._handle(message)
+            work = self.ports.work.drain_framed()
+            for message, frames in work:
+                self._handle(message, frames)
             if not work:
                 self._wait()
             self._report()
@@ -91,11 +92,11 @@ class ShardAgent:
             self.log.warning("launcher is gone; stopping")
             self._stopping = True
 
-    def _handle(self, message) -> None:
+    def _handle(self, message, frames: list) -> None:
         if not isinstance(message, ExpertWork):
             self.ports.work.drop(f"{type(message).__name__} is not work for a shard")
             return
-        problem = self._check(message)
+        problem = self._check(message, frames)
         if problem is not None:
             self.ports.work.drop(f"dispatch {message.seq}: {problem}")
             return
@@ -105,17 +106,28 @@ class ShardAgent:
         with torch.inference_mode():
             out = self.bank[message.layer](hidden, ids, weights)
         self.slot.write_out(out)
-        self.ports.results.send(ExpertDone(message.seq, self.wiring.number, rows))
+        frames = [self.slot.out_frame(rows)] if self.slot.spec.kind == "tcp" else []
+        self.ports.results.send(ExpertDone(message.seq, self.wiring.number, rows), frames)
         self.clock.busy_s += time.monotonic() - started
         self.clock.dispatches += 1
 
-    def _check(self, work: ExpertWork) -> str | None:
+    def _check(self, work: ExpertWork, frames: list) -> str | None:
+        """What is wrong with a dispatch, if anything (before it touches the slot). From a
+        stage on another host the rows come as frames: frames that do not fit fail the
+        shard (EdgeError), as a malformed frame on any network edge does."""
         if work.layer not in self.bank:
             return f"layer {work.layer} is not an MoE layer of stage {self.wiring.stage}"
         try:
             self.slot.check(work.rows)
         except SlotError as exc:
             return str(exc)
+        if self.slot.spec.kind == "tcp":
+            try:
+                self.slot.fill_rows(work.rows, [frame.buffer for frame in frames])
+            except SlotError as exc:
+                raise EdgeError(f"dispatch {work.seq}: {exc}") from None
+        elif frames:
+            return "frames sent with a dispatch through shared memory"
         low, high = self.slot.ids[: work.rows].aminmax()
         if int(low) < 0 or int(high) >= self.num_experts:
             return f"expert ids outside [0, {self.num_experts})"

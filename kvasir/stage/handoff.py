@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from typing import cast
 
 from kvasir.errors import BatchError
 from kvasir.model.kv_cache import PagedKVCache, flat_slots
+from kvasir.ring.tcp_slots import EdgeError
+from kvasir.stage.kv_remote import Assembly, KvInbox, KvStream, assemble, check_complete
 from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.control import HandoffWiring
 from kvasir.wire.head import KvHeld
-from kvasir.wire.kv import KvReady, Placement
+from kvasir.wire.kv import KvChunk, KvReady, Placement
 from kvasir.wire.transport import PullChannel, PushChannel
 
 DROPPED_KEPT = 65536  # ids of dropped requests a decode stage remembers (their late announcements are ignored)
@@ -52,11 +55,22 @@ class HandoffSender(NoHandoff):
     """A prefill stage: after a request's last prompt chunk, announce its KV to the decode
     stages that hold the same layers."""
 
-    def __init__(self, index: int, layers: tuple[int, int], cache: PagedKVCache, targets: list[PushChannel]) -> None:
+    def __init__(
+        self,
+        index: int,
+        layers: tuple[int, int],
+        cache: PagedKVCache,
+        targets: list[PushChannel],
+        streams: list[KvStream] | None = None,
+    ) -> None:
+        """``targets``: decode stages on this host (they copy from this stage's segment);
+        ``streams``: those on other hosts (the K/V goes to them, kvasir/stage/kv_remote.py)."""
         self.index = index
         self.layers = layers
         self.cache = cache
         self.targets = targets
+        self.streams = streams or []
+        self.sent_bytes = 0  # K/V streamed to other hosts
 
     def after(self, descriptor: BatchDescriptor) -> None:
         for row in descriptor.rows:
@@ -67,6 +81,8 @@ class HandoffSender(NoHandoff):
                 )
                 for target in self.targets:
                     target.send(ready)
+                for stream in self.streams:
+                    self.sent_bytes += stream.send(ready)
 
 
 class KvReceiver(NoHandoff):
@@ -79,7 +95,7 @@ class KvReceiver(NoHandoff):
         layers: tuple[int, int],
         cache: PagedKVCache,
         wiring: HandoffWiring,
-        inbox: PullChannel,
+        inbox: PullChannel | KvInbox,
         head: PushChannel,
     ) -> None:
         self.index = index
@@ -87,11 +103,21 @@ class KvReceiver(NoHandoff):
         self.cache = cache
         self.inbox = inbox
         self.head = head
-        self.sources = {
+        here = wiring.hosts[index] if wiring.hosts else ""
+        sharing = [
+            (source, segment) for source, segment in enumerate(wiring.prefill) if overlap(segment.layers, layers)
+        ]
+        self.sources = {  # prefill stages on this host: their caches, mapped
             source: KvSegmentMap(segment, create=False)
-            for source, segment in enumerate(wiring.prefill)
-            if overlap(segment.layers, layers) is not None
+            for source, segment in sharing
+            if not wiring.hosts or wiring.hosts[source] == here
         }
+        self.remote = {  # on other hosts: the layers they stream
+            source: cast(tuple[int, int], overlap(segment.layers, layers))
+            for source, segment in sharing
+            if source not in self.sources
+        }
+        self.assembling: dict[int, dict[int, Assembly]] = {}  # request -> source -> its chunks so far
         self.sockets = [inbox.socket]
         self.parts: dict[int, dict[int, KvReady]] = {}
         self.placed: dict[int, tuple[int, ...]] = {}
@@ -105,6 +131,13 @@ class KvReceiver(NoHandoff):
         touched = set()
         for message in self.inbox.drain():
             match message:
+                case (KvChunk() as chunk, keys, values):
+                    self._chunk(chunk, keys, values)
+                case KvReady(request_id=rid, source=source) if source in self.remote:
+                    if rid not in self.dropped:
+                        check_complete(self.assembling.get(rid, {}).get(source), message)
+                        self.parts.setdefault(rid, {})[source] = message
+                    touched.add(rid)
                 case KvReady(request_id=rid, source=source):
                     if source not in self.sources:
                         raise BatchError(
@@ -125,7 +158,7 @@ class KvReceiver(NoHandoff):
 
     def _try(self, rid: int) -> bool:
         parts = self.parts.get(rid)
-        if rid not in self.placed or parts is None or len(parts) < len(self.sources):
+        if rid not in self.placed or parts is None or len(parts) < len(self.sources) + len(self.remote):
             return False
         started = time.monotonic_ns()
         table = self.cache.extend(rid, self.placed.pop(rid))
@@ -135,8 +168,18 @@ class KvReceiver(NoHandoff):
         self.head.send(KvHeld(rid, self.index, nbytes, held - started, held))
         return True
 
+    def _chunk(self, chunk: KvChunk, keys, values) -> None:
+        if self.remote.get(chunk.source) != chunk.layers:
+            raise EdgeError(
+                f"KV chunk of request {chunk.request_id}: stage {chunk.source} does not stream {chunk.layers} here"
+            )
+        if chunk.request_id not in self.dropped:
+            assemble(self.assembling.setdefault(chunk.request_id, {}), chunk, keys, values)
+
     def _copy(self, rid: int, part: KvReady, table: list[int]) -> int:
         """Copy one prefill stage's share of a request's K/V into this stage's blocks."""
+        if part.source in self.remote:
+            return self._copy_streamed(rid, part, table)
         source = self.sources[part.source]
         span = overlap(part.layers, self.layers)
         if span is None:
@@ -156,10 +199,24 @@ class KvReceiver(NoHandoff):
         values[mine, dst] = source.values[theirs, src].to(values.device)
         return PagedKVCache.bytes_needed(hi - lo, part.num_tokens, 1, keys.shape[2], keys.shape[3], keys.dtype)
 
+    def _copy_streamed(self, rid: int, part: KvReady, table: list[int]) -> int:
+        """Copy the K/V a prefill stage on another host streamed here into this stage's blocks."""
+        lo, hi = self.remote[part.source]
+        assembly = self.assembling[rid].pop(part.source)
+        if not self.assembling[rid]:
+            del self.assembling[rid]
+        dst = self.cache.slots(rid, table, 0, part.num_tokens)
+        mine = slice(lo - self.layers[0], hi - self.layers[0])
+        keys, values = self.cache.keys, self.cache.values
+        keys[mine, dst] = assembly.keys.to(keys.device)
+        values[mine, dst] = assembly.values.to(values.device)
+        return PagedKVCache.bytes_needed(hi - lo, part.num_tokens, 1, keys.shape[2], keys.shape[3], keys.dtype)
+
     def _forget(self, rid: int) -> None:
         """A dropped request: its parts, placement and table go; announcements still on
         their way are ignored when they come (request ids are never reused)."""
         self.parts.pop(rid, None)
+        self.assembling.pop(rid, None)
         self.placed.pop(rid, None)
         self.cache.release((rid,))
         self.dropped[rid] = None

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from kvasir.errors import BatchError, RequestError
@@ -224,8 +225,8 @@ class DecodeHeadIntake(SchedulerIntake):
         match message:
             case Handoff(request_id=rid) if self.ended.take(rid):
                 self._drop(rid)  # a cancel or drop from the prefill head overtook it
-            case Handoff(request_id=rid):
-                self.pending[rid] = message
+            case Handoff(request_id=rid):  # timed on this head's clock (the prefill pool may be on another host)
+                self.pending[rid] = msgspec.structs.replace(message, ready_ns=time.monotonic_ns())
             case KvHeld(request_id=rid) if rid in self.placed:
                 self._held(message)
             case KvHeld():
@@ -281,7 +282,7 @@ class DecodeHeadIntake(SchedulerIntake):
         placed.held.add(held.stage)
         placed.nbytes += held.nbytes
         placed.copy_ns = max(placed.copy_ns, held.copy_ns)
-        placed.last_ns = max(placed.last_ns, held.held_ns)
+        placed.last_ns = time.monotonic_ns()  # when this head heard it (the stages may be on other hosts)
         if len(placed.held) < len(self.stages):
             return
         rid = held.request_id

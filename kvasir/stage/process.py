@@ -24,6 +24,7 @@ from kvasir.stage.agent import StageAgent
 from kvasir.stage.engine import StageEngine
 from kvasir.stage.handoff import HandoffSender, KvReceiver, NoHandoff, overlap
 from kvasir.stage.heads import DecodeHeadIntake, PrefillHeadIntake, SchedulerIntake
+from kvasir.stage.kv_remote import KvInbox, KvStream
 from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.stage.outlets import DownstreamOutlet, PrefillTailOutlet, TailOutlet
 from kvasir.stage.ports import HandoffRole, Intake, Outlet
@@ -181,16 +182,19 @@ def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
     layers = engine.spec.layers
     if settings.pool == "prefill":
         wiring = w.handoff
-        first = wiring.decode_head
-        targets = [
-            w.push(KvMessage, ends.kv_in(first + j))
-            for j, theirs in enumerate(wiring.decode)
-            if overlap(layers, theirs)
-        ]
-        return HandoffSender(settings.index, layers, engine.cache, targets)
+        targets, streams = [], []
+        for j, theirs in enumerate(wiring.decode):
+            target, span = wiring.decode_head + j, overlap(layers, theirs)
+            if span is None:
+                continue
+            if wiring.hosts and wiring.hosts[target] != wiring.hosts[settings.index]:
+                streams.append(KvStream(w.sockets.connect(zmq.PUSH, ends.kv_in(target)), engine.cache, layers, span))
+            else:
+                targets.append(w.push(KvMessage, ends.kv_in(target)))
+        return HandoffSender(settings.index, layers, engine.cache, targets, streams)
     if settings.pool == "decode":
         wiring = w.handoff
-        inbox = w.pull(KvMessage, ends.kv_in(settings.index))
+        inbox = KvInbox(w.sockets.bind(zmq.PULL, ends.kv_in(settings.index)), engine.cache, w.log)
         return KvReceiver(
             settings.index, layers, engine.cache, wiring, inbox, w.push(HeadMessage, ends.stage_in(wiring.decode_head))
         )

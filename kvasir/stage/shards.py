@@ -15,6 +15,8 @@ import torch
 
 from kvasir.errors import KvasirError
 from kvasir.ring.expert_slots import DispatchSegment
+from kvasir.ring.shm import SlotError
+from kvasir.ring.tcp_slots import EdgeError
 from kvasir.wire.control import Heartbeat, ShardWiring
 from kvasir.wire.experts import ExpertDone, ExpertWork
 from kvasir.wire.transport import PullChannel, PushChannel
@@ -53,6 +55,7 @@ class ShardResults:
         self.wait_s = wait_s
         self.awaited: dict[int, int] = {}  # shard number -> the seq of its outstanding dispatch
         self.done: dict[int, ExpertDone] = {}
+        self.slots: dict[int, DispatchSegment] = {}  # shard number -> its slot (filled here on a tcp one)
 
     def expect(self, shard: int, seq: int) -> None:
         self.awaited[shard] = seq
@@ -60,10 +63,9 @@ class ShardResults:
     def wait(self, shard: int, seq: int) -> ExpertDone:
         deadline = time.monotonic() + self.wait_s
         while True:
-            for message in self.inbox.drain():
+            for message, frames in self.inbox.drain_framed():
                 if isinstance(message, ExpertDone) and self.awaited.get(message.shard) == message.seq:
-                    self.done[message.shard] = message
-                    del self.awaited[message.shard]
+                    self._take(message, frames)
                 else:
                     self.inbox.drop(f"{message!r} answers no outstanding dispatch")
             done = self.done.pop(shard, None)
@@ -73,6 +75,20 @@ class ShardResults:
                 raise ShardLost(f"shard-{shard} did not answer dispatch {seq} within {self.wait_s:g} s")
             self.pulse()
             self.inbox.socket.poll(WAIT_POLL_MS)
+
+    def _take(self, done: ExpertDone, frames: list) -> None:
+        """An awaited answer; from a shard on another host its partial sums come with it."""
+        slot = self.slots.get(done.shard)
+        if slot is not None and slot.spec.kind == "tcp":
+            try:
+                slot.fill_out(done.rows, [frame.buffer for frame in frames])
+            except SlotError as exc:
+                raise EdgeError(f"shard-{done.shard}: {exc}") from None
+        elif frames:
+            self.inbox.drop(f"shard-{done.shard} sent frames with its answer through shared memory")
+            return
+        self.done[done.shard] = done
+        del self.awaited[done.shard]
 
 
 class RemoteShard:
@@ -95,7 +111,8 @@ class RemoteShard:
         self.seq += 1
         self._rows = hidden.shape[0]
         self.results.expect(self.wiring.number, self.seq)
-        self.work.send(ExpertWork(self.seq, layer, self._rows))
+        frames = self.slot.row_frames(self._rows) if self.slot.spec.kind == "tcp" else ()
+        self.work.send(ExpertWork(self.seq, layer, self._rows), frames)
 
     def finish(self, layer: int) -> torch.Tensor:
         done = self.results.wait(self.wiring.number, self.seq)
@@ -116,6 +133,7 @@ def connect_shards(
     ``work(number)`` is a PUSH channel to a shard's work socket."""
     results = ShardResults(inbox, pulse, wait_s)
     slots = [DispatchSegment(wiring.slot, create=False, side="stage") for wiring in shards]
+    results.slots = {wiring.number: slot for wiring, slot in zip(shards, slots, strict=True)}
     remote = [
         RemoteShard(wiring, slot, work(wiring.number), results, device)
         for wiring, slot in zip(shards, slots, strict=True)

@@ -33,6 +33,7 @@ class HandoffWiring(msgspec.Struct, frozen=True, kw_only=True):
     prefill: list[KvSegment]
     decode: list[tuple[int, int]]  # each decode stage's layers
     lease_s: float
+    hosts: list[str] = []  # a plan across hosts: each stage's host, by global index
 
     @property
     def decode_head(self) -> int:

@@ -35,7 +35,7 @@ class Handoff(Tagged, frozen=True):
     first_token: int
     sampling: SamplingParams
     seed: int
-    ready_ns: int  # when the prefill tail handed it over
+    ready_ns: int  # when the prefill tail handed it over (the decode head restamps it on arrival: its own clock)
 
 
 class KvDrop(Tagged, frozen=True):

@@ -1,5 +1,5 @@
 """KV hand-off to a decode stage (``KvMessage``): where a handed-off request's K/V lies and
-where the decode head placed it."""
+where the decode head placed it; between hosts, the K/V itself (``KvChunk``)."""
 
 from __future__ import annotations
 
@@ -27,4 +27,18 @@ class Placement(Tagged, frozen=True):
     blocks: tuple[int, ...]
 
 
-KvMessage = KvReady | Placement
+class KvChunk(Tagged, frozen=True):
+    """Prefill stage -> decode stage on another host: K/V rows of a request, positions
+    [start, start + num_tokens) of layers ``layers`` (the layers the two stages share),
+    followed by two frames: the keys, then the values, each [layers, tokens, kv heads,
+    head dim] in the cache's dtype. The stage's ``KvReady`` follows its last chunk."""
+
+    request_id: int
+    source: int  # global index of the prefill stage
+    layers: tuple[int, int]
+    start: int
+    num_tokens: int
+    total: int  # the request's prompt positions (its KvReady's num_tokens)
+
+
+KvMessage = KvReady | Placement | KvChunk

@@ -153,8 +153,12 @@ class PushChannel(Generic[T]):
         self.socket = sock
         self._encoder = msgspec.msgpack.Encoder()
 
-    def send(self, message: T) -> None:
-        self.socket.send(self._encoder.encode(message), copy=False)
+    def send(self, message: T, frames: list | tuple = ()) -> None:
+        """``frames``: bytes sent after the message in the same multipart message, no copy."""
+        if frames:
+            self.socket.send_multipart([self._encoder.encode(message), *frames], copy=False)
+        else:
+            self.socket.send(self._encoder.encode(message), copy=False)
 
 
 class PullChannel(Generic[T]):
@@ -189,6 +193,18 @@ class PullChannel(Generic[T]):
             frame = sock.recv(zmq.NOBLOCK)
             try:
                 out.append(decode(frame))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.drop(f"{exc}")
+        return out
+
+    def drain_framed(self) -> list[tuple[T, list[zmq.Frame]]]:
+        """As ``drain``, for multipart messages: each message with the frames after it."""
+        out = []
+        sock, decode = self.socket, self._decoder.decode
+        while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            try:
+                out.append((decode(parts[0].buffer), parts[1:]))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self.drop(f"{exc}")
         return out

@@ -14,7 +14,7 @@ from kvasir.wire.client import ErrorEvent, Finished
 from tests.integration.test_ring import check_events, run_all
 from tests.integration.test_supervision import load_then, one_greedy, terminal_codes, wait_serving_again
 from tests.support.cluster import HostedDaemon, hosts_table
-from tests.support.daemon import BIN, alive
+from tests.support.daemon import BIN, alive, settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
 from tests.support.netns import Network, netns_unavailable
 
@@ -157,3 +157,52 @@ def test_a_dead_leader_leaves_nothing_running_on_the_followers_which_serve_the_n
     daemon.wait_ready()
     reference = reference_model(tiny_models["llama"])
     assert one_greedy(daemon.runtime_dir, [4, 8, 15, 16], 10) == hf_greedy(reference, [4, 8, 15, 16], 10)
+
+
+def test_prefill_and_decode_pools_on_different_hosts_match_generate(network, hosted, tiny_models):
+    """The prefill pool on the leader, the decode pool across b and c, split differently:
+    every prefill stage streams its K/V over TCP to the decode stages sharing its layers."""
+    stages = "".join(f"[[prefill.stages]]\nlayers = [{a}, {b}]\n" for a, b in [(0, 2), (2, 5), (5, 6)])
+    stages += '[[decode.stages]]\nlayers = [0, 4]\nhost = "b"\n[[decode.stages]]\nlayers = [4, 6]\nhost = "c"\n'
+    daemon = hosted(MODEL.format(model=tiny_models["llama"]) + hosts_table(network) + stages, 5).wait_ready()
+    prompts = random_prompts(320, [1, 7, 20, 48, 90, 120, 3, 33], seed=13)
+    budgets = [1 + (i * 5) % 12 for i in range(len(prompts))]
+    results = asyncio.run(run_all(daemon.runtime_dir, prompts, budgets))
+    model = reference_model(tiny_models["llama"])
+    handed = 0
+    for prompt, budget, events in zip(prompts, budgets, results):
+        tokens, final = check_events(events)
+        assert isinstance(final, Finished), final
+        assert final.token_ids == [t.token_id for t in tokens] == hf_greedy(model, prompt, budget)
+        if len(final.token_ids) > 1:
+            handed += 1
+            assert final.handoff is not None and final.handoff.kv_bytes > 0 and final.handoff.seconds > 0
+    stats = daemon.stats()
+    assert [(s.pool, s.host) for s in stats.stages] == [("prefill", "a")] * 3 + [("decode", "b"), ("decode", "c")]
+    assert stats.handoff is not None and stats.handoff.count == handed > 0 and stats.handoff.gibps > 0
+    assert all(s.handoff_bytes > 0 for s in stats.stages if s.pool == "decode")
+    stats = settled(daemon.runtime_dir)
+    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages)  # both pools freed every request
+
+
+def test_expert_shards_on_other_hosts_than_their_stages_match_generate(network, hosted, tiny_models):
+    """Qwen3-MoE (top-3, so a token's picks span shards): each stage has one shard on its
+    own host and one on another, the rows and partial sums crossing as frames."""
+    stages = (
+        '[[stages]]\nlayers = [0, 3]\n[[stages.experts]]\nexperts = [0, 4]\nhost = "b"\n'
+        "[[stages.experts]]\nexperts = [4, 8]\n"
+        '[[stages]]\nlayers = [3, 6]\nhost = "b"\n[[stages.experts]]\nexperts = [0, 5]\nhost = "c"\n'
+        "[[stages.experts]]\nexperts = [5, 8]\n"
+    )
+    daemon = hosted(MODEL.format(model=tiny_models["qwen3_moe"]) + hosts_table(network) + stages, 2).wait_ready()
+    prompts = random_prompts(320, [1, 6, 19, 40, 3, 27], seed=17)
+    budgets = [2 + (i * 5) % 11 for i in range(len(prompts))]
+    results = asyncio.run(run_all(daemon.runtime_dir, prompts, budgets))
+    model = reference_model(tiny_models["qwen3_moe"])
+    for prompt, budget, events in zip(prompts, budgets, results):
+        tokens, final = check_events(events)
+        assert isinstance(final, Finished), final
+        assert final.token_ids == [t.token_id for t in tokens] == hf_greedy(model, prompt, budget)
+    stats = daemon.stats()
+    assert [(s.number, s.stage, s.host) for s in stats.shards] == [(0, 0, "b"), (1, 0, "a"), (2, 1, "c"), (3, 1, "b")]
+    assert all(s.dispatches > 0 and s.tokens > 0 for s in stats.shards)  # every shard computed rows

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import Daemon, write_plan
+from kvasir.bench.daemon import stop_gracefully
+from tests.support.daemon import BIN, Daemon, free_port, write_plan
 
 ROOT = Path(__file__).parents[2]
 
@@ -83,3 +84,61 @@ def test_unit_file_verifies_and_keeps_its_promises(tmp_path):
     result = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "kvasird.service" not in result.stderr, result.stderr
+
+
+def test_the_join_unit_verifies_and_keeps_the_secret_key_root_only(tmp_path):
+    unit = (ROOT / "systemd" / "kvasird-join@.service").read_text()
+    for line in (
+        "Type=notify",
+        "ExecStart=/opt/kvasir/bin/kvasird join --plan /etc/kvasir/plan.toml --host %i",
+        "--key ${CREDENTIALS_DIRECTORY}/host.key_secret",
+        "LoadCredential=host.key_secret:/etc/kvasir/keys/%i.key_secret",
+        "Restart=always",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "WatchdogSec=",
+    ):
+        assert line in unit, line
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed here (Debian package 'systemd'); the unit was not verified")
+    local = tmp_path / "kvasird-join@b.service"  # an instance: verify resolves %i
+    local.write_text(unit.replace("/opt/kvasir/bin/kvasird", str(Path(sys.executable).parent / "kvasird")))
+    result = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "kvasird-join@b.service" not in result.stderr, result.stderr
+
+
+def test_kvasird_join_notifies_ready_while_it_waits_for_its_leader_and_stopping(tiny_models, tmp_path, monkeypatch):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify.sock"))
+    listener.settimeout(60)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        f'[model]\nsource = "{tiny_models["llama"]}"\nmax_seq_len = 64\n'
+        f'[cluster]\nleader = "a"\nkeys = "keys"\n'
+        f'[hosts.a]\naddress = "127.0.0.1"\nport = {free_port()}\n[hosts.b]\naddress = "127.0.0.2"\nport = {free_port()}\n'
+        '[[stages]]\nlayers = [0, 3]\n[[stages]]\nlayers = [3, 6]\nhost = "b"\n'
+    )
+    keys = subprocess.run(
+        [str(BIN / "kvasir"), "keys", "generate", str(tmp_path / "keys"), "--host", "a", "--host", "b"],
+        capture_output=True,
+        text=True,
+    )
+    assert keys.returncode == 0, keys.stderr
+    log = open(tmp_path / "join.log", "wb")
+    process = subprocess.Popen(
+        [str(BIN / "kvasird"), "join", "--plan", str(plan), "--host", "b", "--runtime-dir", str(tmp_path / "rt")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        assert listener.recv(4096) == b"READY=1\nSTATUS=host b: waiting for the leader"
+        assert (tmp_path / "rt" / "kvasird.lock").exists()
+    finally:
+        code = stop_gracefully(process, 30)
+        log.close()
+    assert code == 0, (tmp_path / "join.log").read_text()
+    assert listener.recv(4096).startswith(b"STOPPING=1")
+    assert not (tmp_path / "rt" / "kvasird.lock").exists()

@@ -86,7 +86,10 @@ def test_plan_check_shows_hosts_and_tcp_where_workers_are_on_two_hosts(cluster_p
     result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert f"cluster  leader a; hosts a (10.0.0.1:7300), b (10.0.0.2:7400); keys {tmp_path / 'keys'}" in lines
+    assert f"cluster  leader a; keys {tmp_path / 'keys'}" in lines
+    # a: control, hosts, the bridge's two, stage 0's five, shard 1's two; b: stage 1's five, shard 0's two
+    assert "  host a  10.0.0.1: ports 7300-7310 (TCP, CURVE)" in lines
+    assert "  host b  10.0.0.2: ports 7400-7406 (TCP, CURVE)" in lines
     assert "edge     0 -> 1: tcp (stages on hosts a and b)" in lines
     stage_rows = [line.split() for line in lines if line[:2] in ("0 ", "1 ") and ("head" in line or "tail" in line)]
     assert [row[-1] for row in stage_rows] == ["a", "b"] and stage_rows[1][-2] == "tcp"
@@ -106,15 +109,24 @@ def test_missing_host_keys_are_named(cluster_plan, tmp_path):
     assert result.exit_code == 2 and "cluster.keys: host b: key file not found" in result.output
 
 
-def test_kvasird_refuses_an_expert_shard_off_its_stages_host_in_this_version(cluster_plan, tmp_path):
+def test_kvasird_refuses_a_secret_key_that_is_not_its_hosts(cluster_plan, tmp_path):
     path = cluster_plan()
-    for command in (["start"], ["join", "--host", "b"]):
-        result = CliRunner().invoke(kvasird, [*command, "--plan", str(path), "--runtime-dir", str(tmp_path / "rt")])
-        assert result.exit_code == 2
-        assert (
-            "stages[0].experts[0].host = 'b': this version runs an expert shard on its stage's host (a)"
-            in result.output
+    keys = tmp_path / "keys"
+    for command, key, host in ((["start"], "b", "a"), (["join", "--host", "b"], "a", "b")):
+        result = CliRunner().invoke(
+            kvasird,
+            [
+                *command,
+                "--plan",
+                str(path),
+                "--runtime-dir",
+                str(tmp_path / "rt"),
+                "--key",
+                str(keys / f"{key}.key_secret"),
+            ],
         )
+        assert result.exit_code == 2, result.output
+        assert f"host {host}'s secret key does not match {keys / (host + '.key')}" in result.output
         assert not (tmp_path / "rt").exists()  # refused before anything was made
 
 

@@ -48,3 +48,28 @@ def test_rows_go_to_the_shard_and_partial_sums_come_back(kind):
         for segment in (stage, shard, made):
             segment.close()
         made.unlink()
+
+
+def test_between_hosts_each_side_keeps_its_copy_and_the_rows_and_sums_travel_as_frames():
+    assert dispatch_kind("cpu", "cpu", same_host=False) == "tcp"
+    stage = DispatchSegment(spec("tcp"), create=False, side="stage")
+    shard = DispatchSegment(spec("tcp"), create=False, side="shard")
+    try:
+        assert not stage.path.exists()  # no shared memory between hosts
+        hidden, ids, weights = torch.randn(3, 6), torch.tensor([[0, 5], [2, 1], [7, 3]]), torch.rand(3, 2)
+        stage.write_rows(hidden, ids, weights)
+        shard.fill_rows(3, [bytes(frame) for frame in stage.row_frames(3)])
+        got_hidden, got_ids, got_weights = shard.read_rows(3, torch.device("cpu"), torch.float32)
+        assert torch.equal(got_hidden, hidden) and torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
+        shard.write_out(got_hidden * 2)
+        stage.fill_out(3, [bytes(shard.out_frame(3))])
+        assert torch.equal(stage.read_out(3, torch.device("cpu")), hidden * 2)
+        with pytest.raises(SlotError, match="frames of"):
+            shard.fill_rows(3, [bytes(frame) for frame in stage.row_frames(2)])  # sizes of 2 rows, not 3
+        with pytest.raises(SlotError, match="frames of"):
+            stage.fill_out(3, [])
+        with pytest.raises(SlotError, match="1 to 4"):
+            stage.fill_out(5, [bytes(4 * 6 * 5)])
+    finally:
+        stage.close()
+        shard.close()

@@ -1,0 +1,145 @@
+"""The KV hand-off between hosts (kvasir/stage/kv_remote.py): a prefill stage on another
+host streams its K/V in chunks over a real ZMQ socket, the decode stage copies them into
+its blocks exactly as it copies a shared-memory segment's, and anything malformed is a
+worker failure (EdgeError)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kvasir.errors import KvasirError
+from kvasir.model.kv_cache import PagedKVCache
+from kvasir.ring.tcp_slots import EdgeError
+from kvasir.stage import kv_remote
+from kvasir.stage.handoff import KvReceiver
+from kvasir.stage.kv_remote import KvInbox, KvStream
+from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.wire.control import HandoffWiring, KvSegment
+from kvasir.wire.head import HeadMessage
+from kvasir.wire.kv import KvChunk, KvReady, Placement
+from kvasir.wire.transport import PullChannel, PushChannel
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def sockets():
+    ctx = zmq.Context()
+    made = []
+
+    def pair(name: str) -> tuple[zmq.Socket, zmq.Socket]:
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind(f"inproc://{name}")
+        push.connect(f"inproc://{name}")
+        made.extend([pull, push])
+        return pull, push
+
+    yield pair
+    for sock in made:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def random_cache(layers: int, num_blocks: int, block_size: int, seed: int) -> PagedKVCache:
+    cache = PagedKVCache(layers, num_blocks, block_size, 2, 4, torch.float32, CPU)
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=torch.Generator().manual_seed(seed)))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    return cache
+
+
+def test_a_decode_stage_gets_streamed_and_shared_kv_alike(sockets, monkeypatch):
+    """Decode stage 2 (host b, layers [1, 4)) takes [1, 2) from prefill stage 0's segment on
+    its own host and [2, 4) from prefill stage 1 on host a, streamed three tokens a chunk."""
+    monkeypatch.setattr(kv_remote, "CHUNK_BYTES", 3 * 2 * 2 * 2 * 4 * 4)  # 2 layers x 3 tokens, keys and values
+    segment = KvSegment(
+        name=f"kvasir-test-{os.getpid()}-{secrets.token_hex(3)}",
+        layers=(0, 2),
+        num_blocks=6,
+        block_size=8,
+        kv_heads=2,
+        head_dim=4,
+        dtype="float32",
+    )
+    local = KvSegmentMap(segment, create=True)
+    try:
+        local.keys.copy_(torch.randn(local.keys.shape))
+        local.values.copy_(torch.randn(local.values.shape))
+        remote = random_cache(3, 6, 8, seed=5)  # prefill stage 1's cache: layers [2, 5)
+        far = KvSegment(**{**msgspec.structs.asdict(segment), "name": "unused", "layers": (2, 5)})
+        wiring = HandoffWiring(prefill=[segment, far], decode=[(1, 4)], lease_s=60.0, hosts=["b", "a", "b"])
+        cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, CPU)
+        kv_pull, kv_push = sockets("kv")
+        head_pull, head_push = sockets("head")
+        receiver = KvReceiver(2, (1, 4), cache, wiring, KvInbox(kv_pull, cache), PushChannel(head_push))
+        assert set(receiver.sources) == {0} and receiver.remote == {1: (2, 4)}
+        head = PullChannel(head_pull, HeadMessage)
+        blocks, placed = (3, 1), (7, 2, 5)
+        sent = KvStream(kv_push, remote, (2, 5), (2, 4)).send(KvReady(11, 1, (2, 5), blocks, 10, 0))
+        assert sent == 2 * 2 * 10 * 2 * 4 * 4
+        to_stage = PushChannel(kv_push)
+        to_stage.send(KvReady(11, 0, (0, 2), blocks, 10, 0))
+        receiver.receive()
+        assert head.drain() == []  # announced, not placed
+        to_stage.send(Placement(11, placed))
+        receiver.receive()
+        [held] = head.drain()
+        assert (held.request_id, held.nbytes) == (11, 2 * 3 * 10 * 2 * 4 * 4)
+        for pos in range(10):
+            src, dst = blocks[pos // 8] * 8 + pos % 8, placed[pos // 4] * 4 + pos % 4
+            assert torch.equal(cache.keys[0, dst], local.keys[1, src])
+            assert torch.equal(cache.keys[1:3, dst], remote.keys[0:2, src])
+            assert torch.equal(cache.values[1:3, dst], remote.values[0:2, src])
+        assert receiver.assembling == {}
+    finally:
+        local.close()
+        local.unlink()
+
+
+def chunk_frames(chunk: KvChunk, nbytes: int, frames: int = 2) -> list[bytes]:
+    return [msgspec.msgpack.encode(chunk), *[bytes(nbytes)] * frames]
+
+
+@pytest.mark.parametrize(
+    "frames, why",
+    [
+        (chunk_frames(KvChunk(1, 1, (2, 4), 0, 3, 10), 2 * 3 * 2 * 4 * 4, frames=1), "frames of"),
+        (chunk_frames(KvChunk(1, 1, (2, 4), 0, 3, 10), 100), "frames of"),
+        (chunk_frames(KvChunk(1, 1, (2, 4), 9, 3, 10), 2 * 3 * 2 * 4 * 4), "positions or layers"),
+        (chunk_frames(KvChunk(1, 1, (2, 2), 0, 3, 10), 0), "positions or layers"),
+        (chunk_frames(KvChunk(1, 0, (1, 3), 0, 3, 10), 2 * 3 * 2 * 4 * 4), "does not stream"),
+        (chunk_frames(KvChunk(1, 1, (2, 4), 3, 3, 10), 2 * 3 * 2 * 4 * 4), "out of order"),
+    ],
+)
+def test_a_malformed_chunk_fails_the_stage(sockets, frames, why):
+    cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, CPU)
+    far = KvSegment(name="x", layers=(2, 5), num_blocks=6, block_size=8, kv_heads=2, head_dim=4, dtype="float32")
+    wiring = HandoffWiring(prefill=[far, far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "a", "b"])
+    kv_pull, kv_push = sockets("kv")
+    _, head_push = sockets("head")
+    receiver = KvReceiver(2, (1, 4), cache, wiring, KvInbox(kv_pull, cache), PushChannel(head_push))
+    kv_push.send_multipart(frames)
+    with pytest.raises(EdgeError, match=why):
+        receiver.receive()
+
+
+def test_an_announcement_before_its_chunks_and_garbage_are_refused(sockets):
+    cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, CPU)
+    far = KvSegment(name="x", layers=(2, 5), num_blocks=6, block_size=8, kv_heads=2, head_dim=4, dtype="float32")
+    wiring = HandoffWiring(prefill=[far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "b"])
+    kv_pull, kv_push = sockets("kv")
+    _, head_push = sockets("head")
+    inbox = KvInbox(kv_pull, cache)
+    receiver = KvReceiver(1, (1, 4), cache, wiring, inbox, PushChannel(head_push))
+    kv_push.send(b"\x93not a message")
+    kv_push.send_multipart([msgspec.msgpack.encode(Placement(3, (1,))), b"extra"])
+    receiver.receive()
+    assert inbox.dropped == 2  # dropped and counted, as any internal channel does
+    kv_push.send(msgspec.msgpack.encode(KvReady(4, 0, (2, 5), (), 10, 0)))
+    with pytest.raises(KvasirError, match="announced before all its chunks"):
+        receiver.receive()
