@@ -55,7 +55,17 @@ def print_run(report: dict, echo: Echo) -> None:
         echo(f"{name:<5} ms    p50 {d['p50'] * 1e3:8.1f}  p90 {d['p90'] * 1e3:8.1f}  p99 {d['p99'] * 1e3:8.1f}")
     if s["slo_attainment"] is not None:
         echo(f"SLO attainment {s['slo_attainment']:.1%}")
+    if "handoff" in report:
+        print_handoff(report["handoff"], echo)
     print_stages(report["stages"], echo, shards=report.get("shards", ()))
+
+
+def print_handoff(h: dict, echo: Echo, indent: str = "") -> None:
+    echo(
+        f"{indent}hand-off: {h['kv_bytes_mean'] / MIB:.2f} MiB of KV per request, p50 {h['seconds']['p50'] * 1e3:.1f} ms "
+        f"p99 {h['seconds']['p99'] * 1e3:.1f} ms, copies at {h['copy_gibps']:.2f} GiB/s; first-to-second token "
+        f"p50 {h['second_token_gap']['p50'] * 1e3:.0f} ms p99 {h['second_token_gap']['p99'] * 1e3:.0f} ms"
+    )
 
 
 def print_stages(stages: list[dict], echo: Echo, indent: str = "", shards=()) -> None:
@@ -125,13 +135,8 @@ def print_plans(report: dict, echo: Echo) -> None:
             if "goodput" in entry:
                 line += f"; goodput {entry['goodput']:.3g} requests/s (>= {slo['attain']:.0%}; figures above at {entry['shown_rate']:.3g})"
             echo(line)
-        h = entry["handoff"]
-        if h is not None:
-            echo(
-                f"    hand-off: {h['kv_bytes_mean'] / MIB:.2f} MiB of KV per request, p50 {h['seconds']['p50'] * 1e3:.1f} ms "
-                f"p99 {h['seconds']['p99'] * 1e3:.1f} ms, copies at {h['copy_gibps']:.2f} GiB/s; first-to-second token "
-                f"p50 {h['second_token_gap']['p50'] * 1e3:.0f} ms p99 {h['second_token_gap']['p99'] * 1e3:.0f} ms"
-            )
+        if entry["handoff"] is not None:
+            print_handoff(entry["handoff"], echo, "    ")
         for pool, f in entry["pools"].items():
             echo(f"    {pool:<8} busy {f['busy']:.0%}  starved {f['starved']:.0%}  blocked {f['blocked']:.0%}")
     for name, value in report["ratios"].items():

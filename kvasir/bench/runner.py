@@ -10,7 +10,7 @@ from functools import partial
 
 import msgspec
 
-from kvasir.bench.metrics import RequestRecord, summarise
+from kvasir.bench.metrics import RequestRecord, handoff_figures, summarise
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.wire.bridge import StageStats
@@ -131,7 +131,9 @@ def ring_report(result: LoadResult, slo: tuple[float, float] | None) -> dict:
     before, after = result.stats_before, result.stats_after
     report = {"summary": summary, "stages": stage_fractions(before, after)}
     shards = shard_fractions(before, after)
-    return report | ({"shards": shards} if shards else {})  # a mixture of experts with expert shards
+    handoff = handoff_figures(result.records)
+    report |= {"shards": shards} if shards else {}  # a mixture of experts with expert shards
+    return report | ({"handoff": handoff} if handoff else {})  # a disaggregated plan
 
 
 def summary_data(records, duration_s: float, slo: tuple[float, float] | None) -> dict:

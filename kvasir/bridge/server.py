@@ -334,6 +334,7 @@ class Bridge:
         """The stages failed and are being restarted: end every request now, refuse new
         ones until "serve", and drop whatever was queued for the dead head."""
         self.restarting = reason
+        self.ring_pids = frozenset()  # the failed ring's reports still on their way are stale
         self.last_failure, self.last_failure_at = reason, time.monotonic()
         self.log.warning("ring down", reason=reason, requests=len(self.requests))
         await self._end_all("stage_failed", f"{reason}; the request was lost and the ring is restarting")

@@ -181,11 +181,12 @@ class HostLink:
         """One of ``host``'s workers went silent: if its follower has too (missed two
         Alives), the host is lost (forgotten, its workers with it); what to report."""
         state = self.followers.get(host)
-        quiet = now - state.heard if state is not None else float("inf")
-        if quiet <= 4 * ALIVE_EVERY_S:
+        if state is not None and now - state.heard <= 4 * ALIVE_EVERY_S:
             return None
         self.followers.pop(host, None)
-        why = f"host {host} is missing: no word from its kvasird join for {quiet:.1f} s"
+        why = f"host {host} is missing: " + (
+            f"no word from its kvasird join for {now - state.heard:.1f} s" if state else "its kvasird join is gone"
+        )
         self._lose(host, why)
         return why
 
@@ -201,6 +202,8 @@ class HostLink:
         for settings in wanted:
             if settings.fabric is not None:
                 by_host.setdefault(settings.fabric.host, []).append(settings)
+        if not by_host:
+            return {}  # the bridge alone: the ring's workers stay as they are
         self.generation += 1
         self.processes = {}
         children = {}

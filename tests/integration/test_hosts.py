@@ -11,8 +11,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from kvasir.bench.netns import Network, netns_unavailable
 from kvasir.cli.main import kvasir
-from tests.support.netns import Network, netns_unavailable
 
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
 

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
+from kvasir.bench.netns import Network, netns_unavailable
 from kvasir.wire.client import ErrorEvent, Finished
 from tests.integration.test_ring import check_events, run_all
 from tests.integration.test_supervision import load_then, one_greedy, terminal_codes, wait_serving_again
 from tests.support.cluster import HostedDaemon, hosts_table
 from tests.support.daemon import BIN, alive, settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
-from tests.support.netns import Network, netns_unavailable
 
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
 
@@ -182,7 +182,7 @@ def test_prefill_and_decode_pools_on_different_hosts_match_generate(network, hos
     assert stats.handoff is not None and stats.handoff.count == handed > 0 and stats.handoff.gibps > 0
     assert all(s.handoff_bytes > 0 for s in stats.stages if s.pool == "decode")
     stats = settled(daemon.runtime_dir)
-    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages)  # both pools freed every request
+    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats  # both pools freed every request
 
 
 def test_expert_shards_on_other_hosts_than_their_stages_match_generate(network, hosted, tiny_models):

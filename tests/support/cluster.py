@@ -11,10 +11,10 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from kvasir.bench.daemon import stop_gracefully, wait_serving
+from kvasir.bench.netns import Network
 from kvasir.cli.main import kvasir
 from kvasir.client import Client
 from tests.support.daemon import BIN
-from tests.support.netns import Network
 
 
 def hosts_table(network: Network, leader: str = "a") -> str:

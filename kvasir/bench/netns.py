@@ -1,8 +1,9 @@
-"""Hosts for tests: Linux network namespaces joined by veth pairs to a bridge.
+"""Hosts on one machine, for tests and benchmarks: Linux network namespaces joined by
+veth pairs to a bridge.
 
 Every test network lives entirely in namespaces it made: a "switch" namespace holding a
 bridge, and one namespace per host whose veth end carries a private address
-(10.X.0.N/24, X from the test's pid so two runs do not collide in name). Nothing is
+(10.X.0.N/24, X from the maker's pid so two runs do not collide in name). Nothing is
 added to the machine's own namespace. ``Network.close`` deletes every namespace it
 made (their interfaces go with them); ``link_down`` / ``link_up`` cut and restore one
 host's cable; ``shape`` rate-limits it with ``tc qdisc ... tbf``.

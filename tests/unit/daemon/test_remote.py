@@ -1,0 +1,109 @@
+"""The launcher's link to its followers (kvasir/daemon/remote.py), over real CURVE
+sockets on loopback: a host is who its key says, never who its name says; reports about
+an older set of workers are ignored; starting the bridge alone leaves the ring's remote
+workers as they are."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvasir.config.keys import generate, load_pair
+from kvasir.daemon.layout import Layout
+from kvasir.daemon.remote import Cluster, RemoteProcess
+from kvasir.daemon.resolve import resolve_plan
+from kvasir.logs import setup_logging
+from kvasir.wire.control import WorkerSettings
+from kvasir.wire.curve import Fabric
+from kvasir.wire.fabric import Sockets
+from kvasir.wire.hosts import Alive, Exited, Spawned
+from kvasir.wire.routes import plan_digest
+from kvasir.wire.transport import Endpoints
+from tests.support.daemon import free_port
+
+
+@pytest.fixture
+def leader(tmp_path, tiny_models):
+    generate(tmp_path / "keys", [], ["a", "b", "c"])
+    plan_path = tmp_path / "plan.toml"
+    plan_path.write_text(
+        f'[model]\nsource = "{tiny_models["llama"]}"\nmax_seq_len = 64\n[cluster]\nleader = "a"\nkeys = "keys"\n'
+        f'[hosts.a]\naddress = "127.0.0.1"\nport = {free_port()}\n'
+        f'[hosts.b]\naddress = "127.0.0.2"\nport = {free_port()}\n[hosts.c]\naddress = "127.0.0.3"\n'
+        '[[stages]]\nlayers = [0, 3]\n[[stages]]\nlayers = [3, 6]\nhost = "b"\n'
+    )
+    plan, _ = resolve_plan(plan_path)
+    cluster = Cluster.of(plan)
+    sockets = Sockets(
+        zmq.Context(), Endpoints(tmp_path / "rt", cluster.routes), Fabric.of(cluster.routes, cluster.keys)
+    )
+    link = cluster.link(sockets, plan, setup_logging("warning"))
+    followers = []
+
+    def follower(key_of: str, named: str) -> zmq.Socket:
+        sock = sockets.ctx.socket(zmq.DEALER)
+        sock.routing_id = named.encode()
+        sock.curve_publickey, sock.curve_secretkey = load_pair(tmp_path / "keys" / f"{key_of}.key_secret")
+        sock.curve_serverkey = cluster.keys.hosts["a"]
+        sock.connect(sockets.ends.hosts)
+        followers.append(sock)
+        return sock
+
+    yield link, follower, plan_digest(plan, cluster.routes), cluster, plan
+    for sock in followers:
+        sock.close(linger=0)
+    sockets.end()
+
+
+def send(sock: zmq.Socket, message) -> None:
+    sock.send(msgspec.msgpack.encode(message))
+
+
+def settle(link, until, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until() and time.monotonic() < deadline:
+        link.receive(50)
+
+
+def test_a_host_is_who_its_key_says(leader):
+    link, follower, digest, _, _ = leader
+    impostor = follower("c", "b")  # c's key (a listed host), b's name
+    send(impostor, Alive("b", 4242, digest))
+    honest = follower("b", "b")
+    send(honest, Alive("b", os.getpid(), digest))
+    settle(link, lambda: "b" in link.followers)
+    assert link.followers["b"].pid == os.getpid()  # the impostor's word never counted
+    assert link.absent == []
+
+
+def test_reports_about_older_workers_are_ignored_and_the_bridge_alone_changes_nothing(leader):
+    link, follower, digest, cluster, plan = leader
+    b = follower("b", "b")
+    send(b, Alive("b", 1, digest))
+    settle(link, lambda: "b" in link.followers)
+    worker = WorkerSettings(
+        role="stage",
+        index=1,
+        plan=plan,
+        runtime_dir="/nonexistent",
+        launcher_pid=os.getpid(),
+        edges=[],
+        first=0,
+        fabric=cluster.fabric("b"),
+    )
+    children = link.start([worker], Layout(), "kvasir-1-00000000")
+    process = children["stage-1"].process
+    assert isinstance(process, RemoteProcess) and process.generation == link.generation == 1
+    assert link.start([], Layout(), "kvasir-1-00000000") == {} and link.generation == 1  # the bridge alone
+    send(b, Exited(0, "stage-1", 99, -9, "an older ring's"))
+    send(b, Spawned(1, "stage-1", 1234))
+    settle(link, lambda: process.pid is not None)
+    assert process.pid == 1234 and process.poll() is None
+    send(b, Exited(1, "stage-1", 1234, 1, ""))
+    settle(link, lambda: process.poll() is not None)
+    assert process.poll() == 1
+    children["stage-1"].command.socket.close(linger=0)
