@@ -100,6 +100,13 @@ class Network:
             check=True, capture_output=True, timeout=30,
         )  # fmt: skip
 
+    def unshape(self, name: str) -> None:
+        """Remove host ``name``'s rate limit (none there: nothing to do)."""
+        subprocess.run(
+            ["ip", "netns", "exec", self.namespace(name), "tc", "qdisc", "del", "dev", "eth0", "root"],
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+
     def close(self) -> None:
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)

@@ -17,7 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal
 
 import msgspec
 import zmq
@@ -35,7 +35,7 @@ from kvasir.wire.fabric import Sockets
 from kvasir.wire.hosts import ALIVE_EVERY_S, Alive, Exited, Halt, LeaderMessage, Ping, Refused, Run, Spawned
 from kvasir.wire.routes import Placement, Routes, plan_digest
 from kvasir.wire.rundir import lock_runtime_dir
-from kvasir.wire.transport import Endpoints
+from kvasir.wire.transport import Endpoints, waiting
 
 FollowerState = Literal["waiting", "running", "stopping"]
 
@@ -111,6 +111,7 @@ class Follower:
         self.heard = 0.0  # when the leader last said anything (0: not since we started or lost it)
         self._lock_fd: int | None = None
         self._link: zmq.Socket | None = None
+        self._refused = ""  # the leader's last refusal
 
     # -- the loop --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -148,8 +149,7 @@ class Follower:
             return []
         out = []
         decoder = msgspec.msgpack.Decoder(LeaderMessage)
-        while cast(int, link.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frame = link.recv(zmq.NOBLOCK)
+        for frame in waiting(link):
             try:
                 out.append(decoder.decode(frame))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -163,8 +163,10 @@ class Follower:
         elif isinstance(message, Halt):
             self._halt(message.reason)
         elif isinstance(message, Refused):
-            self.log.error("the leader refused this host", reason=message.reason)
-            self.notifier.status(f"refused by the leader: {message.reason}")
+            if message.reason != self._refused:  # the leader answers every Alive: say it once
+                self._refused = message.reason
+                self.log.error("the leader refused this host", reason=message.reason)
+                self.notifier.status(f"refused by the leader: {message.reason}")
         elif not isinstance(message, Ping):
             self.log.warning("unexpected message from the leader", kind=type(message).__name__)
 

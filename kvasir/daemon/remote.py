@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import msgspec
 import zmq
@@ -42,7 +41,7 @@ from kvasir.wire.hosts import (
     Spawned,
 )
 from kvasir.wire.routes import Placement, Routes, plan_digest
-from kvasir.wire.transport import PushChannel
+from kvasir.wire.transport import PushChannel, waiting
 
 
 @dataclass
@@ -99,13 +98,14 @@ class HostLink:
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a follower that reconnects takes its name back
         self._decoder = msgspec.msgpack.Decoder(FollowerMessage)
         self._next_ping = 0.0
+        self._refused: set[tuple[str, int]] = set()
 
     # -- what arrives ----------------------------------------------------------------------
     def receive(self, timeout_ms: int = 0) -> None:
         if not self.router.poll(timeout_ms):
             return
-        while cast(int, self.router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            self._take(self.router.recv_multipart(zmq.NOBLOCK, copy=False))
+        for parts in waiting(self.router, multipart=True, copy=False):
+            self._take(parts)
 
     def _take(self, parts: list[zmq.Frame]) -> None:
         key = str(parts[-1].get("User-Id")).encode()  # the CURVE key the sender authenticated with
@@ -126,7 +126,9 @@ class HostLink:
 
     def _alive(self, host: str, message: Alive) -> None:
         if message.digest != self.digest:
-            self.log.error("refused a follower whose plan differs", host=host)
+            if (host, message.pid) not in self._refused:  # said once; the answer goes with every Alive
+                self._refused.add((host, message.pid))
+                self.log.error("refused a follower whose plan differs", host=host, pid=message.pid)
             self._send(host, Refused(f"host {host}'s plan differs from the leader's (stages, hosts or ports)"))
             return
         now = time.monotonic()

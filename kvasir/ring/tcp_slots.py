@@ -15,7 +15,7 @@ supervision handles, never a ring left waiting for a batch that will not come.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import torch
@@ -27,6 +27,7 @@ from kvasir.ring.slots import check_slot, received
 from kvasir.wire.base import Side
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.control import EdgeSpec
+from kvasir.wire.transport import waiting
 
 
 class EdgeError(KvasirError):
@@ -117,8 +118,7 @@ class FramedIntake:
 
     def drain(self) -> list[BatchDescriptor]:
         out = []
-        while cast(int, self.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        for parts in waiting(self.socket, multipart=True, copy=False):
             out.append(self._take(parts))
         return out
 

@@ -15,7 +15,7 @@ only come from a bug or a hostile peer (CURVE lets in only the plan's hosts): it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import torch
@@ -27,6 +27,7 @@ from kvasir.ring.slots import received
 from kvasir.ring.tcp_slots import EdgeError
 from kvasir.units import MIB
 from kvasir.wire.kv import KvChunk, KvMessage, KvReady
+from kvasir.wire.transport import waiting
 
 CHUNK_BYTES = 1 * MIB  # keys and values of one chunk, about
 WINDOW = 8  # chunks queued for one decode stage before a send waits
@@ -95,8 +96,7 @@ class KvInbox:
         """Messages waiting: KvReady and Placement as they are, each KvChunk as
         ``(chunk, keys, values)`` with its frames checked and viewed as tensors."""
         out: list = []
-        while cast(int, self.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        for parts in waiting(self.socket, multipart=True, copy=False):
             try:
                 message = self._decoder.decode(parts[0].buffer)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
@@ -114,6 +115,19 @@ MAX_INTERNAL_MESSAGE = 64 * MIB  # internal messages are small; a larger frame d
 SocketT = TypeVar("SocketT", bound=zmq.Socket)
 
 
+def waiting(sock: zmq.Socket, multipart: bool = False, copy: bool = True) -> Iterator[Any]:
+    """Every message already waiting on ``sock``, without blocking. ZMQ's EVENTS can say
+    POLLIN for input that is not a whole message yet (a large multipart message still
+    arriving over TCP, a CURVE handshake); the receive then says Again, which ends the
+    batch: the rest comes with the next wake-up."""
+    recv = sock.recv_multipart if multipart else sock.recv
+    while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        try:
+            yield recv(zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            return
+
+
 def make_socket(
     ctx: zmq.Context[SocketT],
     kind: int,
@@ -188,9 +202,8 @@ class PullChannel(Generic[T]):
         them out is cheaper than zero-copy frames, and checking EVENTS cheaper than
         catching zmq.Again)."""
         out = []
-        sock, decode = self.socket, self._decoder.decode
-        while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frame = sock.recv(zmq.NOBLOCK)
+        decode = self._decoder.decode
+        for frame in waiting(self.socket):
             try:
                 out.append(decode(frame))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -200,9 +213,8 @@ class PullChannel(Generic[T]):
     def drain_framed(self) -> list[tuple[T, list[zmq.Frame]]]:
         """As ``drain``, for multipart messages: each message with the frames after it."""
         out = []
-        sock, decode = self.socket, self._decoder.decode
-        while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        decode = self._decoder.decode
+        for parts in waiting(self.socket, multipart=True, copy=False):
             try:
                 out.append((decode(parts[0].buffer), parts[1:]))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -107,3 +107,15 @@ def test_reports_about_older_workers_are_ignored_and_the_bridge_alone_changes_no
     settle(link, lambda: process.poll() is not None)
     assert process.poll() == 1
     children["stage-1"].command.socket.close(linger=0)
+
+
+def test_a_follower_whose_plan_differs_is_refused(leader):
+    from kvasir.wire.hosts import LeaderMessage, Refused
+
+    link, follower, digest, _, _ = leader
+    b = follower("b", "b")
+    send(b, Alive("b", 7, "0" * 16))
+    settle(link, lambda: b.poll(0))
+    answer = msgspec.msgpack.decode(b.recv(), type=LeaderMessage)
+    assert isinstance(answer, Refused) and "host b's plan differs from the leader's" in answer.reason
+    assert "b" not in link.followers and link.absent == ["b"]
