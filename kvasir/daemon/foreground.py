@@ -5,15 +5,32 @@ cleaned up; each returns the command's exit code."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvasir.daemon.follower import Follower
 from kvasir.daemon.launcher import Launcher, LaunchError, StartInterrupted
 from kvasir.errors import KvasirError
 
 
+@contextmanager
+def stopping_on_signals(request_stop) -> Iterator[None]:
+    """SIGTERM and SIGINT call ``request_stop`` (which only moves a state) while inside."""
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_launcher(launcher: Launcher) -> int:
     """Run the daemon in the foreground; the exit code for ``kvasird start``."""
-    previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with stopping_on_signals(launcher.request_stop):
+        return _launch(launcher)
+
+
+def _launch(launcher: Launcher) -> int:
     try:
         launcher.prepare()
         launcher.wait_hosts()
@@ -33,24 +50,20 @@ def run_launcher(launcher: Launcher) -> int:
         launcher.notifier.stopping("stopping")
         launcher.cleanup()
         launcher.notifier.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def run_follower(follower: Follower) -> int:
     """Run ``kvasird join`` in the foreground until SIGTERM or SIGINT; its exit code."""
-    previous = {sig: signal.signal(sig, follower.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        follower.prepare()
-        follower.run()
-        follower.log.info("stopped")
-        return 0
-    except KvasirError as exc:
-        follower.log.error("join failed", error=str(exc))
-        return 1
-    finally:
-        follower.notifier.stopping("stopping")
-        follower.cleanup()
-        follower.notifier.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stopping_on_signals(follower.request_stop):
+        try:
+            follower.prepare()
+            follower.run()
+            follower.log.info("stopped")
+            return 0
+        except KvasirError as exc:
+            follower.log.error("join failed", error=str(exc))
+            return 1
+        finally:
+            follower.notifier.stopping("stopping")
+            follower.cleanup()
+            follower.notifier.close()

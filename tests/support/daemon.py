@@ -181,12 +181,19 @@ class TailReader:
 
 
 def settled(runtime_dir, timeout_s: float = 30.0):
-    """Stats once no request is in the daemon and every stage has reported since (the
-    stages free released blocks with the next descriptor, and report twice a second)."""
+    """Stats once no request is in the daemon, every worker has reported since (the stages
+    free released blocks with the next descriptor, and report twice a second) and no
+    stage holds a block; after ``timeout_s``, the stats as they are."""
     deadline = time.monotonic() + timeout_s
+    idle_at: dict[int, float] | None = None  # each worker's clock in the first report seen with nothing in flight
     while True:
         with Client(runtime_dir) as client:
             stats = client.stats()
-        if stats.in_flight == 0 and all(s.kv_blocks == 0 for s in stats.stages) or time.monotonic() > deadline:
+        workers = [*stats.stages, *stats.shards]  # by pid: a restarted worker's clock starts again
+        clocks = {worker.pid: worker.wall_s for worker in workers}
+        if idle_at is None and stats.in_flight == 0:
+            idle_at = clocks
+        reported = idle_at is not None and all(wall > idle_at.get(pid, -1.0) for pid, wall in clocks.items())
+        if reported and all(s.kv_blocks == 0 for s in stats.stages) or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)
