@@ -74,6 +74,16 @@ class RemoteProcess:
         return self.returncode
 
 
+def _first(seen: set, key) -> bool:
+    """Whether ``key`` is new to ``seen`` (then added; a thousand keys at most are kept)."""
+    if key in seen:
+        return False
+    if len(seen) >= 1024:
+        seen.clear()
+    seen.add(key)
+    return True
+
+
 @dataclass
 class FollowerState:
     pid: int
@@ -99,6 +109,7 @@ class HostLink:
         self._decoder = msgspec.msgpack.Decoder(FollowerMessage)
         self._next_ping = 0.0
         self._refused: set[tuple[str, int]] = set()
+        self._strangers: set[tuple[str, str | None]] = set()  # (name given, host of the key) dropped
 
     # -- what arrives ----------------------------------------------------------------------
     def receive(self, timeout_ms: int = 0) -> None:
@@ -112,7 +123,8 @@ class HostLink:
         host = self.owners.get(key)
         named = bytes(parts[0].bytes).decode(errors="replace")
         if len(parts) != 2 or host != named:
-            self.log.warning("dropped a follower message", named=named, key_of=host, frames=len(parts))
+            if _first(self._strangers, (named, host)):  # said once: a stray follower says it twice a second
+                self.log.warning("dropped a follower message", named=named, key_of=host, frames=len(parts))
             return
         try:
             message = self._decoder.decode(parts[1].buffer)
@@ -126,8 +138,7 @@ class HostLink:
 
     def _alive(self, host: str, message: Alive) -> None:
         if message.digest != self.digest:
-            if (host, message.pid) not in self._refused:  # said once; the answer goes with every Alive
-                self._refused.add((host, message.pid))
+            if _first(self._refused, (host, message.pid)):  # said once; the answer goes with every Alive
                 self.log.error("refused a follower whose plan differs", host=host, pid=message.pid)
             self._send(host, Refused(f"host {host}'s plan differs from the leader's (stages, hosts or ports)"))
             return
