@@ -53,8 +53,7 @@ class Local:
 
 def renamed(segments: HostSegments, leader_prefix: str, prefix: str) -> dict[str, str]:
     """Each segment's name under this follower's prefix (a sweep on this host then knows its creator)."""
-    names = [spec.name for group in (segments.edges, segments.slots, segments.kv) for spec in group]
-    return {name: prefix + name[len(leader_prefix) :] for name in names if name.startswith(leader_prefix)}
+    return {name: prefix + name[len(leader_prefix) :] for name in segments.names() if name.startswith(leader_prefix)}
 
 
 def localize(settings: WorkerSettings, here: Local, names: dict[str, str]) -> WorkerSettings:
@@ -76,15 +75,6 @@ def localize(settings: WorkerSettings, here: Local, names: dict[str, str]) -> Wo
         shards=[replace(w, slot=replace(w.slot, name=names.get(w.slot.name, w.slot.name))) for w in settings.shards],
         handoff=handoff,
         fabric=replace(fabric, secret=here.secret),
-    )
-
-
-def segments_named(segments: HostSegments, names: dict[str, str]) -> HostSegments:
-    replace = msgspec.structs.replace
-    return HostSegments(
-        edges=[replace(spec, name=names.get(spec.name, spec.name)) for spec in segments.edges],
-        slots=[replace(spec, name=names.get(spec.name, spec.name)) for spec in segments.slots],
-        kv=[replace(spec, name=names.get(spec.name, spec.name)) for spec in segments.kv],
     )
 
 
@@ -184,16 +174,9 @@ class Follower:
         self.generation = run.generation
         names = renamed(run.segments, run.prefix, self.here.prefix)
         try:
-            wanted = segments_named(run.segments, names)
-            made = self._made
-            self.layout.rings += make_segments(
-                HostSegments(
-                    edges=[s for s in wanted.edges if s.name not in made],
-                    slots=[s for s in wanted.slots if s.name not in made],
-                    kv=[s for s in wanted.kv if s.name not in made],
-                )
-            )
-            made.update(spec.name for group in (wanted.edges, wanted.slots, wanted.kv) for spec in group)
+            wanted = run.segments.renamed(names)
+            self.layout.rings += make_segments(wanted.without(self._made))
+            self._made.update(wanted.names())
             workers = [localize(settings, self.here, names) for settings in run.workers]
         except KvasirError as exc:
             self.log.error("cannot run the leader's workers", error=str(exc))

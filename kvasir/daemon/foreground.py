@@ -4,29 +4,15 @@ cleaned up; each returns the command's exit code."""
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from kvasir.daemon.follower import Follower
 from kvasir.daemon.launcher import Launcher, LaunchError, StartInterrupted
 from kvasir.errors import KvasirError
-
-
-@contextmanager
-def stopping_on_signals(request_stop) -> Iterator[None]:
-    """SIGTERM and SIGINT call ``request_stop`` (which only moves a state) while inside."""
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+from kvasir.signals import on_stop_signals
 
 
 def run_launcher(launcher: Launcher) -> int:
     """Run the daemon in the foreground; the exit code for ``kvasird start``."""
-    with stopping_on_signals(launcher.request_stop):
+    with on_stop_signals(launcher.request_stop):
         return _launch(launcher)
 
 
@@ -54,7 +40,7 @@ def _launch(launcher: Launcher) -> int:
 
 def run_follower(follower: Follower) -> int:
     """Run ``kvasird join`` in the foreground until SIGTERM or SIGINT; its exit code."""
-    with stopping_on_signals(follower.request_stop):
+    with on_stop_signals(follower.request_stop):
         try:
             follower.prepare()
             follower.run()

@@ -87,7 +87,6 @@ class Launcher:
         self.ends = Endpoints(self.runtime_dir, cluster.routes if cluster else None)
         fabric = Fabric.of(cluster.routes, cluster.keys) if cluster else None
         self.sockets = Sockets(zmq.Context(), self.ends, fabric)
-        self.hosts: HostLink | None = None  # the followers' link, bound by prepare()
         self.spawner = Spawner(
             self.plan,
             self.source,
@@ -116,6 +115,11 @@ class Launcher:
         self._absent: tuple[str, ...] = ()  # the missing hosts the bridge was last told of
 
     @property
+    def hosts(self) -> HostLink | None:
+        """The followers' link (a plan across hosts, once prepare() bound it)."""
+        return self.spawner.hosts
+
+    @property
     def children(self) -> list[Child]:
         return self.stages + ([self.bridge] if self.bridge is not None else [])
 
@@ -132,7 +136,7 @@ class Launcher:
             self.log.warning("removed stale shared memory", file=str(path), bytes=size)
         self._control = PullChannel(self.sockets.bind(zmq.PULL, self.ends.control), ControlMessage, self.log)
         if self.cluster is not None:
-            self.hosts = self.spawner.hosts = self.cluster.link(self.sockets, self.plan, self.log)
+            self.spawner.hosts = self.cluster.link(self.sockets, self.plan, self.log)
         try:
             self.layout = lay_out(self.plan, self.source, self.spawner.prefix, self.log)
         except LayoutError as exc:

@@ -27,6 +27,7 @@ from pathlib import Path
 from kvasir.errors import KvasirError, ModelSourceError
 from kvasir.model.gguf import SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, smollm2_gguf
 from kvasir.pids import alive
+from kvasir.signals import on_stop_signals
 
 
 class ConversionInterrupted(KvasirError):
@@ -45,12 +46,8 @@ def _signals_interrupt():
             f"conversion stopped by {signal.Signals(signum).name}; its temporary folder is removed"
         )
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with on_stop_signals(interrupt):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def sweep_stale_work(destination: Path) -> list[Path]:

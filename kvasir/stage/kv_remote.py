@@ -26,8 +26,8 @@ from kvasir.model.kv_cache import PagedKVCache, flat_slots
 from kvasir.ring.slots import received
 from kvasir.ring.tcp_slots import EdgeError
 from kvasir.units import MIB
-from kvasir.wire.kv import KvChunk, KvMessage, KvReady
-from kvasir.wire.transport import waiting
+from kvasir.wire.kv import KvChunk, KvReady
+from kvasir.wire.transport import PullChannel
 
 CHUNK_BYTES = 1 * MIB  # keys and values of one chunk, about
 WINDOW = 8  # chunks queued for one decode stage before a send waits
@@ -85,37 +85,31 @@ class KvInbox:
     announcements from prefill stages on this host), and chunks from other hosts, which
     it checks and assembles."""
 
-    def __init__(self, sock: zmq.Socket, cache: PagedKVCache, log=None) -> None:
-        self.socket = sock
+    def __init__(self, channel: PullChannel, cache: PagedKVCache) -> None:
+        """``channel``: a PullChannel of KvMessage (it drops and counts what does not decode)."""
+        self.channel = channel
+        self.socket = channel.socket
         self.cache = cache
-        self.log = log
-        self.dropped = 0
-        self._decoder = msgspec.msgpack.Decoder(KvMessage)
 
     def drain(self) -> list:
         """Messages waiting: KvReady and Placement as they are, each KvChunk as
         ``(chunk, keys, values)`` with its frames checked and viewed as tensors."""
         out: list = []
-        for parts in waiting(self.socket, multipart=True, copy=False):
-            try:
-                message = self._decoder.decode(parts[0].buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self.drop(f"{exc}")
-                continue
+        for message, frames in self.channel.drain_framed():
             if isinstance(message, KvChunk):
-                out.append((message, *self._tensors(message, parts)))
-            elif len(parts) != 1:
-                self.drop(f"a {type(message).__name__} came with {len(parts) - 1} extra frames")
+                out.append((message, *self._tensors(message, frames)))
+            elif frames:
+                self.channel.drop(f"a {type(message).__name__} came with {len(frames)} extra frames")
             else:
                 out.append(message)
         return out
 
-    def _tensors(self, chunk: KvChunk, parts: list[zmq.Frame]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tensors(self, chunk: KvChunk, frames: list[zmq.Frame]) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self.cache.keys
         shape = (chunk.layers[1] - chunk.layers[0], chunk.num_tokens, keys.shape[2], keys.shape[3])
         nbytes = shape[0] * shape[1] * shape[2] * shape[3] * keys.element_size()
-        if len(parts) != 3 or any(part.buffer.nbytes != nbytes for part in parts[1:]):
-            sizes = [part.buffer.nbytes for part in parts[1:]]
+        if len(frames) != 2 or any(frame.buffer.nbytes != nbytes for frame in frames):
+            sizes = [frame.buffer.nbytes for frame in frames]
             raise EdgeError(
                 f"KV chunk of request {chunk.request_id}: frames of {sizes} bytes, expected two of {nbytes}"
             )
@@ -125,13 +119,8 @@ class KvInbox:
             or not 0 <= chunk.start < chunk.start + chunk.num_tokens <= chunk.total
         ):
             raise EdgeError(f"KV chunk of request {chunk.request_id}: positions or layers that do not fit")
-        k, v = (received(part.buffer).view(keys.dtype).view(shape) for part in parts[1:])
+        k, v = (received(frame.buffer).view(keys.dtype).view(shape) for frame in frames)
         return k, v
-
-    def drop(self, why: str) -> None:
-        self.dropped += 1
-        if self.log is not None:
-            self.log.warning("dropped a malformed KV message", error=why, dropped=self.dropped)
 
 
 def assemble(parts: dict[int, Assembly], chunk: KvChunk, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -194,7 +194,7 @@ def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
         return HandoffSender(settings.index, layers, engine.cache, targets, streams)
     if settings.pool == "decode":
         wiring = w.handoff
-        inbox = KvInbox(w.sockets.bind(zmq.PULL, ends.kv_in(settings.index)), engine.cache, w.log)
+        inbox = KvInbox(w.pull(KvMessage, ends.kv_in(settings.index)), engine.cache)
         return KvReceiver(
             settings.index, layers, engine.cache, wiring, inbox, w.push(HeadMessage, ends.stage_in(wiring.decode_head))
         )

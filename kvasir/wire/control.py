@@ -88,6 +88,23 @@ class HostSegments(msgspec.Struct, frozen=True, kw_only=True):
     slots: list[DispatchSlot] = []
     kv: list[KvSegment] = []
 
+    def names(self) -> list[str]:
+        return [spec.name for group in (self.edges, self.slots, self.kv) for spec in group]
+
+    def renamed(self, names: dict[str, str]) -> HostSegments:
+        """The same segments, each under ``names[its name]`` where that is given."""
+        return self._each(lambda spec: msgspec.structs.replace(spec, name=names.get(spec.name, spec.name)))
+
+    def without(self, names: set[str]) -> HostSegments:
+        """The segments not named in ``names``."""
+        return self._each(lambda spec: None if spec.name in names else spec)
+
+    def _each(self, change) -> HostSegments:
+        def each(group: list) -> list:
+            return [new for new in map(change, group) if new is not None]
+
+        return HostSegments(edges=each(self.edges), slots=each(self.slots), kv=each(self.kv))
+
 
 class CudaMemoryHandle(Wire, frozen=True):
     """A CUDA allocation exported for another process (torch's storage sharing, as bytes)."""

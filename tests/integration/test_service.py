@@ -56,6 +56,19 @@ def test_kvasird_notifies_ready_watchdog_and_stopping(tiny_models, tmp_path, mon
     assert any(m.startswith(b"STOPPING=1\nSTATUS=draining") for m in rest)
 
 
+def verify(unit: str, local: Path) -> None:
+    """``systemd-analyze verify`` finds nothing to say about ``unit`` saved as ``local``
+    (skips where it is not installed)."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed here (Debian package 'systemd'); the unit was not verified")
+    # verify checks that ExecStart exists: point it at this checkout's kvasird
+    local.write_text(unit.replace("/opt/kvasir/bin/kvasird", str(Path(sys.executable).parent / "kvasird")))
+    result = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert local.name not in result.stderr, result.stderr
+
+
 def test_unit_file_verifies_and_keeps_its_promises(tmp_path):
     unit = (ROOT / "systemd" / "kvasird.service").read_text()
     for line in (
@@ -75,15 +88,7 @@ def test_unit_file_verifies_and_keeps_its_promises(tmp_path):
     stop = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1))
     drain = int(re.search(r"--drain-timeout (\d+)", unit).group(1))
     assert stop > drain
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed here (Debian package 'systemd'); the unit was not verified")
-    # verify checks that ExecStart exists: point it at this checkout's kvasird
-    local = tmp_path / "kvasird.service"
-    local.write_text(unit.replace("/opt/kvasir/bin/kvasird", str(Path(sys.executable).parent / "kvasird")))
-    result = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "kvasird.service" not in result.stderr, result.stderr
+    verify(unit, tmp_path / "kvasird.service")
 
 
 def test_the_join_unit_verifies_and_keeps_the_secret_key_root_only(tmp_path):
@@ -99,14 +104,7 @@ def test_the_join_unit_verifies_and_keeps_the_secret_key_root_only(tmp_path):
         "WatchdogSec=",
     ):
         assert line in unit, line
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed here (Debian package 'systemd'); the unit was not verified")
-    local = tmp_path / "kvasird-join@b.service"  # an instance: verify resolves %i
-    local.write_text(unit.replace("/opt/kvasir/bin/kvasird", str(Path(sys.executable).parent / "kvasird")))
-    result = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "kvasird-join@b.service" not in result.stderr, result.stderr
+    verify(unit, tmp_path / "kvasird-join@b.service")  # an instance: verify resolves %i
 
 
 def test_kvasird_join_notifies_ready_while_it_waits_for_its_leader_and_stopping(tiny_models, tmp_path, monkeypatch):

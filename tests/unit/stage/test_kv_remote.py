@@ -22,7 +22,7 @@ from kvasir.stage.kv_remote import KvInbox, KvStream
 from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.wire.control import HandoffWiring, KvSegment
 from kvasir.wire.head import HeadMessage
-from kvasir.wire.kv import KvChunk, KvReady, Placement
+from kvasir.wire.kv import KvChunk, KvMessage, KvReady, Placement
 from kvasir.wire.transport import PullChannel, PushChannel
 
 CPU = torch.device("cpu")
@@ -76,7 +76,9 @@ def test_a_decode_stage_gets_streamed_and_shared_kv_alike(sockets, monkeypatch):
         cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, CPU)
         kv_pull, kv_push = sockets("kv")
         head_pull, head_push = sockets("head")
-        receiver = KvReceiver(2, (1, 4), cache, wiring, KvInbox(kv_pull, cache), PushChannel(head_push))
+        receiver = KvReceiver(
+            2, (1, 4), cache, wiring, KvInbox(PullChannel(kv_pull, KvMessage), cache), PushChannel(head_push)
+        )
         assert set(receiver.sources) == {0} and receiver.remote == {1: (2, 4)}
         head = PullChannel(head_pull, HeadMessage)
         blocks, placed = (3, 1), (7, 2, 5)
@@ -122,7 +124,9 @@ def test_a_malformed_chunk_fails_the_stage(sockets, frames, why):
     wiring = HandoffWiring(prefill=[far, far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "a", "b"])
     kv_pull, kv_push = sockets("kv")
     _, head_push = sockets("head")
-    receiver = KvReceiver(2, (1, 4), cache, wiring, KvInbox(kv_pull, cache), PushChannel(head_push))
+    receiver = KvReceiver(
+        2, (1, 4), cache, wiring, KvInbox(PullChannel(kv_pull, KvMessage), cache), PushChannel(head_push)
+    )
     kv_push.send_multipart(frames)
     with pytest.raises(EdgeError, match=why):
         receiver.receive()
@@ -134,12 +138,12 @@ def test_an_announcement_before_its_chunks_and_garbage_are_refused(sockets):
     wiring = HandoffWiring(prefill=[far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "b"])
     kv_pull, kv_push = sockets("kv")
     _, head_push = sockets("head")
-    inbox = KvInbox(kv_pull, cache)
+    inbox = KvInbox(PullChannel(kv_pull, KvMessage), cache)
     receiver = KvReceiver(1, (1, 4), cache, wiring, inbox, PushChannel(head_push))
     kv_push.send(b"\x93not a message")
     kv_push.send_multipart([msgspec.msgpack.encode(Placement(3, (1,))), b"extra"])
     receiver.receive()
-    assert inbox.dropped == 2  # dropped and counted, as any internal channel does
+    assert inbox.channel.dropped == 2  # dropped and counted, as any internal channel does
     kv_push.send(msgspec.msgpack.encode(KvReady(4, 0, (2, 5), (), 10, 0)))
     with pytest.raises(KvasirError, match="announced before all its chunks"):
         receiver.receive()
