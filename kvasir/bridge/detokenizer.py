@@ -1,9 +1,12 @@
-"""Tokenizers: loading a model folder's, and incremental detokenization (text deltas as
-tokens arrive, never broken UTF-8)."""
+"""Tokenizers: loading a model folder's, turning texts and chat messages into prompt ids
+(the bridge and the HTTP front tokenize the same way), and incremental detokenization
+(text deltas as tokens arrive, never broken UTF-8)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from kvasir.errors import RequestError
 
 
 class IncrementalDetokenizer:
@@ -46,3 +49,20 @@ def load_tokenizer(folder: Path | None):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A plain prompt's ids, with the model's special tokens (a BOS where it has one)."""
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Chat messages through the model's chat template, ready for the assistant's turn;
+    RequestError when the model has no template or the template refuses the messages."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("invalid_request", "this model has no chat template")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # a template may raise anything (jinja2's errors, its own raise_exception)
+        raise RequestError("invalid_request", f"the chat template refused the messages: {exc}") from None
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

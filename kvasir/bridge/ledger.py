@@ -137,11 +137,13 @@ class HandoffLog:
     def __init__(self) -> None:
         self.count = 0
         self.kv_bytes = 0
+        self.seconds = 0.0
         self.recent: deque[tuple[int, float, float]] = deque(maxlen=RECENT_HANDOFFS)  # (bytes, seconds, copy seconds)
 
     def add(self, nbytes: int, seconds: float, copy_s: float) -> HandoffTimings:
         self.count += 1
         self.kv_bytes += nbytes
+        self.seconds += seconds
         self.recent.append((nbytes, seconds, copy_s))
         return HandoffTimings(kv_bytes=nbytes, seconds=seconds, copy_s=copy_s, gibps=gib_per_s(nbytes, copy_s))
 
@@ -157,4 +159,5 @@ class HandoffLog:
             p50_s=times[len(times) // 2],
             p99_s=times[min(len(times) - 1, int(len(times) * 0.99))],
             gibps=gib_per_s(moved, copying),
+            seconds=self.seconds,
         )

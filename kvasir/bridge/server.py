@@ -20,6 +20,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer, load_tokenizer
 from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
+from kvasir.bridge.metrics import Metrics
 from kvasir.bridge.outbox import Outbox
 from kvasir.bridge.sockets import client_router, remote_router
 from kvasir.bridge.submissions import Submissions
@@ -102,6 +103,7 @@ class Bridge:
         self.clients_lost = 0
         self.requests = Ledger()
         self.handoffs = HandoffLog()
+        self.metrics = Metrics()
         self.stage_stats: dict[int, StageStats] = {}
         self.shard_stats: dict[int, ShardStats] = {}
         self.timelines: dict[int, deque[BatchSpan]] = {}
@@ -197,6 +199,7 @@ class Bridge:
         self.accepted += 1
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.requests.add(rid, Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok))
+        self.metrics.accepted(len(ids))
         client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
         if self.requests.get(rid) is None:
@@ -238,6 +241,7 @@ class Bridge:
             case RequestEnded(request_id=rid, code=code, message=text):
                 record = self.requests.end(rid)
                 if record is not None:
+                    self.metrics.ended_early(code)
                     event = (
                         Cancelled(request_id=rid)
                         if code == "cancelled"
@@ -264,6 +268,7 @@ class Bridge:
 
     async def _stream(self, record: Pending, token: SampledToken) -> None:
         now = time.monotonic_ns()
+        self.metrics.token(now - record.last_ns if record.token_ids else None)
         if not record.token_ids:
             record.first_ns = now
             record.scheduled_ns = token.scheduled_ns
@@ -283,7 +288,9 @@ class Bridge:
         self._deliver(record.peer, encoded)
         if token.finish is not None:
             self.requests.end(token.request_id)
-            await self._send(record.peer, record.finished(token.request_id, token.finish))
+            finished = record.finished(token.request_id, token.finish)
+            self.metrics.finished(token.finish, finished.timings)
+            await self._send(record.peer, finished)
 
     async def _commands(self) -> None:
         decoder = msgspec.msgpack.Decoder(Command)
@@ -365,6 +372,7 @@ class Bridge:
 
     async def _end_all(self, code: str, message: str) -> None:
         for rid, record in self.requests.end_all():
+            self.metrics.ended_early(code)
             await self._send(record.peer, ErrorEvent(code=code, message=message, request_id=rid))
 
     async def _send(self, peer: Peer, event) -> None:
@@ -382,6 +390,7 @@ class Bridge:
         rids = self.requests.of(peer)
         for rid in rids:
             self.requests.end(rid)
+            self.metrics.ended_early("cancelled")
             self.head_io.send_now([self.encoder.encode(CancelRequest(rid))])
         if rids:
             self.log.warning("client lost: its requests are cancelled", why=why, requests=len(rids))
@@ -408,4 +417,5 @@ class Bridge:
             clients_lost=self.clients_lost,
             malformed=self.malformed,
             hosts_missing=self.hosts_missing,
+            metrics=self.metrics.snapshot(),
         )

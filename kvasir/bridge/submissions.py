@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvasir.bridge.detokenizer import encode_chat, encode_text
 from kvasir.errors import RequestError
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.client import Submit
@@ -61,12 +62,7 @@ class Submissions:
             raise RequestError("invalid_request", "this model has no tokenizer: submit token ids instead of text")
         check_prompt_text(msg.prompt, self.max_seq_len)
         if msg.chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise RequestError("invalid_request", "this model has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": msg.prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            ids = encode_chat(self.tokenizer, [{"role": "user", "content": msg.prompt}])
         else:
-            ids = self.tokenizer.encode(msg.prompt, add_special_tokens=True)
+            ids = encode_text(self.tokenizer, msg.prompt)
         return check_prompt(ids, self.vocab_size, self.max_seq_len)

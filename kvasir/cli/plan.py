@@ -176,6 +176,13 @@ def _print_plan(path, resolved, source, stages) -> None:
         f"bridge   max_waiting {br.max_waiting}, max_per_client {br.max_per_client}, max_client_queue {br.max_client_queue}"
         + (f", tcp {br.tcp} ({'CURVE' if br.server_key else 'no keys: loopback only'})" if br.tcp else "")
     )
+    if resolved.http is not None:
+        http = resolved.http
+        keys = f"bearer keys from {http.api_keys}" if http.api_keys else "no keys: loopback only"
+        click.echo(
+            f"http     {http.listen} ({keys}), {http.workers} front process{'es' if http.workers > 1 else ''}, "
+            f"model {http.model_name!r}: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics"
+        )
     sup = resolved.supervise
     click.echo(
         f"restarts at most {sup.max_restarts} in {sup.restart_window_s:g} s, "

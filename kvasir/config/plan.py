@@ -17,6 +17,7 @@ import msgspec
 
 from kvasir.config.cluster import ClusterSpec, HostSpec, check_cluster
 from kvasir.config.devices import DTYPES, check_edge_request
+from kvasir.config.http import HttpSpec, check_http, is_loopback
 from kvasir.config.placement import check_placement, positive
 from kvasir.config.shards import ShardSpec, check_shards, check_shards_fit
 from kvasir.errors import PlanError
@@ -106,6 +107,7 @@ class Plan(_Section, frozen=True):
     decode: PoolSpec | None = None
     cluster: ClusterSpec | None = None  # several hosts (kvasir/config/cluster.py)
     hosts: dict[str, HostSpec] = {}
+    http: HttpSpec | None = None  # the OpenAI-compatible HTTP front (kvasir/config/http.py)
 
     @property
     def disaggregated(self) -> bool:
@@ -222,6 +224,8 @@ def _check_values(plan: Plan) -> None:
         raise PlanError(f"handoff.lease_s must be a positive number of seconds, got {plan.handoff.lease_s}")
     _check_pools(plan)
     check_cluster(plan)
+    if plan.http is not None:
+        check_http(plan.http)
 
 
 def _check_widths(key: str, batch: BatchSpec) -> None:
@@ -281,10 +285,6 @@ def tcp_host(endpoint: str) -> str | None:
     if match is None or not 0 < int(match.group("port")) < 65536:
         return None
     return match.group("host").strip("[]")
-
-
-def is_loopback(host: str) -> bool:
-    return host == "localhost" or host == "::1" or re.fullmatch(r"127(\.[0-9]{1,3}){3}", host) is not None
 
 
 def _check_tcp(bridge: BridgeSpec) -> None:
@@ -404,7 +404,7 @@ def plan_toml(plan: Plan) -> str:
         return [f"[[{name}]]", *table(spec), "", *shards]
 
     lines: list[str] = []
-    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff", "cluster"):
+    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff", "cluster", "http"):
         if getattr(plan, name) is not None:
             lines += [f"[{name}]", *table(getattr(plan, name)), ""]
     for host, address in plan.hosts.items():

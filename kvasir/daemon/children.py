@@ -36,7 +36,7 @@ class Process(Protocol):
 
 @dataclass
 class Child:
-    name: str  # "stage-0", ..., "shard-0", ..., "bridge"
+    name: str  # "stage-0", ..., "shard-0", ..., "bridge", "front-0", ...
     process: Process
     command: PushChannel
     ready: bool = False
@@ -57,20 +57,20 @@ def child_name(settings: WorkerSettings) -> str:
     return "bridge" if settings.role == "bridge" else f"{settings.role}-{settings.index}"
 
 
-def start_worker(settings: WorkerSettings) -> subprocess.Popen:
+def start_worker(settings: WorkerSettings, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start a worker as a fresh interpreter (never a fork after torch is imported) and
-    hand it its settings as msgpack on stdin."""
-    process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE)
+    hand it its settings as msgpack on stdin (and ``pass_fds``, open under the same numbers)."""
+    process = subprocess.Popen([sys.executable, "-m", "kvasir.daemon.worker"], stdin=subprocess.PIPE, pass_fds=pass_fds)
     if process.stdin is not None:  # always, with stdin=PIPE
         process.stdin.write(msgspec.msgpack.encode(settings))
         process.stdin.close()
     return process
 
 
-def spawn_child(settings: WorkerSettings, sockets: Sockets) -> Child:
+def spawn_child(settings: WorkerSettings, sockets: Sockets, pass_fds: tuple[int, ...] = ()) -> Child:
     """Start a child here and connect to its command socket."""
     name = child_name(settings)
-    process = start_worker(settings)
+    process = start_worker(settings, pass_fds)
     return Child(name, process, PushChannel[Command](sockets.connect(zmq.PUSH, sockets.ends.command(name))))
 
 

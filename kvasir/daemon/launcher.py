@@ -16,6 +16,7 @@ import zmq
 
 from kvasir.config.plan import Plan
 from kvasir.daemon.children import Child, join_children
+from kvasir.daemon.fronts import FrontError, Fronts
 from kvasir.daemon.layout import Layout, LayoutError, lay_out
 from kvasir.daemon.notify import ServiceNotifier
 from kvasir.daemon.remote import Cluster, HostLink, RemoteProcess
@@ -99,11 +100,14 @@ class Launcher:
         )
         self.stages: list[Child] = []
         self.bridge: Child | None = None
+        sup = self.plan.supervise
+        self.fronts = Fronts(
+            self.plan.http, self.sockets, self.spawner.front, sup.heartbeat_timeout_s, sup.restart_window_s, self.log
+        )
         self.layout = Layout()  # edges and KV segments, made by prepare()
         self.exchange = HandleExchange({})  # CUDA IPC edges' handles, paired at each start
         self._lock_fd: int | None = None
         self._control: PullChannel | None = None
-        sup = self.plan.supervise
         self.policy = RestartPolicy(sup.max_restarts, sup.restart_window_s)
         self.heartbeats = Heartbeats(sup.heartbeat_timeout_s)
         self.ring: RingState = "up"
@@ -135,6 +139,10 @@ class Launcher:
         for path, size in sweep_stale_segments():
             self.log.warning("removed stale shared memory", file=str(path), bytes=size)
         self._control = PullChannel(self.sockets.bind(zmq.PULL, self.ends.control), ControlMessage, self.log)
+        try:
+            self.fronts.bind()
+        except FrontError as exc:
+            raise LaunchError(str(exc)) from None
         if self.cluster is not None:
             self.spawner.hosts = self.cluster.link(self.sockets, self.plan, self.log)
         try:
@@ -155,6 +163,8 @@ class Launcher:
         if self.bridge is None:
             [self.bridge] = self.spawner.start(self.layout, [("bridge", 0)])
             self._new_bridge = True
+        if self.state == "starting" and not self.fronts.running:
+            self.fronts.start()  # up while the stages load: /health answers 503 until the ring serves
 
     def wait_hosts(self) -> None:
         """A plan across hosts: wait (as long as for readiness) for every follower to join."""
@@ -169,11 +179,11 @@ class Launcher:
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.timeouts.ready_s
-        while not all(c.ready for c in self.children):
+        while not (all(c.ready for c in self.children) and self.fronts.ready):
             if time.monotonic() > deadline:
-                late = [c.name for c in self.children if not c.ready]
+                late = [c.name for c in [*self.children, *self.fronts.running.values()] if not c.ready]
                 raise LaunchError(f"not ready after {self.timeouts.ready_s:.0f} s: {', '.join(late)}")
-            failure = self._lost()
+            failure = self._lost() or self.fronts.exited()
             if failure is not None:
                 raise LaunchError(f"{failure} during start-up")
             self._pulse("during start-up")
@@ -214,6 +224,9 @@ class Launcher:
             if not isinstance(message, (Ready, Heartbeat, EdgeHandles)):
                 continue
             role = getattr(message, "role", "stage")  # EdgeHandles come from stages
+            if role == "front" and not isinstance(message, EdgeHandles):
+                self.fronts.note(message, now)
+                continue
             name = "bridge" if role == "bridge" else f"{role}-{message.index}"
             child = next((c for c in self.children if c.name == name and c.process.pid == message.pid), None)
             if child is None and isinstance(message, Ready):  # a follower's worker may say so before its follower
@@ -263,6 +276,7 @@ class Launcher:
                 self._failed(failure)
                 continue
             self.notifier.watchdog()
+            self.fronts.check(time.monotonic())
             if self.ring != "up" and self.state == "running":
                 self._restart_step()
             if self.state == "draining":
@@ -389,10 +403,7 @@ class Launcher:
             self._absent = absent
 
     def _dead(self) -> Child | None:
-        for child in self.children:
-            if child.process.poll() is not None:
-                return child
-        return None
+        return next((child for child in self.children if child.process.poll() is not None), None)
 
     def _kill(self, children: list[Child]) -> None:
         for child in children:
@@ -409,6 +420,7 @@ class Launcher:
         if bridge is not None and bridge.process.poll() is None:
             bridge.command.send(Command("stop", code))
             join_children(self.log, [bridge], self.timeouts.stop_s)
+        self.fronts.stop(self.timeouts.stop_s)  # after the bridge: its last events reach HTTP clients
         # stages before their expert shards: a stage may need its shards to finish a batch
         for group in ([c for c in self.stages if c.name.startswith("stage-")], self.stages):
             for child in group:
@@ -423,6 +435,7 @@ class Launcher:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
+        self.fronts.close()
         if self.hosts is not None:
             self.hosts.halt_all("the leader stops")
         self.layout.close()

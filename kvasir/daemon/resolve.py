@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvasir.config.http import default_model_name, read_api_keys
 from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_public
 from kvasir.config.plan import Plan, check_model_fit, load_plan
 from kvasir.errors import ModelSourceError, PlanError
@@ -21,7 +22,7 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
     try:
         source = resolve_source(plan.model.source, base_dir=base)
         check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
-        plan = resolve_cluster(resolve_keys(plan, base), base)
+        plan = resolve_http(resolve_cluster(resolve_keys(plan, base), base), base)
     except (PlanError, ModelSourceError) as exc:
         raise PlanError(f"{path}: {exc}") from None
     return plan, source
@@ -60,3 +61,17 @@ def resolve_cluster(plan: Plan, base: Path) -> Plan:
                 f"cluster.keys: host {name}: {exc} (make the pairs with `kvasir keys generate DIR --host {name}`)"
             ) from None
     return msgspec.structs.replace(plan, cluster=msgspec.structs.replace(plan.cluster, keys=str(folder)))
+
+
+def resolve_http(plan: Plan, base: Path) -> Plan:
+    """The plan with an absolute ``http.api_keys`` (once its keys read) and a
+    ``http.model_name`` (derived from model.source when the plan gives none)."""
+    http = plan.http
+    if http is None:
+        return plan
+    api_keys = http.api_keys
+    if api_keys is not None:
+        read_api_keys(base / api_keys)
+        api_keys = str(base / api_keys)
+    name = http.model_name or default_model_name(plan.model.source)
+    return msgspec.structs.replace(plan, http=msgspec.structs.replace(http, api_keys=api_keys, model_name=name))

@@ -64,6 +64,22 @@ class Spawner:
             fabric=self.cluster.fabric(self._host(role, index)) if self.cluster is not None else None,
         )
 
+    def front(self, index: int, listen_fd: int) -> WorkerSettings:
+        """An HTTP front's settings: it runs beside the launcher and reaches the bridge as a client."""
+        return WorkerSettings(
+            role="front",
+            index=index,
+            plan=self.plan,
+            runtime_dir=str(self.runtime_dir),
+            launcher_pid=os.getpid(),
+            edges=[],
+            stats_interval_s=self.stats_interval_s,
+            log_level=self.log_level,
+            model=self._model_facts(),
+            fabric=self.cluster.fabric(self.cluster.keys.host) if self.cluster is not None else None,
+            listen_fd=listen_fd,
+        )
+
     def _host(self, role: Role, index: int) -> str | None:
         """Where a child runs: the bridge on the leader, a stage or shard where the plan says."""
         if self.cluster is None:

@@ -29,6 +29,10 @@ def main() -> None:
         from kvasir.bridge.process import run_bridge
 
         run_bridge(encoded)
+    elif role == "front":
+        from kvasir.http.process import run_front
+
+        run_front(encoded)
     else:
         raise SystemExit(f"unknown worker role {role!r}")
 

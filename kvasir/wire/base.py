@@ -8,7 +8,7 @@ import msgspec
 
 # States and names that travel, as Literal types: msgspec refuses any other value while
 # decoding, so a receiver never compares against a string it does not know.
-Role = Literal["stage", "bridge", "shard"]  # a child process of the launcher
+Role = Literal["stage", "bridge", "shard", "front"]  # a child process of the launcher (front: HTTP)
 Side = Literal["producer", "consumer"]  # a stage's end of an edge
 FinishReason = Literal["stop", "length"]
 DaemonState = Literal["serving", "restarting", "draining"]

@@ -126,6 +126,29 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     )
     malformed: int = 0  # internal messages the bridge dropped because they did not decode
     hosts_missing: list[str] = []  # a plan across hosts: hosts with workers whose kvasird join is not there
+    metrics: RequestMetrics | None = None  # latency histograms and request counters
+
+
+class Histogram(msgspec.Struct, frozen=True, kw_only=True):
+    """Observations counted per bucket: ``counts[i]`` fell at or under ``bounds[i]`` and
+    over the bound before; the last count is over every bound (+Inf)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]  # len(bounds) + 1, not cumulative
+    sum: float
+
+
+class RequestMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """Every request since the daemon started, whichever door it came in by (the HTTP
+    front's /metrics reads these; vLLM's names for the same things)."""
+
+    time_to_first_token_s: Histogram  # submission to the first token
+    inter_token_latency_s: Histogram  # between consecutive tokens of a request, as clients see them
+    e2e_request_latency_s: Histogram  # submission to the last token
+    request_queue_time_s: Histogram  # submission to the request's first batch
+    prompt_tokens: int  # of accepted requests
+    generation_tokens: int  # streamed to clients
+    ended: dict[str, int]  # requests ended, by reason: "stop", "length", "abort" (cancelled), "error"
 
 
 class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +157,7 @@ class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):
     p50_s: float  # hand-off time (first token sampled -> decode holds the KV), over the most recent hand-offs
     p99_s: float
     gibps: float  # effective copy bandwidth over the most recent hand-offs: their bytes / their copy time
+    seconds: float = 0.0  # hand-off time since start, all hand-offs together
 
 
 class StatsReply(_Client, frozen=True, tag="stats"):

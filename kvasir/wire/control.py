@@ -163,11 +163,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     pool: Pool = ""  # a pool's stage: plan is then that pool's view
     first: int = 0  # global index of the pool's first stage (index is global)
     handoff: HandoffWiring | None = None
-    model: ModelFacts | None = None  # the bridge's (stages read the model themselves)
+    model: ModelFacts | None = None  # the bridge's and the HTTP fronts' (stages read the model themselves)
     shards: list[ShardWiring] = []  # a stage's expert shards; a shard's own wiring (one)
     stats_interval_s: float = 0.5
     log_level: str = "info"
     fabric: FabricSettings | None = None  # a plan across hosts: TCP with CURVE, not ipc files
+    listen_fd: int | None = None  # an HTTP front: the launcher's listening socket, inherited
 
 
 class Ready(Tagged, frozen=True):

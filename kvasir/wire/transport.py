@@ -92,6 +92,8 @@ class Endpoints:
         return self._internal("hosts")
 
     def command(self, name: str) -> str:  # child PULL: commands from the launcher
+        if name.startswith("front-"):  # an HTTP front runs beside the launcher, on every plan
+            return self._ipc(f"command-{name}.sock")
         return self._internal(f"command-{name}")
 
     def socket_files(self) -> list[Path]:

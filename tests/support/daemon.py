@@ -59,9 +59,20 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         )
         + ("tcp_allow_local_unauthenticated = true\n" if kw.get("tcp_allow_local_unauthenticated") else "")
         + "".join(f'{key} = "{kw[key]}"\n' for key in ("tcp", "server_key", "client_keys") if key in kw)
-        + f"[supervise]\n{supervise}{stages}"
+        + f"[supervise]\n{supervise}"
+        + _http_table(kw.get("http"))
+        + stages
     )
     return path
+
+
+def _http_table(http: dict | None) -> str:
+    """``[http]`` from http = {"listen": "127.0.0.1:PORT", ...} (None: no HTTP front)."""
+    if http is None:
+        return ""
+    return "[http]\n" + "".join(
+        f"{key} = {value!r}\n" if isinstance(value, str) else f"{key} = {value}\n" for key, value in http.items()
+    )
 
 
 def _stage_keys(kw, i: int, pool: str = "") -> str:

@@ -1,0 +1,181 @@
+"""The HTTP routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/health`` and ``/metrics`` (aiohttp). Every error is an OpenAI-shaped body; a stream
+that fails after it started ends with an error event, then ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import msgspec
+from aiohttp import web
+
+from kvasir.http.errors import ApiError, from_validation
+from kvasir.http.gateway import Gateway
+from kvasir.http.generation import Generation
+from kvasir.http.metrics import CONTENT_TYPE, render
+from kvasir.http.prompts import Prompts
+from kvasir.http.requests import Planned, Served, plan_chat, plan_completion
+from kvasir.http.schema import ChatRequest, CompletionRequest, FinishReason, ModelCard, ModelList
+from kvasir.http.shapes import ChatShape, CompletionShape, Out, Shape, usage
+
+MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids fits many times over)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class Api:
+    def __init__(self, gateway: Gateway, prompts: Prompts, served: Served, keys: frozenset[str] | None, log) -> None:
+        self.gateway = gateway
+        self.prompts = prompts
+        self.served = served
+        self.keys = frozenset(map(_digest, keys)) if keys is not None else None  # compared as digests
+        self.log = log
+        self.started = int(time.time())
+        self.completion_decoder = msgspec.json.Decoder(CompletionRequest)
+        self.chat_decoder = msgspec.json.Decoder(ChatRequest)
+
+    def app(self) -> web.Application:
+        @web.middleware
+        async def errors(request: web.Request, handler) -> web.StreamResponse:
+            return await self._errors(request, handler)
+
+        @web.middleware
+        async def auth(request: web.Request, handler) -> web.StreamResponse:
+            return await self._auth(request, handler)
+
+        app = web.Application(middlewares=[errors, auth], client_max_size=MAX_BODY)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # -- middleware -------------------------------------------------------------------------
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _error_response(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = HTTP_CODES.get(exc.status, "invalid_request")
+            return _error_response(ApiError(code, f"{request.method} {request.path}: {exc.reason}"))
+
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        """Bearer keys guard /v1/ (``http.api_keys``); /health and /metrics stay open, as in vLLM."""
+        if self.keys is not None and request.path.startswith("/v1/"):
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or _digest(key.strip()) not in self.keys:
+                raise ApiError("invalid_api_key", "missing or wrong API key (Authorization: Bearer KEY)")
+        return await handler(request)
+
+    # -- routes -----------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        card = ModelCard(self.served.model_name, self.started, self.served.max_seq_len)
+        return _json(msgspec.json.encode(ModelList([card])))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await self._decode(request, self.completion_decoder)
+        planned = plan_completion(req, self.prompts, self.served)
+        echoes = None
+        if req.echo:
+            texts = [p.text if p.text is not None else self.prompts.decode(p.ids) for p in planned.prompts]
+            echoes = [texts[s.index // req.n] for s in planned.submissions]
+        shape = CompletionShape(self.served.model_name, echoes)
+        include = req.stream_options is not None and req.stream_options.include_usage
+        return await self._serve(request, planned, shape, req.stream, include, req.return_token_ids)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = await self._decode(request, self.chat_decoder)
+        planned = plan_chat(req, self.prompts, self.served)
+        include = req.stream_options is not None and req.stream_options.include_usage
+        shape = ChatShape(self.served.model_name)
+        return await self._serve(request, planned, shape, req.stream, include, req.return_token_ids)
+
+    async def health(self, request: web.Request) -> web.Response:
+        state = self.gateway.health()
+        if state == "serving":
+            return _json(b'{"status":"serving"}')
+        return _json(msgspec.json.encode({"status": state}), 503, {"Retry-After": "5"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        stats = await self.gateway.stats()
+        return web.Response(body=render(stats, self.served.model_name), headers={"Content-Type": CONTENT_TYPE})
+
+    # -- generating -------------------------------------------------------------------------
+    async def _decode(self, request: web.Request, decoder):
+        body = await request.read()
+        try:
+            return decoder.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise from_validation(exc) from None
+
+    async def _serve(
+        self, request: web.Request, planned: Planned, shape: Shape, stream: bool, include_usage: bool, ids: bool
+    ) -> web.StreamResponse:
+        generation = await Generation.start(self.gateway.client(), planned.submissions, planned.stops)
+        try:
+            if stream:
+                return await self._stream(request, generation, shape, planned, include_usage)
+            return await self._whole(generation, shape, planned, ids)
+        finally:
+            await generation.close()  # whatever still runs (the client went away): cancelled
+
+    async def _whole(self, generation: Generation, shape: Shape, planned: Planned, ids: bool) -> web.Response:
+        count = len(planned.submissions)
+        texts: list[list[str]] = [[] for _ in range(count)]
+        finishes: list[FinishReason] = [None] * count
+        async for piece in generation.pieces():
+            if piece.error is not None:
+                raise piece.error
+            texts[piece.index].append(piece.text)
+            if piece.finish is not None:
+                finishes[piece.index] = piece.finish
+        outs = [
+            Out("".join(texts[k]), finishes[k], choice.ids if ids else None)
+            for k, choice in enumerate(generation.choices)
+        ]
+        return _json(shape.whole(outs, usage(planned.prompt_tokens, generation.completion_tokens)))
+
+    async def _stream(
+        self, request: web.Request, generation: Generation, shape: Shape, planned: Planned, include_usage: bool
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        for index in range(len(planned.submissions)):
+            opening = shape.opening(index)
+            if opening is not None:
+                await response.write(_event(opening))
+        failed = False
+        async for piece in generation.pieces():
+            if piece.error is not None:
+                await response.write(_event(piece.error.body()))
+                failed = True
+                break
+            if piece.text or piece.finish is not None:
+                await response.write(_event(shape.chunk(piece)))
+        if include_usage and not failed:
+            await response.write(_event(shape.usage_chunk(usage(planned.prompt_tokens, generation.completion_tokens))))
+        await response.write(DONE)
+        await response.write_eof()
+        return response
+
+
+def _event(body: bytes) -> bytes:
+    return b"data: " + body + b"\n\n"
+
+
+def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+
+
+def _error_response(exc: ApiError) -> web.Response:
+    return _json(exc.body(), exc.status, exc.headers)

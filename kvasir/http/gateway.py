@@ -1,0 +1,79 @@
+"""The front's connection to the bridge: one ``AsyncClient`` (pipelined submission, the
+same as any ZeroMQ client), made once the bridge's socket is there, and the daemon's
+state as the bridge last reported it (``/health``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Literal
+
+from kvasir.client import AsyncClient, NoDaemon
+from kvasir.errors import KvasirError
+from kvasir.http.errors import ApiError
+from kvasir.wire.client import DaemonStats
+
+POLL_S = 0.5  # how often the daemon's state is asked for
+STALE_S = 3.0  # a state older than this is not trusted: /health says "unavailable"
+RETRY_S = 0.2  # between attempts to reach a bridge that is not there yet
+Health = Literal["serving", "starting", "restarting", "draining", "unavailable"]
+
+
+class Gateway:
+    def __init__(self, runtime_dir: Path, log) -> None:
+        self.runtime_dir = runtime_dir
+        self.log = log
+        self._client: AsyncClient | None = None
+        self._stats: DaemonStats | None = None
+        self._seen = 0.0
+
+    async def run(self) -> None:
+        """Connect (again, after the connection failed) and keep the daemon's state fresh."""
+        while True:
+            if self._client is None:
+                try:
+                    self._client = await AsyncClient.connect(self.runtime_dir, timeout_s=2.0)
+                    self.log.info("connected to the bridge")
+                except KvasirError:
+                    await asyncio.sleep(RETRY_S)
+                    continue
+            await self._poll()
+            await asyncio.sleep(POLL_S)
+
+    async def _poll(self) -> None:
+        client = self._client
+        if client is None:
+            return
+        try:
+            self._stats, self._seen = await client.stats(timeout_s=2.0), time.monotonic()
+        except NoDaemon:
+            self._stats = None  # no answer this time: unavailable, the connection itself stands
+        except KvasirError as exc:
+            self.log.warning("the connection to the bridge failed; connecting again", error=str(exc))
+            self._client, self._stats = None, None
+            await client.close()
+
+    def client(self) -> AsyncClient:
+        if self._client is None:
+            raise ApiError("starting", "the daemon is starting: retry in a few seconds")
+        return self._client
+
+    def health(self) -> Health:
+        if self._client is None:
+            return "starting"
+        if self._stats is None or time.monotonic() - self._seen > STALE_S:
+            return "unavailable"
+        return self._stats.state
+
+    async def stats(self) -> DaemonStats:
+        client = self.client()
+        try:
+            return await client.stats(timeout_s=5.0)
+        except KvasirError as exc:
+            raise ApiError("unavailable", f"the daemon did not answer: {exc}") from None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None

@@ -1,0 +1,177 @@
+"""One HTTP request's generations: its prompts times ``n`` submitted to the bridge, their
+events merged into ``Piece``s in arrival order, ``stop`` strings cut out of the text.
+
+A request is answered (or its stream started) only once the bridge accepted every one of
+its submissions: a refusal is then one HTTP error, and nothing of it keeps running. Every
+submission still running when the generation closes (the client went away, or another
+choice failed) is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvasir.client import AsyncClient, RequestStream
+from kvasir.errors import KvasirError
+from kvasir.http.errors import ApiError
+from kvasir.http.schema import FinishReason
+from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, TokenOut
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One choice to generate: the prompt's ids and the client's ``submit`` keywords."""
+
+    index: int  # the choice's index in the response
+    prompt: list[int]
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text for one choice; with ``finish`` its last; with ``error`` it failed."""
+
+    index: int
+    text: str
+    finish: FinishReason = None
+    error: ApiError | None = None
+
+
+class StopText:
+    """Finds stop strings in streamed text. Text that could be the start of a stop string
+    is held back until the next delta shows it is not (it is never sent, then retracted)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [stop for stop in stops if stop]
+        self.hold = max((len(stop) for stop in self.stops), default=1) - 1
+        self.pending = ""
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """The text that can go out now, and whether a stop string ended the choice."""
+        if not self.stops:
+            return delta, False
+        self.pending += delta
+        found = [at for at in (self.pending.find(stop) for stop in self.stops) if at >= 0]
+        if found:
+            out, self.pending = self.pending[: min(found)], ""
+            return out, True
+        keep = len(self.pending) - self.hold
+        if keep <= 0:
+            return "", False
+        out, self.pending = self.pending[:keep], self.pending[keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Choice:
+    submission: Submission
+    stream: RequestStream
+    events: AsyncIterator
+    stops: StopText
+    ids: list[int] = field(default_factory=list)  # output token ids so far
+    ended: bool = False
+
+
+@dataclass
+class Generation:
+    client: AsyncClient
+    choices: list[Choice] = field(default_factory=list)
+
+    @classmethod
+    async def start(cls, client: AsyncClient, submissions: list[Submission], stops: list[str]) -> Generation:
+        """Submit every choice and wait until the bridge accepted them all (ApiError, with
+        the accepted ones cancelled, when it refused one)."""
+        generation = cls(client)
+        try:
+            for sub in submissions:
+                stream = await client.submit(token_ids=sub.prompt, **sub.options)
+                generation.choices.append(Choice(sub, stream, aiter(stream), StopText(stops)))
+            for choice in generation.choices:
+                first = await anext(choice.events)
+                if isinstance(first, ErrorEvent):
+                    choice.ended = True
+                    raise ApiError(first.code, first.message)
+                if not isinstance(first, Accepted):
+                    raise ApiError("stage_failed", f"the daemon answered a submission with {type(first).__name__}")
+        except BaseException:
+            await generation.close()
+            raise
+        return generation
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(choice.ids) for choice in self.choices)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Every choice's pieces as they come, until each has its last (or failed)."""
+        queue: asyncio.Queue[Piece] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(choice, queue)) for choice in self.choices]
+        try:
+            left = len(self.choices)
+            while left:
+                piece = await queue.get()
+                left -= piece.finish is not None or piece.error is not None
+                yield piece
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel every submission still running."""
+        for choice in self.choices:
+            if not choice.ended:
+                await self.close_one(choice)
+
+    async def _pump(self, choice: Choice, queue: asyncio.Queue[Piece]) -> None:
+        index = choice.submission.index
+        try:
+            async for event in choice.events:
+                piece = await self._piece(choice, event)
+                if piece is not None:
+                    queue.put_nowait(piece)
+                if choice.ended:
+                    return
+        except KvasirError as exc:  # the connection to the bridge failed
+            queue.put_nowait(Piece(index, "", error=ApiError("stage_failed", str(exc))))
+            return
+        choice.ended = True
+        queue.put_nowait(Piece(index, "", error=ApiError("stage_failed", "the request's events ended early")))
+
+    async def _piece(self, choice: Choice, event) -> Piece | None:
+        index = choice.submission.index
+        match event:
+            case TokenOut(token_id=token, text=text):
+                choice.ids.append(token)
+                out, stopped = choice.stops.push(text)
+                if stopped:
+                    await self.close_one(choice)
+                    return Piece(index, out, "stop")
+                return Piece(index, out) if out else None
+            case Finished(reason=reason):
+                choice.ended = True
+                return Piece(index, choice.stops.flush(), reason)
+            case ErrorEvent(code=code, message=message):
+                choice.ended = True
+                return Piece(index, "", error=ApiError(code, message))
+            case Cancelled():
+                choice.ended = True
+                return Piece(index, "", error=ApiError("stage_failed", "the daemon cancelled the request"))
+        return None
+
+    async def close_one(self, choice: Choice) -> None:
+        """A choice ended here (a stop string): cancel its request in the daemon."""
+        rid = choice.stream.request_id
+        choice.ended = True
+        if rid is not None:
+            try:
+                await self.client.cancel(rid)
+            except KvasirError:
+                pass  # the bridge is gone: nothing of the request runs any more

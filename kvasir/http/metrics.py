@@ -1,0 +1,136 @@
+"""``/metrics``: the daemon's statistics (one stats query to the bridge) as Prometheus
+series, through prometheus_client's own exposition. Names follow vLLM's where the
+meaning is the same, under ``kvasir:``; every series carries ``model_name``.
+
+The values come from the bridge, not from this front process, so every front worker
+(``http.workers``) answers the same numbers and requests through the ZeroMQ door count too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import accumulate
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from kvasir.wire.bridge import ShardStats, StageStats
+from kvasir.wire.client import DaemonStats, Histogram
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+WORKER = ["model_name", "role", "stage", "pool", "shard", "host"]
+HISTOGRAMS = (
+    ("time_to_first_token_seconds", "time_to_first_token_s", "Time from submission to the first token."),
+    ("inter_token_latency_seconds", "inter_token_latency_s", "Time between consecutive output tokens of a request."),
+    ("e2e_request_latency_seconds", "e2e_request_latency_s", "Time from submission to the last token."),
+    ("request_queue_time_seconds", "request_queue_time_s", "Time from submission to the request's first batch."),
+)
+WORKER_TIMES = (
+    ("busy", "Seconds the worker held a batch (docs/architecture.md, busy, starved, blocked)."),
+    ("starved", "Seconds the worker could have run but had nothing to run."),
+    ("blocked", "Seconds a finished batch waited for a free slot downstream."),
+)
+
+
+def render(stats: DaemonStats, model_name: str) -> bytes:
+    """The exposition text of one stats snapshot."""
+    return generate_latest(_Snapshot(stats, model_name))  # type: ignore[arg-type]
+
+
+class _Snapshot:
+    """What generate_latest reads: an object whose ``collect`` yields metric families."""
+
+    def __init__(self, stats: DaemonStats, model_name: str) -> None:
+        self.stats = stats
+        self.model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._requests()
+        yield from self._workers()
+        yield from self._daemon()
+
+    def _requests(self) -> Iterator[Metric]:
+        stats, model = self.stats, [self.model]
+        metrics = stats.metrics
+        waiting = sum(stage.waiting for stage in stats.stages)
+        yield _gauge(
+            "num_requests_running",
+            "Requests in the daemon not waiting for admission.",
+            model,
+            max(0, stats.in_flight - waiting),
+        )
+        yield _gauge("num_requests_waiting", "Requests queued at a head for admission.", model, waiting)
+        if metrics is None:
+            return
+        for name, field, doc in HISTOGRAMS:
+            yield _histogram(name, doc, model, getattr(metrics, field))
+        yield _counter("prompt_tokens", "Prompt tokens of accepted requests.", model, metrics.prompt_tokens)
+        yield _counter("generation_tokens", "Output tokens streamed to clients.", model, metrics.generation_tokens)
+        ended = CounterMetricFamily(
+            "kvasir:request_success",
+            "Requests ended, by finish reason (abort: cancelled).",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in metrics.ended.items():
+            ended.add_metric([self.model, reason], count)
+        yield ended
+
+    def _workers(self) -> Iterator[Metric]:
+        stats = self.stats
+        rows: list[tuple[list[str], StageStats | ShardStats]]
+        rows = [(["stage", str(s.index), s.pool, "", s.host], s) for s in stats.stages]
+        rows += [(["shard", str(s.stage), s.pool, str(s.number), s.host], s) for s in stats.shards]
+        for kind, doc in WORKER_TIMES:
+            family = CounterMetricFamily(f"kvasir:worker_{kind}_seconds", doc, labels=WORKER)
+            for labels, worker in rows:
+                family.add_metric([self.model, *labels], getattr(worker, f"{kind}_s"))
+            yield family
+        blocks = GaugeMetricFamily(
+            "kvasir:kv_blocks_in_use", "KV blocks held by running requests, per stage.", labels=WORKER
+        )
+        for s in stats.stages:
+            blocks.add_metric([self.model, "stage", str(s.index), s.pool, "", s.host], s.kv_blocks)
+        yield blocks
+
+    def _daemon(self) -> Iterator[Metric]:
+        stats, model = self.stats, [self.model]
+        handoff = stats.handoff
+        yield _counter(
+            "handoffs", "KV hand-offs from the prefill pool to the decode pool.", model, handoff.count if handoff else 0
+        )
+        yield _counter(
+            "handoff_bytes",
+            "KV bytes handed from the prefill pool to the decode pool.",
+            model,
+            handoff.kv_bytes if handoff else 0,
+        )
+        yield _counter(
+            "handoff_seconds", "Seconds of KV hand-offs, all together.", model, handoff.seconds if handoff else 0.0
+        )
+        yield _counter("restarts", "Ring restarts after a failed worker.", model, stats.restarts)
+        yield _gauge(
+            "serving",
+            "1 while the daemon takes requests, 0 while it restarts or drains.",
+            model,
+            int(stats.state == "serving"),
+        )
+
+
+def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"kvasir:{name}", doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"kvasir:{name}", doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+def _histogram(name: str, doc: str, labels: list[str], histogram: Histogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(f"kvasir:{name}", doc, labels=["model_name"])
+    cumulative = list(accumulate(histogram.counts))
+    edges = [repr(float(bound)) for bound in histogram.bounds] + ["+Inf"]
+    family.add_metric(labels, list(zip(edges, cumulative)), histogram.sum)
+    return family

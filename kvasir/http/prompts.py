@@ -1,0 +1,92 @@
+"""Prompts of HTTP requests as token ids: the four forms of a completions ``prompt`` and a
+chat's ``messages`` through the model's template. The front tokenizes (the bridge then
+only checks the ids), exactly as the bridge tokenizes a text or chat submission
+(kvasir/bridge/detokenizer.py), so either door gives the model the same tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvasir.bridge.detokenizer import encode_chat, encode_text
+from kvasir.errors import RequestError
+from kvasir.http.errors import ApiError, invalid
+from kvasir.http.schema import MAX_PROMPTS, ChatMessage, PromptForm
+from kvasir.wire.validation import check_prompt_text
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str | None  # as given, when it was text (echo returns it unchanged)
+
+
+class Prompts:
+    """The model's tokenizer (None: token ids only) and the length it must fit."""
+
+    def __init__(self, tokenizer, max_seq_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+
+    def completion(self, prompt: PromptForm) -> list[Prompt]:
+        """A string, a list of strings, a list of ids or a list of id lists."""
+        if isinstance(prompt, str):
+            return [self._text(prompt)]
+        if not prompt:
+            raise invalid("prompt is empty", "prompt")
+        if all(isinstance(item, int) for item in prompt):
+            return [Prompt([int(item) for item in prompt], None)]  # type: ignore[arg-type]
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", "prompt")
+        if all(isinstance(item, str) for item in prompt):
+            return [self._text(item) for item in prompt]  # type: ignore[arg-type]
+        if all(isinstance(item, list) for item in prompt):
+            return [Prompt(list(item), None) for item in prompt]  # type: ignore[arg-type]
+        raise invalid(
+            "prompt must be a string, a list of strings, a list of token ids or a list of such lists", "prompt"
+        )
+
+    def chat(self, messages: list[ChatMessage]) -> Prompt:
+        if not messages:
+            raise invalid("messages is empty: give at least one message", "messages")
+        plain = [self._message(k, message) for k, message in enumerate(messages)]
+        self._check("".join(m["content"] for m in plain), "messages")
+        return Prompt(self._encode(lambda: encode_chat(self._need(), plain)), None)
+
+    def decode(self, ids: list[int]) -> str:
+        """A prompt's text (echo of a prompt given as ids)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def _text(self, text: str) -> Prompt:
+        self._check(text, "prompt")
+        return Prompt(self._encode(lambda: encode_text(self._need(), text)), text)
+
+    def _check(self, text: str, param: str) -> None:
+        try:
+            check_prompt_text(text, self.max_seq_len)
+        except RequestError as exc:
+            raise ApiError(exc.code, exc.message, param) from None
+
+    def _need(self):
+        if self.tokenizer is None:
+            raise RequestError("invalid_request", "this model has no tokenizer: give the prompt as token ids")
+        return self.tokenizer
+
+    @staticmethod
+    def _encode(encode) -> list[int]:
+        try:
+            return encode()
+        except RequestError as exc:
+            raise ApiError(exc.code, exc.message) from None
+
+    @staticmethod
+    def _message(k: int, message: ChatMessage) -> dict[str, str]:
+        if message.role not in ROLES:
+            raise invalid(f"messages[{k}].role = {message.role!r} is not one of {', '.join(ROLES)}", "messages")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise invalid(f"messages[{k}].content: only text parts are served by this model", "messages")
+            content = "".join(part.text for part in content)
+        return {"role": message.role, "content": content or ""}

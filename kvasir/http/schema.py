@@ -1,0 +1,181 @@
+"""The OpenAI request and response bodies the HTTP front speaks, as msgspec Structs.
+
+Requests ignore fields they do not know (as other OpenAI-compatible servers do) and
+refuse wrong types with a message naming the field; responses and stream chunks are
+encoded straight from Structs (one encode per token on the streaming path).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from kvasir.wire.base import MAX_STOP_TOKEN_IDS
+from kvasir.wire.client import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # one stop string
+MAX_CHOICES = 16  # n
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_MESSAGES = 4096
+
+TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+# one text, or a list of: texts, token ids (one prompt), token-id lists (msgspec allows one
+# list type in a union: kvasir/http/prompts.py tells the list forms apart)
+PromptForm = Text | Annotated[list[Text | int | TokenIds], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+StopForm = (
+    Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]
+    | Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]], msgspec.Meta(max_length=MAX_STOP_STRINGS)
+    ]
+    | None
+)
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: StopForm = None
+    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: each choice's output token ids (whole responses)
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling, frozen=True, kw_only=True):
+    prompt: PromptForm
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class TextPart(msgspec.Struct, frozen=True):
+    type: str = "text"
+    text: str = ""
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: Text | Annotated[list[TextPart], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling, frozen=True, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# -- responses ------------------------------------------------------------------------------
+class UsageBody(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length"] | None
+
+
+class CompletionChoice(msgspec.Struct, frozen=True, omit_defaults=True):
+    index: int
+    text: str
+    logprobs: Any
+    finish_reason: FinishReason
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's extension)
+
+
+class Completion(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: UsageBody | None = None
+
+
+class AssistantMessage(msgspec.Struct, frozen=True):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct, frozen=True, omit_defaults=True):
+    index: int
+    message: AssistantMessage
+    logprobs: Any
+    finish_reason: FinishReason
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's extension)
+
+
+class ChatCompletion(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+    object: str = "chat.completion"
+
+
+class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, frozen=True):
+    index: int
+    delta: Delta
+    logprobs: Any
+    finish_reason: FinishReason
+
+
+class ChatChunk(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: UsageBody | None = None
+
+
+class ModelCard(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "kvasir"
+
+
+class ModelList(msgspec.Struct, frozen=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorDetail(msgspec.Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    error: ErrorDetail

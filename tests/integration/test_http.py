@@ -1,0 +1,271 @@
+"""The HTTP front, driven by clients nobody here wrote: the official ``openai`` package,
+``curl -N`` for raw server-sent events, and prometheus_client's parser for /metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import time
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvasir.wire.client import Finished
+from tests.support.daemon import Daemon, free_port, stage_count, write_plan
+
+KEY = "sk-kvasir-test-key"
+SPLITS = [(0, 3), (3, 6)]
+
+
+@pytest.fixture(scope="module")
+def http_daemon(tiny_models, tmp_path_factory):
+    """The Llama with a tokenizer behind two front processes and a bearer key."""
+    root = tmp_path_factory.mktemp("http")
+    (root / "keys").write_text(f"# the test's key\n{KEY}\n")
+    port = free_port()
+    http = {"listen": f"127.0.0.1:{port}", "api_keys": "keys", "workers": 2, "model_name": "tiny-llama"}
+    plan = write_plan(root / "plan.toml", tiny_models["llama-tokenizer"], SPLITS, max_tokens=64, http=http)
+    daemon = Daemon(plan, root / "rt", stage_count(SPLITS))
+    daemon.port = port  # type: ignore[attr-defined]
+    try:
+        yield daemon.wait_ready()
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-5_000:]
+
+
+def sdk(daemon, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_greedy_output_through_http_equals_the_zeromq_clients(http_daemon):
+    client = sdk(http_daemon)
+    with http_daemon.client() as zmq_client:
+        for prompt in ([5, 17, 42, 99, 3], "hello ring"):
+            kw = {"token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
+            ours = zmq_client.generate(**kw, max_tokens=12, temperature=0, ignore_eos=True)
+            http = client.completions.create(
+                model="tiny-llama",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            choice = http.choices[0]
+            assert choice.token_ids == ours.token_ids  # type: ignore[attr-defined]
+            assert choice.finish_reason == "length" and http.usage.completion_tokens == 12
+            assert http.usage.prompt_tokens == ours.usage.prompt_tokens
+        chat = client.chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "hello ring"}],
+            max_tokens=10,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        ours = zmq_client.generate("hello ring", chat=True, max_tokens=10, temperature=0, ignore_eos=True)
+        assert chat.choices[0].token_ids == ours.token_ids  # type: ignore[attr-defined]
+        assert chat.usage.prompt_tokens == ours.usage.prompt_tokens and chat.choices[0].message.role == "assistant"
+
+
+def test_streams_through_the_sdk_match_the_whole_answers(http_daemon):
+    client = sdk(http_daemon)
+    args = dict(model="tiny-llama", max_tokens=9, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **args)
+    chunks = list(
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True}, **args
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    args["temperature"] = 1.0
+    plain = client.completions.create(prompt="hello", n=2, seed=7, **args)
+    streamed = client.completions.create(prompt="hello", n=2, seed=7, stream=True, **args)
+    texts = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in sorted(plain.choices, key=lambda c: c.index)]
+    assert plain.usage.completion_tokens == 18
+
+
+def test_stop_strings_echo_and_prompt_forms(http_daemon):
+    client = sdk(http_daemon)
+    args = dict(model="tiny-llama", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(prompt="hello", **args).choices[0].text
+    stop = full[3:5]
+    assert stop, full
+    cut = client.completions.create(prompt="hello", stop=[stop], **args).choices[0]
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
+    echoed = client.completions.create(prompt="hello", echo=True, **args).choices[0].text
+    assert echoed == "hello" + full
+    many = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **args)
+    assert sorted(c.index for c in many.choices) == [0, 1] and many.usage.prompt_tokens == 5
+
+
+def test_errors_surface_as_the_sdks_exceptions(http_daemon):
+    with pytest.raises(openai.AuthenticationError):
+        sdk(http_daemon, key="wrong").models.list()
+    client = sdk(http_daemon)
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny-llama", prompt=[5, 99999], max_tokens=2)
+    assert bad.value.body["code"] == "invalid_request" and "99999" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="tiny-llama", prompt=[5] * 300, max_tokens=2)
+    assert long.value.body["code"] == "too_long"
+    with pytest.raises(openai.BadRequestError) as typed:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"top_k": "many"})
+    assert typed.value.body["param"] == "top_k"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="x", max_tokens=2)
+
+
+def curl(daemon, path: str, body: dict | None = None, *extra: str) -> subprocess.CompletedProcess:
+    args = ["curl", "-sS", "-N", "-H", f"Authorization: Bearer {KEY}", *extra]
+    if body is not None:
+        args += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
+    return subprocess.run([*args, f"http://127.0.0.1:{daemon.port}{path}"], capture_output=True, text=True, timeout=60)
+
+
+def test_curl_sees_server_sent_events(http_daemon):
+    body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    out = curl(http_daemon, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert out.returncode == 0, out.stderr
+    events = [block for block in out.stdout.split("\n\n") if block]
+    assert all(block.startswith("data: ") for block in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(block.removeprefix("data: ")) for block in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == "tiny-llama" for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    health = curl(http_daemon, "/health", None, "-i")
+    assert health.stdout.startswith("HTTP/1.1 200") and '"serving"' in health.stdout
+    unauthorised = subprocess.run(
+        ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"http://127.0.0.1:{http_daemon.port}/v1/models"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unauthorised.stdout == "401"
+
+
+def metrics(daemon) -> dict:
+    out = curl(daemon, "/metrics")
+    assert out.returncode == 0, out.stderr
+    return {family.name: family for family in text_string_to_metric_families(out.stdout)}
+
+
+def value(family, suffix: str = "", **labels) -> float:
+    return sum(
+        s.value
+        for s in family.samples
+        if s.name.endswith(suffix) and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_metrics_parse_with_prometheus_client(http_daemon):
+    before = metrics(http_daemon)
+    client = sdk(http_daemon)
+    client.completions.create(
+        model="tiny-llama", prompt=[5, 6, 7], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = metrics(http_daemon)
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
+        assert after[f"kvasir:{name}"].type == "histogram"
+    gained = value(after["kvasir:generation_tokens"], "_total") - value(before["kvasir:generation_tokens"], "_total")
+    assert gained >= 5
+    assert value(after["kvasir:request_success"], "_total", finished_reason="length") >= 1
+    assert value(after["kvasir:e2e_request_latency_seconds"], "_count") >= 1
+    busy = after["kvasir:worker_busy_seconds"]
+    assert {s.labels["stage"] for s in busy.samples} == {"0", "1"} and value(busy, "_total") > 0
+    assert after["kvasir:kv_blocks_in_use"].type == "gauge"
+    for family in after.values():
+        if family.name.startswith("kvasir:"):
+            assert all(s.labels.get("model_name") == "tiny-llama" for s in family.samples), family.name
+
+
+def test_a_client_that_goes_away_has_its_request_cancelled(http_daemon):
+    before = value(metrics(http_daemon)["kvasir:request_success"], "_total", finished_reason="abort")
+    body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True})
+    with socket.create_connection(("127.0.0.1", http_daemon.port), timeout=30) as conn:
+        conn.sendall(
+            (
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with http_daemon.client() as client:
+            if client.stats().in_flight == 0:
+                break
+        time.sleep(0.1)
+    aborted = value(metrics(http_daemon)["kvasir:request_success"], "_total", finished_reason="abort")
+    assert aborted == before + 1
+
+
+def front_pids(daemon) -> list[int]:
+    return [int(pid) for pid in re.findall(r"http front ready .*pid=(\d+)", daemon.log())]
+
+
+def test_a_failed_front_is_restarted_alone_and_health_follows_the_daemon(tiny_models, start_daemon):
+    port = free_port()
+    daemon = start_daemon(
+        tiny_models["llama-tokenizer"], SPLITS, http={"listen": f"127.0.0.1:{port}"}, max_seq_len=512
+    ).wait_ready()
+    daemon.port = port
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    [first] = front_pids(daemon)
+    with daemon.client() as zmq_client:
+        running = zmq_client.submit(token_ids=[5, 6], max_tokens=400, temperature=0, ignore_eos=True)
+        subprocess.run(["kill", "-9", str(first)], check=True)
+        final = list(zmq_client.events(running))[-1]  # the ZeroMQ client's request goes on
+    assert isinstance(final, Finished) and len(final.token_ids) == 400
+    deadline = time.monotonic() + 60
+    while len(front_pids(daemon)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "http front failed; restarting it alone" in daemon.log()
+    answer = None
+    while answer is None and time.monotonic() < deadline:
+        try:
+            answer = client.completions.create(model="llama-tokenizer", prompt=[5], max_tokens=3)
+        except (openai.APIConnectionError, openai.InternalServerError):
+            time.sleep(0.2)
+    assert answer is not None and answer.usage.completion_tokens <= 3
+    with daemon.client() as zmq_client:
+        assert zmq_client.stats().restarts == 0  # the ring never noticed
+    stream = client.completions.create(
+        model="llama-tokenizer", prompt=[5], max_tokens=500, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    daemon.process.terminate()  # drains: the running stream ends, /health says so meanwhile
+    health = curl_health(port)
+    deadline = time.monotonic() + 10
+    while health[0] == "200" and time.monotonic() < deadline:  # the front asks for the state twice a second
+        health = curl_health(port)
+    assert health[0] == "503" and "draining" in health[1]
+    finishes = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert finishes[-1] == "length"
+    assert daemon.stop() == 0
+
+
+def curl_health(port: int) -> tuple[str, str]:
+    out = subprocess.run(
+        ["curl", "-s", "-w", "\n%{http_code}", f"http://127.0.0.1:{port}/health"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    body, _, code = out.stdout.rpartition("\n")
+    return code, body

@@ -1,0 +1,59 @@
+"""The plan's [http] section: what it refuses, and what resolving the plan fills in."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvasir.config.http import default_model_name, parse_listen, read_api_keys
+from kvasir.config.plan import parse_plan
+from kvasir.daemon.resolve import resolve_http
+from kvasir.errors import PlanError
+
+STAGES = "[[stages]]\nlayers = [0, 15]\n[[stages]]\nlayers = [15, 30]\n"
+
+
+def plan(http: str):
+    return parse_plan(f"[http]\n{http}\n{STAGES}")
+
+
+@pytest.mark.parametrize(
+    ("http", "says"),
+    [
+        ('listen = "localhost"', "HOST:PORT"),
+        ('listen = "127.0.0.1:0"', "HOST:PORT"),
+        ('listen = "127.0.0.1:70000"', "HOST:PORT"),
+        ('listen = "0.0.0.0:8000"', "needs http.api_keys"),
+        ('listen = "10.1.2.3:8000"', "needs http.api_keys"),
+        ("workers = 0", "http.workers must be a positive integer"),
+        ("workers = 65", "more than 64"),
+        ('model_name = "two words"', "http.model_name"),
+        ('model_name = ""', "http.model_name"),
+        ("colour = 1", "http.colour: unknown key"),
+    ],
+)
+def test_refusals_name_the_key(http, says):
+    with pytest.raises(PlanError, match=says):
+        plan(http)
+
+
+def test_a_reachable_address_with_keys_and_the_defaults():
+    assert plan('listen = "0.0.0.0:8000"\napi_keys = "keys"').http.listen == "0.0.0.0:8000"
+    spec = plan("").http
+    assert (spec.listen, spec.workers, spec.api_keys, spec.model_name) == ("127.0.0.1:8000", 1, None, None)
+    assert parse_plan(STAGES).http is None  # no [http], no HTTP
+    assert parse_listen("[::1]:8080") == ("::1", 8080)
+
+
+def test_resolving_reads_the_keys_from_the_plans_folder_and_names_the_model(tmp_path):
+    (tmp_path / "keys").write_text("# comment\n\nsk-one\n  sk-two  \n")
+    resolved = resolve_http(plan('api_keys = "keys"'), tmp_path)
+    assert resolved.http.api_keys == str(tmp_path / "keys") and resolved.http.model_name == "smollm2-135m"
+    assert read_api_keys(tmp_path / "keys") == {"sk-one", "sk-two"}
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(PlanError, match="holds no key"):
+        resolve_http(plan('api_keys = "empty"'), tmp_path)
+    with pytest.raises(PlanError, match="key file not found"):
+        resolve_http(plan('api_keys = "missing"'), tmp_path)
+    named = resolve_http(plan('model_name = "mine"'), tmp_path)
+    assert named.http.model_name == "mine"
+    assert default_model_name("/models/Qwen2-0.5B.gguf") == "Qwen2-0.5B" and default_model_name("/m/llama/") == "llama"

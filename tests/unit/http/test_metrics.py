@@ -1,0 +1,59 @@
+"""/metrics from a stats snapshot, read back with prometheus_client's parser."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvasir.bridge.metrics import Metrics
+from kvasir.http.metrics import render
+from kvasir.wire.bridge import ShardStats, StageStats
+from kvasir.wire.client import DaemonStats, HandoffSummary, Timings
+
+
+def stage(index: int, waiting: int = 0, pool: str = "") -> StageStats:
+    return StageStats(
+        index, (index, index + 1), 100 + index, 10.0, 6.0, 3.0, 1.0, 5, 5, 50, 0, 2, 7, waiting, pool=pool
+    )
+
+
+def test_the_snapshot_reads_back_as_vllm_named_series():
+    metrics = Metrics()
+    metrics.accepted(12)
+    for gap in (None, 20_000_000, 40_000_000):
+        metrics.token(gap)
+    metrics.finished("length", Timings(queued_s=0.01, first_token_s=0.2, per_token_s=0.03, total_s=0.26))
+    metrics.ended_early("cancelled")
+    shard = ShardStats(0, 1, (0, 4), 300, 10.0, 2.0, 8.0, 0.0, 3, 30, (10, 10, 5, 5))
+    stats = DaemonStats(
+        uptime_s=10.0,
+        requests=3,
+        in_flight=3,
+        waiting_limit=10,
+        vocab_size=100,
+        max_seq_len=64,
+        stages=[stage(0, waiting=1), stage(1)],
+        shards=[shard],
+        metrics=metrics.snapshot(),
+        handoff=HandoffSummary(count=2, kv_bytes=4096, p50_s=0.1, p99_s=0.2, gibps=1.0, seconds=0.3),
+    )
+    families = {f.name: f for f in text_string_to_metric_families(render(stats, "m").decode())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    model = (("model_name", "m"),)
+    assert samples[("kvasir:num_requests_waiting", model)] == 1
+    assert samples[("kvasir:num_requests_running", model)] == 2
+    assert samples[("kvasir:prompt_tokens_total", model)] == 12
+    assert samples[("kvasir:generation_tokens_total", model)] == 3
+    assert samples[("kvasir:request_success_total", (("finished_reason", "length"), *model))] == 1
+    assert samples[("kvasir:request_success_total", (("finished_reason", "abort"), *model))] == 1
+    itl = families["kvasir:inter_token_latency_seconds"]
+    assert itl.type == "histogram"
+    assert samples[("kvasir:inter_token_latency_seconds_bucket", (("le", "0.025"), *model))] == 1
+    assert samples[("kvasir:inter_token_latency_seconds_bucket", (("le", "+Inf"), *model))] == 2
+    assert abs(samples[("kvasir:inter_token_latency_seconds_sum", model)] - 0.06) < 1e-9
+    busy = {
+        tuple(s.labels[k] for k in ("role", "stage", "shard")): s.value
+        for s in families["kvasir:worker_busy_seconds"].samples
+    }
+    assert busy == {("stage", "0", ""): 6.0, ("stage", "1", ""): 6.0, ("shard", "1", "0"): 2.0}
+    assert samples[("kvasir:handoff_bytes_total", model)] == 4096
+    assert all(s.labels["model_name"] == "m" for f in families.values() for s in f.samples)
