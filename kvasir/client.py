@@ -194,6 +194,7 @@ class AsyncClient:
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
     ) -> RequestStream:
         """Send a request and return its stream at once (no reply awaited)."""
         self._raise_if_failed()
@@ -212,6 +213,7 @@ class AsyncClient:
             seed=seed,
             stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos,
+            logprobs=logprobs,
         )
         await self._io.send(self._encoder.encode(message))
         return stream

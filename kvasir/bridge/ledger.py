@@ -32,6 +32,7 @@ class Pending:
     prompt_tokens: int
     submitted_ns: int
     detokenizer: IncrementalDetokenizer | None
+    logprobs: bool = False  # its tokens go out with their log-probabilities
     token_ids: list[int] = field(default_factory=list)
     scheduled_ns: int = 0
     first_ns: int = 0

@@ -198,7 +198,7 @@ class Bridge:
         self.next_id += 1
         self.accepted += 1
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self.requests.add(rid, Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok))
+        self.requests.add(rid, Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok, sampling.logprobs >= 0))
         self.metrics.accepted(len(ids))
         client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
@@ -282,7 +282,14 @@ class Bridge:
             text = record.detokenizer.push(token.token_id)
             if token.finish is not None:
                 text += record.detokenizer.flush()
-        event = TokenOut(request_id=token.request_id, index=token.index, token_id=token.token_id, text=text)
+        event = TokenOut(
+            request_id=token.request_id,
+            index=token.index,
+            token_id=token.token_id,
+            text=text,
+            logprob=token.logprob if record.logprobs else None,
+            top_logprobs=list(token.top) if record.logprobs else None,
+        )
         encoded = self.encoder.encode(event)
         await self.publisher_io.send(encoded)
         self._deliver(record.peer, encoded)

@@ -41,6 +41,7 @@ class Submissions:
             max_tokens=msg.max_tokens,
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            logprobs=-1 if msg.logprobs is None else msg.logprobs,
         )
         check_sampling(sampling, self.vocab_size)
         return ids, sampling

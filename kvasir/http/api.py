@@ -89,7 +89,7 @@ class Api:
         if req.echo:
             texts = [p.text if p.text is not None else self.prompts.decode(p.ids) for p in planned.prompts]
             echoes = [texts[s.index // req.n] for s in planned.submissions]
-        shape = CompletionShape(self.served.model_name, echoes)
+        shape = CompletionShape(self.served.model_name, self.prompts.token_text, echoes)
         include = req.stream_options is not None and req.stream_options.include_usage
         return await self._serve(request, planned, shape, req.stream, include, req.return_token_ids)
 
@@ -97,7 +97,7 @@ class Api:
         req = await self._decode(request, self.chat_decoder)
         planned = plan_chat(req, self.prompts, self.served)
         include = req.stream_options is not None and req.stream_options.include_usage
-        shape = ChatShape(self.served.model_name)
+        shape = ChatShape(self.served.model_name, self.prompts.token_text)
         return await self._serve(request, planned, shape, req.stream, include, req.return_token_ids)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -140,7 +140,7 @@ class Api:
             if piece.finish is not None:
                 finishes[piece.index] = piece.finish
         outs = [
-            Out("".join(texts[k]), finishes[k], choice.ids if ids else None)
+            Out("".join(texts[k]), finishes[k], choice.ids if ids else None, choice.scores)
             for k, choice in enumerate(generation.choices)
         ]
         return _json(shape.whole(outs, usage(planned.prompt_tokens, generation.completion_tokens)))
@@ -160,7 +160,7 @@ class Api:
                 await response.write(_event(piece.error.body()))
                 failed = True
                 break
-            if piece.text or piece.finish is not None:
+            if piece.text or piece.scores or piece.finish is not None:
                 await response.write(_event(shape.chunk(piece)))
         if include_usage and not failed:
             await response.write(_event(shape.usage_chunk(usage(planned.prompt_tokens, generation.completion_tokens))))

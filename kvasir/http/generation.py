@@ -30,14 +30,19 @@ class Submission:
     options: dict[str, Any]
 
 
+Score = tuple[int, float, list[tuple[int, float]]]  # a token, its log-probability, the most likely tokens'
+
+
 @dataclass(frozen=True)
 class Piece:
-    """Text for one choice; with ``finish`` its last; with ``error`` it failed."""
+    """Text for one choice; with ``finish`` its last; with ``error`` it failed; ``scores``:
+    the log-probabilities of the tokens that arrived with it (when the request asked)."""
 
     index: int
     text: str
     finish: FinishReason = None
     error: ApiError | None = None
+    scores: tuple[Score, ...] = ()
 
 
 class StopText:
@@ -76,6 +81,7 @@ class Choice:
     events: AsyncIterator
     stops: StopText
     ids: list[int] = field(default_factory=list)  # output token ids so far
+    scores: list[Score] = field(default_factory=list)  # their log-probabilities, when asked for
     ended: bool = False
 
 
@@ -148,13 +154,15 @@ class Generation:
     async def _piece(self, choice: Choice, event) -> Piece | None:
         index = choice.submission.index
         match event:
-            case TokenOut(token_id=token, text=text):
+            case TokenOut(token_id=token, text=text, logprob=logprob, top_logprobs=top):
                 choice.ids.append(token)
+                scores: tuple[Score, ...] = () if logprob is None else ((token, logprob, top or []),)
+                choice.scores.extend(scores)
                 out, stopped = choice.stops.push(text)
                 if stopped:
                     await self.close_one(choice)
-                    return Piece(index, out, "stop")
-                return Piece(index, out) if out else None
+                    return Piece(index, out, "stop", scores=scores)
+                return Piece(index, out, scores=scores) if out or scores else None
             case Finished(reason=reason):
                 choice.ended = True
                 return Piece(index, choice.stops.flush(), reason)

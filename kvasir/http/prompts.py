@@ -54,6 +54,12 @@ class Prompts:
         self._check("".join(m["content"] for m in plain), "messages")
         return Prompt(self._encode(lambda: encode_chat(self._need(), plain)), None)
 
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs name it ("token_id:N" for a model without a tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
     def decode(self, ids: list[int]) -> str:
         """A prompt's text (echo of a prompt given as ids)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""

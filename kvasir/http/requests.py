@@ -37,24 +37,24 @@ class Planned:
 
 def plan_completion(req: CompletionRequest, prompts: Prompts, served: Served) -> Planned:
     _common(req, served)
-    if req.logprobs is not None:
-        raise invalid("logprobs are not served yet", "logprobs")
+    if req.echo and req.logprobs is not None:
+        raise invalid("echo with logprobs (the prompt's log-probabilities) is not served yet", "echo")
     given = prompts.completion(req.prompt)
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS
-    return _planned(req, given, [max_tokens] * len(given))
+    return _planned(req, given, [max_tokens] * len(given), req.logprobs)
 
 
 def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
     _common(req, served)
-    if req.logprobs or req.top_logprobs:
-        raise invalid("logprobs are not served yet", "logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs needs logprobs = true", "top_logprobs")
     prompt = prompts.chat(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # the rest of the context, within the daemon's ceiling
         max_tokens = max(1, served.max_seq_len - len(prompt.ids))
         if served.max_tokens is not None:
             max_tokens = min(max_tokens, served.max_tokens)
-    return _planned(req, [prompt], [max_tokens])
+    return _planned(req, [prompt], [max_tokens], (req.top_logprobs or 0) if req.logprobs else None)
 
 
 def _common(req: _Sampling, served: Served) -> None:
@@ -68,11 +68,12 @@ def _common(req: _Sampling, served: Served) -> None:
         raise invalid(f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
 
 
-def _planned(req: _Sampling, given: list[Prompt], max_tokens: list[int]) -> Planned:
+def _planned(req: _Sampling, given: list[Prompt], max_tokens: list[int], logprobs: int | None) -> Planned:
     submissions = []
     for k, (prompt, limit) in enumerate(zip(given, max_tokens)):
         for j in range(req.n):
-            submissions.append(Submission(k * req.n + j, prompt.ids, _options(req, limit, j)))
+            options = {**_options(req, limit, j), "logprobs": logprobs}
+            submissions.append(Submission(k * req.n + j, prompt.ids, options))
     return Planned(given, submissions, req.stops)
 
 

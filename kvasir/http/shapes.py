@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
 
 import msgspec
 
-from kvasir.http.generation import Piece
+from kvasir.http.generation import Piece, Score
 from kvasir.http.schema import (
     AssistantMessage,
     ChatChoice,
@@ -33,6 +36,38 @@ class Out:
     text: str
     finish: FinishReason
     ids: list[int] | None  # its token ids, when the request asked for them
+    scores: list[Score]  # its tokens' log-probabilities, when the request asked for them
+
+
+def completion_logprobs(scores: Sequence[Score], text_of: Callable[[int], str], offset: int) -> dict[str, Any]:
+    """The completions API's ``logprobs``: parallel lists, text offsets from ``offset``."""
+    tokens = [text_of(token) for token, _, _ in scores]
+    offsets = list(accumulate((len(text) for text in tokens[:-1]), initial=offset)) if tokens else []
+    return {
+        "tokens": tokens,
+        "token_logprobs": [logprob for _, logprob, _ in scores],
+        "top_logprobs": [_by_text(top, text_of) for _, _, top in scores],
+        "text_offset": offsets,
+    }
+
+
+def _by_text(top: list[tuple[int, float]], text_of: Callable[[int], str]) -> dict[str, float]:
+    """Alternatives keyed by their text; two tokens with one text (bytes of a character
+    split across tokens) keep the likelier one's value."""
+    named: dict[str, float] = {}
+    for token, logprob in top:
+        named.setdefault(text_of(token), logprob)
+    return named
+
+
+def chat_logprobs(scores: Sequence[Score], text_of: Callable[[int], str]) -> dict[str, Any]:
+    """The chat API's ``logprobs``: one entry per token, each with its top alternatives."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, lp, top in scores]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageBody:
@@ -40,11 +75,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageBody:
 
 
 class CompletionShape:
-    def __init__(self, model: str, echoes: list[str] | None = None) -> None:
+    def __init__(self, model: str, text_of: Callable[[int], str], echoes: list[str] | None = None) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self.text_of = text_of  # a token's text, for logprobs
         self.echoes = echoes  # per choice: the prompt's text, when the request asked for echo
+        self.offsets: dict[int, int] = {}  # per choice: text streamed so far (logprobs' text_offset)
 
     def opening(self, index: int) -> bytes | None:
         if not self.echoes or not self.echoes[index]:
@@ -52,39 +89,58 @@ class CompletionShape:
         return self._chunk([CompletionChoice(index, self.echoes[index], None, None)])
 
     def chunk(self, piece: Piece) -> bytes:
-        return self._chunk([CompletionChoice(piece.index, piece.text, None, piece.finish)])
+        logprobs = None
+        if piece.scores:
+            offset = self.offsets.get(piece.index, 0)
+            logprobs = completion_logprobs(piece.scores, self.text_of, offset)
+            self.offsets[piece.index] = offset + sum(len(text) for text in logprobs["tokens"])
+        return self._chunk([CompletionChoice(piece.index, piece.text, logprobs, piece.finish)])
 
     def usage_chunk(self, body: UsageBody) -> bytes:
         return self._chunk([], body)
 
     def whole(self, outs: list[Out], body: UsageBody) -> bytes:
         echoes = self.echoes or [""] * len(outs)
-        choices = [CompletionChoice(k, echoes[k] + out.text, None, out.finish, out.ids) for k, out in enumerate(outs)]
+        choices = [
+            CompletionChoice(k, echoes[k] + out.text, self._whole_logprobs(out), out.finish, out.ids)
+            for k, out in enumerate(outs)
+        ]
         return self._chunk(choices, body)
+
+    def _whole_logprobs(self, out: Out) -> dict[str, Any] | None:
+        return completion_logprobs(out.scores, self.text_of, 0) if out.scores else None
 
     def _chunk(self, choices: list[CompletionChoice], body: UsageBody | None = None) -> bytes:
         return encode(Completion(self.id, self.created, self.model, choices, usage=body))
 
 
 class ChatShape:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, text_of: Callable[[int], str]) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self.text_of = text_of  # a token's text, for logprobs
 
     def opening(self, index: int) -> bytes | None:
         return self._chunk([ChatChunkChoice(index, Delta(role="assistant", content=""), None, None)])
 
     def chunk(self, piece: Piece) -> bytes:
         delta = Delta(content=piece.text) if piece.text else Delta()
-        return self._chunk([ChatChunkChoice(piece.index, delta, None, piece.finish)])
+        logprobs = chat_logprobs(piece.scores, self.text_of) if piece.scores else None
+        return self._chunk([ChatChunkChoice(piece.index, delta, logprobs, piece.finish)])
 
     def usage_chunk(self, body: UsageBody) -> bytes:
         return self._chunk([], body)
 
     def whole(self, outs: list[Out], body: UsageBody) -> bytes:
-        choices = [ChatChoice(k, AssistantMessage(out.text), None, out.finish, out.ids) for k, out in enumerate(outs)]
+        choices = [
+            ChatChoice(k, AssistantMessage(out.text), self._logprobs(out.scores), out.finish, out.ids)
+            for k, out in enumerate(outs)
+        ]
         return encode(ChatCompletion(self.id, self.created, self.model, choices, body))
+
+    def _logprobs(self, scores: list[Score]) -> dict[str, Any] | None:
+        return chat_logprobs(scores, self.text_of) if scores else None
 
     def _chunk(self, choices: list[ChatChunkChoice], body: UsageBody | None = None) -> bytes:
         return encode(ChatChunk(self.id, self.created, self.model, choices, usage=body))

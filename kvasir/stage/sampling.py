@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from kvasir.errors import BatchError
@@ -74,6 +75,16 @@ class RequestSampler:
         return None
 
 
+def _scores(logits: torch.Tensor, token: int, top: int) -> dict:
+    """``token``'s log-probability under the model's own distribution (before temperature,
+    top-k or top-p, as vLLM reports them) and the ``top`` most likely tokens'. Logits that
+    are not finite count as impossible (-inf), never as NaN."""
+    logprobs = torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=-1)
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return {"logprob": float(logprobs[token]), "top": pairs}
+
+
 def _argmax(logits: torch.Tensor) -> int:
     """The best token, NaN logits ignored (NaN compares false, so it is never chosen)."""
     return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
@@ -117,5 +128,8 @@ class Sampler:
             if finish is not None:
                 del self._requests[row.request_id]
             first = state.scheduled_ns if state.generated == 1 else 0
-            tokens.append(SampledToken(row.request_id, token, state.generated - 1, finish, first))
+            sampled = SampledToken(row.request_id, token, state.generated - 1, finish, first)
+            if state.params.logprobs >= 0:
+                sampled = msgspec.structs.replace(sampled, **_scores(row_logits, token, state.params.logprobs))
+            tokens.append(sampled)
         return BatchResult(descriptor.batch_id, tuple(tokens))

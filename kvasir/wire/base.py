@@ -14,6 +14,7 @@ FinishReason = Literal["stop", "length"]
 DaemonState = Literal["serving", "restarting", "draining"]
 
 MAX_STOP_TOKEN_IDS = 256  # stop token ids of one request
+MAX_LOGPROBS = 20  # most likely tokens reported with each output token
 
 
 class Wire(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

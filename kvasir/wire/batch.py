@@ -17,6 +17,7 @@ class SamplingParams(Wire, frozen=True):
     max_tokens: int = 128  # output tokens at most
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids (benchmarks)
+    logprobs: int = -1  # -1: none; N >= 0: each output token's log-probability and the N most likely tokens'
 
 
 class NewRequest(Wire, frozen=True):
@@ -59,6 +60,10 @@ class SampledToken(Wire, frozen=True):
     index: int  # position in the request's output
     finish: FinishReason | None  # None while running
     scheduled_ns: int = 0  # on a request's first token: when its first batch was scheduled
+    logprob: float = (
+        0.0  # with SamplingParams.logprobs >= 0: the token's log-probability (the model's, before sampling)
+    )
+    top: tuple[tuple[int, float], ...] = ()  # and the most likely tokens' (id, log-probability), best first
 
 
 class Credit(Wire, frozen=True):

@@ -36,6 +36,7 @@ class Submit(_Client, frozen=True, tag="submit"):
     seed: int | None = None
     stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
+    logprobs: int | None = None  # N: each token's log-probability and the N most likely tokens' (0 <= N <= 20)
 
 
 class Cancel(_Client, frozen=True, tag="cancel"):
@@ -60,6 +61,8 @@ class TokenOut(_Client, frozen=True, tag="token"):
     index: int
     token_id: int
     text: str
+    logprob: float | None = None  # a request with logprobs: the token's log-probability under the model
+    top_logprobs: list[tuple[int, float]] | None = None  # and the most likely tokens' (id, log-probability)
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):

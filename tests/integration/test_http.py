@@ -269,3 +269,43 @@ def curl_health(port: int) -> tuple[str, str]:
     )
     body, _, code = out.stdout.rpartition("\n")
     return code, body
+
+
+def test_logprobs_are_the_reference_models(http_daemon, tiny_models):
+    import torch
+
+    from tests.support.models import reference_model
+
+    client = sdk(http_daemon)
+    prompt = [5, 17, 42, 99, 3]
+    out = client.completions.create(
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
+    choice = out.choices[0]
+    ids = choice.token_ids  # type: ignore[attr-defined]
+    model = reference_model(tiny_models["llama-tokenizer"])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    got = choice.logprobs
+    assert got.token_logprobs == pytest.approx([float(expected[k, t]) for k, t in enumerate(ids)], abs=1e-3)
+    for k, top in enumerate(got.top_logprobs):
+        # greedy: the chosen token is the best; two tokens may share a text (bytes of one character)
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(got.token_logprobs[k], abs=1e-6)
+    assert "".join(got.tokens) == choice.text and got.text_offset[0] == 0
+    chat = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.logprob <= 0 and bytes(e.bytes).decode(errors="replace") == e.token for e in entries)
+    streamed = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=6, temperature=0, logprobs=1, stream=True
+    )
+    scores = [lp for chunk in streamed for c in chunk.choices if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert scores == pytest.approx(got.token_logprobs, abs=1e-6)

@@ -163,6 +163,8 @@ def test_bad_prompts_are_refused(ids, code, fragment):
         (dict(seed=-5), "seed must be an integer"),
         (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
         (dict(stop_token_ids=(VOCAB,)), "stop token id 100"),
+        (dict(logprobs=21), "logprobs must be an integer in [0, 20]"),
+        (dict(logprobs=-2), "logprobs must be an integer in [0, 20]"),
     ],
 )
 def test_bad_sampling_parameters_are_refused(params, fragment):

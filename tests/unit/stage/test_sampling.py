@@ -117,3 +117,25 @@ def test_non_finite_logits_fall_back_to_the_best_finite_token():
         assert sampler_for(**params).pick(bad) == 7
     bad[9] = float("inf")
     assert sampler_for(temperature=0.7).pick(bad) == 9
+
+
+def test_logprobs_are_the_models_own_and_only_when_asked(logits):
+    sampler = Sampler(eos_ids=(), max_seq_len=100)
+    new = [
+        NewRequest(1, SamplingParams(temperature=0.7, logprobs=3), 5),
+        NewRequest(2, SamplingParams(temperature=0), 5),
+        NewRequest(3, SamplingParams(temperature=0, logprobs=0), 5),
+    ]
+    rows = [Row(k, 0, 2, (k,), True) for k in (1, 2, 3)]
+    noisy = logits.clone()
+    noisy[7] = float("nan")
+    scored, plain, chosen_only = sampler.sample(descriptor(rows, new), torch.stack([logits, logits, noisy])).tokens
+    expected = torch.log_softmax(logits, dim=-1)  # before the temperature: the model's distribution
+    assert scored.logprob == pytest.approx(float(expected[scored.token_id]), abs=1e-5)
+    best = torch.topk(expected, 3)
+    assert [t for t, _ in scored.top] == best.indices.tolist()
+    assert [v for _, v in scored.top] == pytest.approx(best.values.tolist(), abs=1e-5)
+    assert (plain.logprob, plain.top) == (0.0, ())
+    assert (
+        chosen_only.top == () and chosen_only.logprob <= 0.0 and chosen_only.logprob == chosen_only.logprob
+    )  # not NaN
