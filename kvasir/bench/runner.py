@@ -57,13 +57,17 @@ async def run_load(
     seed: int = 0,
     ignore_eos: bool = False,
     progress=None,
+    send=None,
 ) -> LoadResult:
     """Run ``warmup`` jobs first (not measured), then the rest; exactly one of
     ``concurrency`` (closed loop) or ``rate`` (open loop, Poisson arrivals) is given.
-    ``ignore_eos`` makes every request produce exactly its ``max_tokens``."""
+    ``ignore_eos`` makes every request produce exactly its ``max_tokens``. ``send``: how a
+    job is sent and timed (default: through ``client``; kvasir/bench/doors.py: over HTTP);
+    ``client`` reads the daemon's statistics either way."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency or rate")
-    send = partial(one_request, client, ignore_eos=ignore_eos)
+    if send is None:
+        send = partial(one_request, client, ignore_eos=ignore_eos)
     if warmup:
         await _closed(send, jobs[:warmup], concurrency or 8, None)
     before = await client.stats()

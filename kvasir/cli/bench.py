@@ -114,6 +114,15 @@ from kvasir.errors import KvasirError
     help="Kill a stage (SIGKILL) under --concurrency requests, --rounds times, and time how long until "
     "every client is told and until the daemon serves again (the daemon must run on this host).",
 )
+@click.option(
+    "--doors",
+    "doors_url",
+    default=None,
+    metavar="URL",
+    help="Run the workload through the daemon's ZeroMQ client and its HTTP front at URL (e.g. "
+    "http://127.0.0.1:8000), alternating for --rounds, and print the ratio (--concurrency, closed loop).",
+)
+@click.option("--api-key", default=None, help="With --doors: the front's bearer key (http.api_keys).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option(
     "--runtime-dir",
@@ -146,6 +155,8 @@ def bench(
     hop_link,
     submit_only,
     failover,
+    doors_url,
+    api_key,
     as_json,
     runtime_dir,
 ):
@@ -206,6 +217,24 @@ def bench(
                 raise click.UsageError("--hop-link tcp measures a cpu edge: leave out --hop-device")
             report = hop_report(device=_hop_device(hop_device), link=hop_link)
             click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
+            return
+        if doors_url is not None:
+            _doors(
+                doors_url,
+                api_key,
+                plan_path,
+                runtime_dir,
+                concurrency,
+                count,
+                warmup,
+                lengths,
+                prompts_file,
+                seed,
+                ignore_eos,
+                rounds,
+                as_json,
+                say,
+            )
             return
         if failover:
             report = failover_mode(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say)
@@ -289,6 +318,35 @@ def bench(
     from kvasir.bench.report import print_report
 
     print_report(report, click.echo)
+
+
+def _doors(
+    url,
+    api_key,
+    plan_path,
+    runtime_dir,
+    concurrency,
+    count,
+    warmup,
+    lengths,
+    prompts_file,
+    seed,
+    ignore_eos,
+    rounds,
+    as_json,
+    say,
+):
+    from kvasir.bench.doors import Door, print_doors
+    from kvasir.bench.modes import doors_mode
+
+    if not url.startswith(("http://", "https://")):
+        raise click.UsageError(f"--doors {url}: give the front's URL, e.g. http://127.0.0.1:8000")
+    with driven_daemon(plan_path, runtime_dir) as rt:
+        door = Door(url.rstrip("/"), api_key)
+        report = doors_mode(
+            rt, door, concurrency or 32, count, warmup, lengths, prompts_file, seed, ignore_eos, rounds, say
+        )
+    click.echo(json.dumps(report)) if as_json else print_doors(report, click.echo)
 
 
 def _progress_line(line: str) -> None:

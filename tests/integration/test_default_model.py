@@ -76,3 +76,49 @@ def test_default_model_through_the_ring_matches_hf_generate(smollm2, expected, t
         assert final.token_ids == tokens, key
         assert (final.handoff is not None and final.handoff.kv_bytes > 0) == ("disagg" in plan), key
     assert "Paris" in expected[(CHATS[0], True)][2]
+
+
+def readme_http_commands() -> list[str]:
+    """The command lines of the README's HTTP example (indented, between its heading and
+    the plan table), less starting and stopping the daemon, which the test does."""
+    text = (PLANS.parent / "README.md").read_text()
+    section = text.split("## HTTP: the OpenAI API and Prometheus metrics", 1)[1].split("```toml", 1)[0]
+    lines = [line.strip() for line in section.splitlines() if line.startswith("    ")]
+    assert lines[0] == ".venv/bin/kvasird start --plan plans/smollm2-http.toml &" and lines[-1] == "kill %1"
+    return lines[1:-1]
+
+
+def test_the_readmes_http_example_runs_as_written(smollm2, expected, tmp_path):
+    """plans/smollm2-http.toml as shipped (127.0.0.1:8000), the README's curl and openai
+    lines as written, and the HTTP door's greedy tokens equal Hugging Face's."""
+    import subprocess
+
+    import openai
+
+    root = PLANS.parent
+    daemon = Daemon(PLANS / "smollm2-http.toml", tmp_path / "rt", 2)
+    try:
+        daemon.wait_ready()
+        env = {**__import__("os").environ, "KVASIR_RUNTIME_DIR": str(daemon.runtime_dir)}
+        outputs = []
+        for line in readme_http_commands():
+            run = subprocess.run(["bash", "-c", line], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, (line, run.stderr)
+            outputs.append(run.stdout)
+        client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none", max_retries=0)
+        chat = client.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": CHATS[0]}],
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+    finally:
+        assert daemon.stop() == 0
+    chat_answer, stream, health, metrics, sdk_answer = outputs[1:]
+    assert "Paris" in chat_answer and stream.rstrip().endswith("data: [DONE]")
+    assert '"serving"' in health and metrics.startswith('kvasir:generation_tokens_total{model_name="smollm2-135m"}')
+    assert sdk_answer.strip()
+    prompt_len, tokens, _ = expected[(CHATS[0], True)]
+    assert chat.choices[0].token_ids == tokens[: len(chat.choices[0].token_ids)]  # type: ignore[attr-defined]
+    assert chat.usage.prompt_tokens == prompt_len

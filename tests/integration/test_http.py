@@ -309,3 +309,29 @@ def test_logprobs_are_the_reference_models(http_daemon, tiny_models):
     )
     scores = [lp for chunk in streamed for c in chunk.choices if c.logprobs for lp in c.logprobs.token_logprobs]
     assert scores == pytest.approx(got.token_logprobs, abs=1e-6)
+
+
+def test_bench_drives_both_doors_with_the_same_jobs(http_daemon):
+    from tests.support.daemon import BIN
+
+    run = subprocess.run(
+        [
+            str(BIN / "kvasir"), "bench", "--runtime-dir", str(http_daemon.runtime_dir),
+            "--doors", f"http://127.0.0.1:{http_daemon.port}", "--api-key", KEY,
+            "--requests", "8", "--warmup", "2", "--concurrency", "4", "--prompt-len", "6", "--output-len", "5",
+            "--ignore-eos", "--json",
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)["doors"]
+    assert [entry["door"] for entry in report["rounds"]] == ["zeromq", "http"]
+    for entry in report["rounds"]:
+        summary = entry["summary"]
+        assert summary["requests"] == 8 and summary["errors"] == 0 and summary["output_tokens"] == 40
+    assert report["http_over_zeromq"]["output_tokens_per_s"] > 0
+    wrong = subprocess.run(
+        [str(BIN / "kvasir"), "bench", "--runtime-dir", str(http_daemon.runtime_dir), "--doors", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert wrong.returncode == 2 and "--doors" in wrong.stderr
