@@ -35,6 +35,7 @@ from kvasir.wire.client import (
     DaemonStats,
     ErrorEvent,
     Finished,
+    PromptLogprobs,
     StatsQuery,
     StatsReply,
     Submit,
@@ -195,6 +196,7 @@ class AsyncClient:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> RequestStream:
         """Send a request and return its stream at once (no reply awaited)."""
         self._raise_if_failed()
@@ -214,6 +216,7 @@ class AsyncClient:
             stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         await self._io.send(self._encoder.encode(message))
         return stream
@@ -317,6 +320,7 @@ class AsyncClient:
                     stream._put(event)
             case (
                 TokenOut(request_id=rid)
+                | PromptLogprobs(request_id=rid)
                 | Finished(request_id=rid)
                 | Cancelled(request_id=rid)
                 | ErrorEvent(request_id=rid)

@@ -25,7 +25,7 @@ from kvasir.bridge.outbox import Outbox
 from kvasir.bridge.sockets import client_router, remote_router
 from kvasir.bridge.submissions import Submissions
 from kvasir.errors import RequestError
-from kvasir.wire.batch import SampledToken
+from kvasir.wire.batch import PromptScores, SampledToken
 from kvasir.wire.bridge import (
     BatchSpan,
     BridgeMessage,
@@ -42,6 +42,7 @@ from kvasir.wire.client import (
     ClientMessage,
     DaemonStats,
     ErrorEvent,
+    PromptLogprobs,
     StatsQuery,
     StatsReply,
     Submit,
@@ -235,7 +236,9 @@ class Bridge:
 
     async def _stage_message(self, message: BridgeMessage) -> None:
         match message:
-            case TokenEvents(tokens=tokens):
+            case TokenEvents(tokens=tokens, prompt=prompt):
+                for scores in prompt:
+                    self._prompt_scores(scores)
                 for token in tokens:
                     await self._token(token)
             case RequestEnded(request_id=rid, code=code, message=text):
@@ -258,6 +261,19 @@ class Bridge:
                 self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
             case ShardStats() as stats if stats.pid in self.ring_pids:
                 self.shard_stats[stats.number] = stats
+
+    def _prompt_scores(self, scores: PromptScores) -> None:
+        record = self.requests.get(scores.request_id)
+        if record is not None:
+            top = [list(pairs) for pairs in scores.top]
+            event = PromptLogprobs(
+                request_id=scores.request_id,
+                first=scores.first,
+                token_ids=list(scores.token_ids),
+                logprobs=list(scores.logprobs),
+                top_logprobs=top,
+            )
+            self._deliver(record.peer, self.encoder.encode(event))
 
     async def _token(self, arrived: SampledToken) -> None:
         record = self.requests.get(arrived.request_id)

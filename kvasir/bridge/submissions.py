@@ -42,6 +42,7 @@ class Submissions:
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
             logprobs=-1 if msg.logprobs is None else msg.logprobs,
+            prompt_logprobs=-1 if msg.prompt_logprobs is None else msg.prompt_logprobs,
         )
         check_sampling(sampling, self.vocab_size)
         return ids, sampling

@@ -89,7 +89,9 @@ class Api:
         if req.echo:
             texts = [p.text if p.text is not None else self.prompts.decode(p.ids) for p in planned.prompts]
             echoes = [texts[s.index // req.n] for s in planned.submissions]
-        shape = CompletionShape(self.served.model_name, self.prompts.token_text, echoes)
+        shape = CompletionShape(
+            self.served.model_name, self.prompts.token_text, echoes, req.echo and req.logprobs is not None
+        )
         include = req.stream_options is not None and req.stream_options.include_usage
         return await self._serve(request, planned, shape, req.stream, include, req.return_token_ids)
 
@@ -140,10 +142,16 @@ class Api:
             if piece.finish is not None:
                 finishes[piece.index] = piece.finish
         outs = [
-            Out("".join(texts[k]), finishes[k], choice.ids if ids else None, choice.scores)
+            Out("".join(texts[k]), finishes[k], choice.ids if ids else None, self._scores(choice))
             for k, choice in enumerate(generation.choices)
         ]
         return _json(shape.whole(outs, usage(planned.prompt_tokens, generation.completion_tokens)))
+
+    @staticmethod
+    def _scores(choice) -> list:
+        """A choice's log-probabilities: with echo, its prompt's first."""
+        prompt = choice.prompt_piece() if choice.scores_prompt else None
+        return [*(prompt.scores if prompt is not None else ()), *choice.scores]
 
     async def _stream(
         self, request: web.Request, generation: Generation, shape: Shape, planned: Planned, include_usage: bool

@@ -18,7 +18,7 @@ from kvasir.client import AsyncClient, RequestStream
 from kvasir.errors import KvasirError
 from kvasir.http.errors import ApiError
 from kvasir.http.schema import FinishReason
-from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, TokenOut
+from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, PromptLogprobs, TokenOut
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class Submission:
     options: dict[str, Any]
 
 
-Score = tuple[int, float, list[tuple[int, float]]]  # a token, its log-probability, the most likely tokens'
+# a token, its log-probability and the most likely tokens' (None for a prompt's first token)
+Score = tuple[int, float | None, list[tuple[int, float]] | None]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Piece:
     finish: FinishReason = None
     error: ApiError | None = None
     scores: tuple[Score, ...] = ()
+    prompt: bool = False  # the echoed prompt's log-probabilities (echo with logprobs), before any token
 
 
 class StopText:
@@ -82,6 +84,19 @@ class Choice:
     stops: StopText
     ids: list[int] = field(default_factory=list)  # output token ids so far
     scores: list[Score] = field(default_factory=list)  # their log-probabilities, when asked for
+    prompt_scores: list[Score] = field(default_factory=list)  # the prompt's, with echo and logprobs
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.submission.options.get("prompt_logprobs") is not None
+
+    def prompt_piece(self) -> Piece | None:
+        """The prompt's scores as one piece, once every prompt token after the first has one."""
+        prompt = self.submission.prompt
+        if not self.scores_prompt or len(self.prompt_scores) != len(prompt) - 1:
+            return None
+        return Piece(self.submission.index, "", scores=((prompt[0], None, None), *self.prompt_scores), prompt=True)
+
     ended: bool = False
 
 
@@ -118,6 +133,10 @@ class Generation:
     async def pieces(self) -> AsyncIterator[Piece]:
         """Every choice's pieces as they come, until each has its last (or failed)."""
         queue: asyncio.Queue[Piece] = asyncio.Queue()
+        for choice in self.choices:  # a one-token prompt has nothing to wait for
+            piece = choice.prompt_piece() if len(choice.submission.prompt) == 1 else None
+            if piece is not None:
+                queue.put_nowait(piece)
         pumps = [asyncio.create_task(self._pump(choice, queue)) for choice in self.choices]
         try:
             left = len(self.choices)
@@ -163,6 +182,9 @@ class Generation:
                     await self.close_one(choice)
                     return Piece(index, out, "stop", scores=scores)
                 return Piece(index, out, scores=scores) if out or scores else None
+            case PromptLogprobs(token_ids=ids, logprobs=logprobs, top_logprobs=tops):
+                choice.prompt_scores.extend(zip(ids, logprobs, tops))
+                return choice.prompt_piece()
             case Finished(reason=reason):
                 choice.ended = True
                 return Piece(index, choice.stops.flush(), reason)

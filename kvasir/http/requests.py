@@ -12,6 +12,7 @@ from kvasir.http.prompts import Prompt, Prompts
 from kvasir.http.schema import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_SUBMISSIONS = 256  # choices of one request, all prompts together (bridge.max_per_client's default)
 MAX_SEED = 2**63 - 1
 
 
@@ -37,11 +38,12 @@ class Planned:
 
 def plan_completion(req: CompletionRequest, prompts: Prompts, served: Served) -> Planned:
     _common(req, served)
-    if req.echo and req.logprobs is not None:
-        raise invalid("echo with logprobs (the prompt's log-probabilities) is not served yet", "echo")
     given = prompts.completion(req.prompt)
+    if len(given) * req.n > MAX_SUBMISSIONS:
+        raise invalid(f"{len(given)} prompts x n = {req.n} choices is more than {MAX_SUBMISSIONS} in one request", "n")
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS
-    return _planned(req, given, [max_tokens] * len(given), req.logprobs)
+    prompt_logprobs = req.logprobs if req.echo else None  # echo with logprobs scores the prompt too
+    return _planned(req, given, [max_tokens] * len(given), req.logprobs, prompt_logprobs)
 
 
 def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
@@ -54,7 +56,7 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
         max_tokens = max(1, served.max_seq_len - len(prompt.ids))
         if served.max_tokens is not None:
             max_tokens = min(max_tokens, served.max_tokens)
-    return _planned(req, [prompt], [max_tokens], (req.top_logprobs or 0) if req.logprobs else None)
+    return _planned(req, [prompt], [max_tokens], (req.top_logprobs or 0) if req.logprobs else None, None)
 
 
 def _common(req: _Sampling, served: Served) -> None:
@@ -68,11 +70,13 @@ def _common(req: _Sampling, served: Served) -> None:
         raise invalid(f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
 
 
-def _planned(req: _Sampling, given: list[Prompt], max_tokens: list[int], logprobs: int | None) -> Planned:
+def _planned(
+    req: _Sampling, given: list[Prompt], max_tokens: list[int], logprobs: int | None, prompt_logprobs: int | None
+) -> Planned:
     submissions = []
     for k, (prompt, limit) in enumerate(zip(given, max_tokens)):
         for j in range(req.n):
-            options = {**_options(req, limit, j), "logprobs": logprobs}
+            options = {**_options(req, limit, j), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
             submissions.append(Submission(k * req.n + j, prompt.ids, options))
     return Planned(given, submissions, req.stops)
 

@@ -51,9 +51,11 @@ def completion_logprobs(scores: Sequence[Score], text_of: Callable[[int], str], 
     }
 
 
-def _by_text(top: list[tuple[int, float]], text_of: Callable[[int], str]) -> dict[str, float]:
+def _by_text(top: list[tuple[int, float]] | None, text_of: Callable[[int], str]) -> dict[str, float] | None:
     """Alternatives keyed by their text; two tokens with one text (bytes of a character
-    split across tokens) keep the likelier one's value."""
+    split across tokens) keep the likelier one's value. None for a prompt's first token."""
+    if top is None:
+        return None
     named: dict[str, float] = {}
     for token, logprob in top:
         named.setdefault(text_of(token), logprob)
@@ -67,7 +69,13 @@ def chat_logprobs(scores: Sequence[Score], text_of: Callable[[int], str]) -> dic
         text = text_of(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, lp, top in scores]}
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top or ()]}
+            for t, lp, top in scores
+            if lp is not None  # chat scores output tokens only: every one has a log-probability
+        ]
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageBody:
@@ -75,8 +83,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageBody:
 
 
 class CompletionShape:
-    def __init__(self, model: str, text_of: Callable[[int], str], echoes: list[str] | None = None) -> None:
+    def __init__(
+        self, model: str, text_of: Callable[[int], str], echoes: list[str] | None = None, echo_scored: bool = False
+    ) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.echo_scored = echo_scored  # echo with logprobs: the prompt's tokens are scored too
         self.created = int(time.time())
         self.model = model
         self.text_of = text_of  # a token's text, for logprobs
@@ -84,17 +95,18 @@ class CompletionShape:
         self.offsets: dict[int, int] = {}  # per choice: text streamed so far (logprobs' text_offset)
 
     def opening(self, index: int) -> bytes | None:
-        if not self.echoes or not self.echoes[index]:
-            return None
+        if not self.echoes or not self.echoes[index] or self.echo_scored:
+            return None  # echo with logprobs: the prompt's text comes with its scores (chunk)
         return self._chunk([CompletionChoice(index, self.echoes[index], None, None)])
 
     def chunk(self, piece: Piece) -> bytes:
         logprobs = None
+        text = self.echoes[piece.index] if piece.prompt and self.echoes else piece.text
         if piece.scores:
             offset = self.offsets.get(piece.index, 0)
             logprobs = completion_logprobs(piece.scores, self.text_of, offset)
             self.offsets[piece.index] = offset + sum(len(text) for text in logprobs["tokens"])
-        return self._chunk([CompletionChoice(piece.index, piece.text, logprobs, piece.finish)])
+        return self._chunk([CompletionChoice(piece.index, text, logprobs, piece.finish)])
 
     def usage_chunk(self, body: UsageBody) -> bytes:
         return self._chunk([], body)

@@ -7,6 +7,7 @@ function; nothing is kept in module-level state.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -87,12 +88,17 @@ class PagedBatch:
     decode: DecodeGroup | None  # the single-token rows
     chunks: list[RowView]  # the multi-token rows
     emit_index: torch.Tensor  # [E] packed index of each emitting row's last token
+    score_index: torch.Tensor  # [S] packed index of every token of the scored rows (prompt log-probabilities)
 
 
-def build_batch(cache: PagedKVCache, first_layer: int, rows: tuple[Row, ...]) -> PagedBatch:
-    """Record the rows' block growth and precompute every index the layers need."""
+def build_batch(
+    cache: PagedKVCache, first_layer: int, rows: tuple[Row, ...], scored: Collection[int] = ()
+) -> PagedBatch:
+    """Record the rows' block growth and precompute every index the layers need; the rows
+    of the requests in ``scored`` get logits at every token (the tail only)."""
     device = cache.keys.device
     positions, writes, chunks, emit = [], [], [], []
+    score: list[int] = []
     singles: list[tuple[int, torch.Tensor]] = []
     begin = 0
     for row in rows:
@@ -105,6 +111,8 @@ def build_batch(cache: PagedKVCache, first_layer: int, rows: tuple[Row, ...]) ->
         else:
             chunks.append(RowView(begin, begin + row.num_tokens, row.start, context))
         positions.append(torch.arange(row.start, stop))
+        if row.request_id in scored:
+            score.extend(range(begin, begin + row.num_tokens))
         begin += row.num_tokens
         if row.emit:
             emit.append(begin - 1)
@@ -124,6 +132,7 @@ def build_batch(cache: PagedKVCache, first_layer: int, rows: tuple[Row, ...]) ->
         decode=decode,
         chunks=chunks,
         emit_index=torch.tensor(emit, dtype=torch.long, device=device),
+        score_index=torch.tensor(score, dtype=torch.long, device=device),
     )
 
 

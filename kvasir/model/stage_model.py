@@ -56,7 +56,11 @@ class StageModel(nn.Module):
         return boundary.to(self.dtype)
 
     def _logits(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        last = hidden.index_select(0, batch.emit_index)
+        """[E + S, vocab]: each emitting row's last token, then every scored token."""
+        index = batch.emit_index
+        if batch.score_index.numel():
+            index = torch.cat([index, batch.score_index])
+        last = hidden.index_select(0, index)
         return self.slice.lm_head(self.slice.norm(last)).float()
 
     def _boundary(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:

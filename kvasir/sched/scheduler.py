@@ -248,7 +248,8 @@ class Scheduler:
         state.in_flight = True
         tokens.extend(state.tokens(start, count))
         if not state.announced:
-            new.append(NewRequest(state.request_id, state.sampling, state.seed, generated=len(state.output)))
+            prompt = tuple(state.prompt) if state.sampling.prompt_logprobs >= 0 else ()
+            new.append(NewRequest(state.request_id, state.sampling, state.seed, len(state.output), prompt))
             state.announced = True
         return Row(state.request_id, start, count, growth, emit=stop == state.length)
 

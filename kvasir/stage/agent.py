@@ -98,7 +98,7 @@ class StageAgent:
             self.engine.release(descriptor)
             self.outlet.emit(descriptor, None)
             return
-        output = self.engine.run(descriptor, inputs)
+        output = self.engine.run(descriptor, inputs, self.outlet.scored(descriptor))
         self.handoff.after(descriptor)
         self.intake.consumed(descriptor)
         self.outlet.emit(descriptor, output)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from kvasir.config.devices import cuda_ordinal, torch_dtype
@@ -58,8 +60,9 @@ class StageEngine:
         """Free the KV of the requests the descriptor releases."""
         self.cache.release(descriptor.release)
 
-    def run(self, descriptor: BatchDescriptor, inputs: torch.Tensor) -> torch.Tensor:
-        """Token ids [T] on the head, boundary [T, hidden] elsewhere; returns the stage output.
+    def run(self, descriptor: BatchDescriptor, inputs: torch.Tensor, scored: Collection[int] = ()) -> torch.Tensor:
+        """Token ids [T] on the head, boundary [T, hidden] elsewhere; returns the stage output
+        (the tail's: logits of the emitting rows, then of every token of ``scored`` rows).
 
         Releases are applied first; the caller handles release-only descriptors (no
         rows) with ``release`` alone.
@@ -71,7 +74,7 @@ class StageEngine:
                 f"descriptor says {descriptor.num_tokens}, input has {inputs.shape[0]}"
             )
         self.release(descriptor)
-        batch = build_batch(self.cache, self.spec.layers[0], descriptor.rows)
+        batch = build_batch(self.cache, self.spec.layers[0], descriptor.rows, scored)
         return self.model(inputs.to(self.device), batch)
 
 

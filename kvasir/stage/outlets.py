@@ -57,6 +57,9 @@ class DownstreamOutlet:
         self._pending.append((descriptor, output))
         self._flush()
 
+    def scored(self, descriptor: BatchDescriptor) -> tuple[int, ...]:
+        return ()
+
     def _flush(self) -> None:
         while self._pending:
             descriptor, output = self._pending[0]
@@ -88,6 +91,9 @@ class TailOutlet:
     def receive(self) -> None:
         pass
 
+    def scored(self, descriptor: BatchDescriptor) -> tuple[int, ...]:
+        return self.sampler.scored(descriptor)
+
     def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None:
         if output is None:
             self.sampler.sample(descriptor, torch.empty(0, 0))
@@ -95,8 +101,9 @@ class TailOutlet:
         result = self.sampler.sample(descriptor, output)
         self.sampled(descriptor, result)
         self.head.send(result)
-        if result.tokens:
-            self.bridge.send(TokenEvents(result.tokens))
+        prompt = self.sampler.take_prompt_scores()
+        if result.tokens or prompt:
+            self.bridge.send(TokenEvents(result.tokens, prompt))
 
     def sampled(self, descriptor: BatchDescriptor, result: BatchResult) -> None:
         """Called with each batch's tokens before they go out (the prefill tail hands requests on)."""

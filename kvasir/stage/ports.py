@@ -57,4 +57,8 @@ class Outlet(Protocol):
 
     def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None: ...
 
+    def scored(self, descriptor: BatchDescriptor) -> tuple[int, ...]:
+        """The requests whose rows need logits at every token (a tail scoring prompts)."""
+        ...
+
     hop_ns: int  # time spent on boundary hand-offs (writing slots, descriptors, credits)

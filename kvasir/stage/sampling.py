@@ -7,7 +7,7 @@ import torch
 
 from kvasir.errors import BatchError
 from kvasir.wire.base import FinishReason
-from kvasir.wire.batch import BatchDescriptor, NewRequest, SampledToken, SamplingParams
+from kvasir.wire.batch import BatchDescriptor, NewRequest, PromptScores, Row, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
 
 GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive token indices over the seed space
@@ -23,6 +23,7 @@ class RequestSampler:
 
     def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int, scheduled_ns: int = 0) -> None:
         self.params = new.sampling
+        self.prompt = new.prompt  # only for a request whose prompt the tail scores
         self.scheduled_ns = scheduled_ns
         self.generator = torch.Generator(device="cpu")
         self.seed = new.seed
@@ -97,6 +98,9 @@ class Sampler:
         self.eos_ids = eos_ids
         self.max_seq_len = max_seq_len
         self._requests: dict[int, RequestSampler] = {}
+        self._admitted: BatchDescriptor | None = None  # the batch whose releases and new requests are in
+        self._scoring: tuple[BatchDescriptor | None, tuple[int, ...]] = (None, ())
+        self._prompt_scores: tuple[PromptScores, ...] = ()
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -106,30 +110,81 @@ class Sampler:
         state = self._requests[request_id]
         return state.params, state.seed
 
+    def scored(self, descriptor: BatchDescriptor) -> tuple[int, ...]:
+        """The requests whose rows in this batch are prompt chunks to score: the stage
+        computes logits at their every token, after the emitting rows' (``sample``)."""
+        self._admit(descriptor)
+        rows = tuple(row.request_id for row in descriptor.rows if self._scores(row))
+        self._scoring = (descriptor, rows)
+        return rows
+
+    def take_prompt_scores(self) -> tuple[PromptScores, ...]:
+        """The prompt scores of the batch ``sample`` last saw."""
+        scores, self._prompt_scores = self._prompt_scores, ()
+        return scores
+
     def sample(self, descriptor: BatchDescriptor, logits: torch.Tensor) -> BatchResult:
-        """Sample one token for every emitting row of the batch; logits are [E, vocab]."""
+        """Sample one token for every emitting row of the batch; logits are [E, vocab], then
+        one per token of the rows ``scored`` named for this batch."""
+        self._admit(descriptor)
+        scoring = self._scoring[1] if self._scoring[0] is descriptor else ()
+        logits = logits.float().cpu()
+        emitting = [row for row in descriptor.rows if row.emit]
+        scored = [row for row in descriptor.rows if row.request_id in scoring]
+        expected = len(emitting) + sum(row.num_tokens for row in scored)
+        if expected != logits.shape[0]:
+            raise BatchError(f"batch {descriptor.batch_id}: {len(emitting)} emitting rows, {logits.shape[0]} logits")
+        self._prompt_scores = tuple(self._score(scored, logits[len(emitting) :]))  # before any request ends
+        tokens = [self._pick(descriptor, row, row_logits) for row, row_logits in zip(emitting, logits)]
+        return BatchResult(descriptor.batch_id, tuple(tokens))
+
+    def _admit(self, descriptor: BatchDescriptor) -> None:
+        """Apply a batch's releases and new requests, once whichever of scored/sample comes first."""
+        if self._admitted is descriptor:
+            return
+        self._admitted = descriptor
         for rid in descriptor.release:
             self._requests.pop(rid, None)
         for new in descriptor.new_requests:
             self._requests[new.request_id] = RequestSampler(
                 new, self.eos_ids, self.max_seq_len, descriptor.scheduled_ns
             )
-        logits = logits.float().cpu()
-        tokens = []
-        emitting = [row for row in descriptor.rows if row.emit]
-        if len(emitting) != logits.shape[0]:
-            raise BatchError(f"batch {descriptor.batch_id}: {len(emitting)} emitting rows, {logits.shape[0]} logits")
-        for row, row_logits in zip(emitting, logits):
-            state = self._requests.get(row.request_id)
-            if state is None:
-                raise BatchError(f"batch {descriptor.batch_id}: request {row.request_id} has no sampling spec")
-            token = state.pick(row_logits)
-            finish = state.finish(token, row.start + row.num_tokens + 1)
-            if finish is not None:
-                del self._requests[row.request_id]
-            first = state.scheduled_ns if state.generated == 1 else 0
-            sampled = SampledToken(row.request_id, token, state.generated - 1, finish, first)
-            if state.params.logprobs >= 0:
-                sampled = msgspec.structs.replace(sampled, **_scores(row_logits, token, state.params.logprobs))
-            tokens.append(sampled)
-        return BatchResult(descriptor.batch_id, tuple(tokens))
+
+    def _pick(self, descriptor: BatchDescriptor, row: Row, logits: torch.Tensor) -> SampledToken:
+        state = self._requests.get(row.request_id)
+        if state is None:
+            raise BatchError(f"batch {descriptor.batch_id}: request {row.request_id} has no sampling spec")
+        token = state.pick(logits)
+        finish = state.finish(token, row.start + row.num_tokens + 1)
+        if finish is not None:
+            del self._requests[row.request_id]
+        first = state.scheduled_ns if state.generated == 1 else 0
+        sampled = SampledToken(row.request_id, token, state.generated - 1, finish, first)
+        if state.params.logprobs >= 0:
+            sampled = msgspec.structs.replace(sampled, **_scores(logits, token, state.params.logprobs))
+        return sampled
+
+    def _scores(self, row: Row) -> bool:
+        state = self._requests.get(row.request_id)
+        return state is not None and row.start < len(state.prompt) - 1
+
+    def _score(self, rows: list[Row], logits: torch.Tensor):
+        """Each scored row's prompt tokens after its first position: the log-probability of
+        the token at p + 1 from the logits at p (the row's last logits may predict the
+        first output token instead: that one is sampled, not scored)."""
+        offset = 0
+        for row in rows:
+            state = self._requests[row.request_id]
+            chunk, offset = logits[offset : offset + row.num_tokens], offset + row.num_tokens
+            count = min(row.start + row.num_tokens, len(state.prompt) - 1) - row.start
+            targets = state.prompt[row.start + 1 : row.start + 1 + count]
+            logprobs = torch.log_softmax(torch.nan_to_num(chunk[:count], nan=float("-inf")), dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist()
+            top = state.params.prompt_logprobs
+            best = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else None
+            pairs = (
+                tuple(tuple(zip(ids, values)) for ids, values in zip(best.indices.tolist(), best.values.tolist()))
+                if best is not None
+                else ((),) * count
+            )
+            yield PromptScores(row.request_id, row.start + 1, tuple(targets), tuple(chosen), pairs)

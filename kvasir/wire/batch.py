@@ -18,6 +18,7 @@ class SamplingParams(Wire, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids (benchmarks)
     logprobs: int = -1  # -1: none; N >= 0: each output token's log-probability and the N most likely tokens'
+    prompt_logprobs: int = -1  # as logprobs, for every prompt token after the first (the tail scores the prompt)
 
 
 class NewRequest(Wire, frozen=True):
@@ -27,6 +28,7 @@ class NewRequest(Wire, frozen=True):
     sampling: SamplingParams
     seed: int  # the resolved seed (a request without one gets a random seed at the head)
     generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
+    prompt: tuple[int, ...] = ()  # the prompt's ids, for a request with prompt_logprobs only (the tail scores them)
 
 
 class Row(Wire, frozen=True):
@@ -64,6 +66,17 @@ class SampledToken(Wire, frozen=True):
         0.0  # with SamplingParams.logprobs >= 0: the token's log-probability (the model's, before sampling)
     )
     top: tuple[tuple[int, float], ...] = ()  # and the most likely tokens' (id, log-probability), best first
+
+
+class PromptScores(Wire, frozen=True):
+    """The tail -> the bridge: log-probabilities of a run of a request's prompt tokens, each
+    given the tokens before it (one prompt chunk's worth)."""
+
+    request_id: int
+    first: int  # position of the first scored token (>= 1: the first prompt token has no score)
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]  # per token, the most likely tokens' (id, log-probability)
 
 
 class Credit(Wire, frozen=True):

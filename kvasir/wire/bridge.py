@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from kvasir.config.plan import Pool
 from kvasir.wire.base import Tagged, Wire
-from kvasir.wire.batch import SampledToken
+from kvasir.wire.batch import PromptScores, SampledToken
 
 
 # -- stages to the bridge -----------------------------------------------------------------
 class TokenEvents(Tagged, frozen=True):
     tokens: tuple[SampledToken, ...]
+    prompt: tuple[PromptScores, ...] = ()  # prompt chunks scored in the same batch (before its tokens)
 
 
 class RequestEnded(Tagged, frozen=True):

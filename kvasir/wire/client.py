@@ -37,6 +37,7 @@ class Submit(_Client, frozen=True, tag="submit"):
     stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # N: each token's log-probability and the N most likely tokens' (0 <= N <= 20)
+    prompt_logprobs: int | None = None  # N: the same for every prompt token after the first (PromptLogprobs events)
 
 
 class Cancel(_Client, frozen=True, tag="cancel"):
@@ -63,6 +64,17 @@ class TokenOut(_Client, frozen=True, tag="token"):
     text: str
     logprob: float | None = None  # a request with logprobs: the token's log-probability under the model
     top_logprobs: list[tuple[int, float]] | None = None  # and the most likely tokens' (id, log-probability)
+
+
+class PromptLogprobs(_Client, frozen=True, tag="prompt_logprobs"):
+    """A request with prompt_logprobs: a run of its prompt tokens' log-probabilities, each
+    given the tokens before it, in prompt order (before the request's first token)."""
+
+    request_id: int
+    first: int  # position of token_ids[0] in the prompt (>= 1)
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]  # per token, the most likely tokens' (id, log-probability)
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,4 +180,4 @@ class StatsReply(_Client, frozen=True, tag="stats"):
     stats: DaemonStats
 
 
-ClientEvent = Accepted | TokenOut | Finished | Cancelled | ErrorEvent | StatsReply
+ClientEvent = Accepted | TokenOut | PromptLogprobs | Finished | Cancelled | ErrorEvent | StatsReply

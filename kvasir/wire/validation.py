@@ -73,10 +73,10 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise RequestError("invalid_request", f"seed must be an integer in [0, 2**63), got {params.seed!r}")
     if not isinstance(params.ignore_eos, bool):
         raise RequestError("invalid_request", f"ignore_eos must be true or false, got {params.ignore_eos!r}")
-    if not _is_int(params.logprobs) or not -1 <= params.logprobs <= MAX_LOGPROBS:
-        raise RequestError(
-            "invalid_request", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {params.logprobs!r}"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if not _is_int(value) or not -1 <= value <= MAX_LOGPROBS:
+            raise RequestError("invalid_request", f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
     if not _is_int(params.max_tokens) or params.max_tokens < 1:
         raise RequestError("invalid_request", f"max_tokens must be an integer >= 1, got {params.max_tokens!r}")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:

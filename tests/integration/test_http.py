@@ -298,6 +298,31 @@ def test_logprobs_are_the_reference_models(http_daemon, tiny_models):
         # greedy: the chosen token is the best; two tokens may share a text (bytes of one character)
         assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(got.token_logprobs[k], abs=1e-6)
     assert "".join(got.tokens) == choice.text and got.text_offset[0] == 0
+    echoed = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True
+    ).choices[0]
+    scored = echoed.logprobs
+    assert len(scored.token_logprobs) == len(prompt) + len(ids) and scored.token_logprobs[0] is None
+    assert scored.top_logprobs[0] is None and all(len(top) <= 2 for top in scored.top_logprobs[1:])
+    reference = torch.log_softmax(logits[: len(prompt) - 1], dim=-1)  # token k given the tokens before it
+    expected_prompt = [float(reference[k - 1, prompt[k]]) for k in range(1, len(prompt))]
+    assert scored.token_logprobs[1 : len(prompt)] == pytest.approx(expected_prompt, abs=1e-3)
+    assert scored.token_logprobs[len(prompt) :] == pytest.approx(got.token_logprobs, abs=1e-6)
+    assert echoed.text.endswith(choice.text) and echoed.text == "".join(scored.tokens)
+    long = [(7 * k + 3) % 300 + 5 for k in range(150)]  # longer than a batch (max_tokens 64): scored in chunks
+    whole = client.completions.create(model="tiny-llama", prompt=long, max_tokens=1, logprobs=0, echo=True)
+    with torch.no_grad():
+        long_logits = torch.log_softmax(model(torch.tensor([long])).logits[0].float(), dim=-1)
+    expected_long = [float(long_logits[k - 1, long[k]]) for k in range(1, len(long))]
+    assert whole.choices[0].logprobs.token_logprobs[1 : len(long)] == pytest.approx(expected_long, abs=1e-3)
+    chunks = list(
+        client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=6, temperature=0, logprobs=1, echo=True, stream=True
+        )
+    )
+    first = chunks[0].choices[0]
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(expected_prompt, abs=1e-3)
+    assert first.text == "".join(first.logprobs.tokens)
     chat = client.chat.completions.create(
         model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2
     )

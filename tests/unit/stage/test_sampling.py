@@ -139,3 +139,32 @@ def test_logprobs_are_the_models_own_and_only_when_asked(logits):
     assert (
         chosen_only.top == () and chosen_only.logprob <= 0.0 and chosen_only.logprob == chosen_only.logprob
     )  # not NaN
+
+
+def test_prompt_chunks_are_scored_token_by_token_and_the_last_position_is_sampled():
+    sampler = Sampler(eos_ids=(), max_seq_len=100)
+    prompt = (4, 9, 1, 7, 3)
+    new = NewRequest(1, SamplingParams(temperature=0, prompt_logprobs=2), 5, prompt=prompt)
+    table = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(5))
+    first = descriptor([Row(1, 0, 3, (0,), False)], [new])
+    assert sampler.scored(first) == (1,)
+    assert sampler.sample(first, table[:3]).tokens == ()  # three scored positions, nothing emitted
+    [chunk] = sampler.take_prompt_scores()
+    expected = torch.log_softmax(table, dim=-1)
+    assert (chunk.first, chunk.token_ids) == (1, prompt[1:4])
+    assert list(chunk.logprobs) == pytest.approx([float(expected[k, prompt[k + 1]]) for k in range(3)], abs=1e-5)
+    assert [len(top) for top in chunk.top] == [2, 2, 2]
+    assert chunk.top[0][0][0] == int(expected[0].argmax())
+    last = descriptor([Row(1, 3, 2, (), True)])
+    assert sampler.scored(last) == (1,)
+    emitted = torch.cat([table[5:6], table[3:5]])  # the emitting row's logits first, then the scored tokens
+    [token] = sampler.sample(last, emitted).tokens
+    assert token.token_id == int(table[5].argmax())
+    [tail] = sampler.take_prompt_scores()
+    assert (tail.first, tail.token_ids) == (4, (3,))  # position 4 (the last prompt token) from position 3's logits
+    assert tail.logprobs[0] == pytest.approx(float(expected[3, 3]), abs=1e-5)
+    assert sampler.scored(descriptor([Row(1, 5, 1, (), True)])) == ()  # decode rows are never scored
+    with pytest.raises(BatchError, match="emitting rows"):
+        wrong = descriptor([Row(1, 5, 1, (), True)])
+        sampler.scored(wrong)
+        sampler.sample(wrong, table[:3])
