@@ -127,7 +127,7 @@ def against_daemon(
     return report, [RunPicture("ring", result.records, report["stages"], spans)]
 
 
-def doors_mode(rt, door, concurrency, count, warmup, lengths, prompts_file, seed, ignore_eos, rounds, say) -> dict:
+def doors_mode(rt, door, concurrency: int, workload, rounds: int, say) -> dict:
     """The same jobs through the ZeroMQ client and the HTTP front, alternating for ``rounds``."""
     import aiohttp
 
@@ -135,28 +135,25 @@ def doors_mode(rt, door, concurrency, count, warmup, lengths, prompts_file, seed
     from kvasir.bench.runner import one_request, run_load, summary_data
     from kvasir.client import AsyncClient
 
+    w = workload
+
     async def run() -> list[tuple[str, dict]]:
         limits = aiohttp.TCPConnector(limit=0)  # one connection per request in flight, as aiperf's pool
         async with await AsyncClient.connect(rt) as client, aiohttp.ClientSession(connector=limits) as session:
             model = await served_model(session, door)
-            jobs = jobs_for(count + warmup, lengths, prompts_file, seed, (await client.stats()).vocab_size)
-            senders = {"zeromq": partial(one_request, client, ignore_eos=ignore_eos)}
-            senders["http"] = http_sender(session, door, model, ignore_eos)
+            jobs = jobs_for(w.count + w.warmup, w.lengths, w.prompts_file, w.seed, (await client.stats()).vocab_size)
+            senders = {"zeromq": partial(one_request, client, ignore_eos=w.ignore_eos)}
+            senders["http"] = http_sender(session, door, model, w.ignore_eos)
             runs = []
             for round_ in range(rounds):
                 for name, send in senders.items():
                     say(f"round {round_ + 1}/{rounds}: {name}")
-                    result = await run_load(client, jobs, warmup=warmup, concurrency=concurrency, send=send)
+                    result = await run_load(client, jobs, warmup=w.warmup, concurrency=concurrency, send=send)
                     runs.append((name, summary_data(result.records, result.duration_s, None)))
             return runs
 
-    workload = {"requests": count, "warmup": warmup, "prompt_len": str(lengths[0]), "output_len": str(lengths[1])}
     mode = {"doors": door.url, "concurrency": concurrency, "rounds": rounds}
-    return {
-        "mode": mode,
-        "workload": workload | {"seed": seed, "ignore_eos": ignore_eos},
-        "doors": doors_summary(asyncio.run(run())),
-    }
+    return {"mode": mode, "workload": w.report(), "doors": doors_summary(asyncio.run(run()))}
 
 
 def failover_mode(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say) -> dict:

@@ -99,3 +99,26 @@ def file_jobs(path: Path, count: int, output_len: LengthSpec, seed: int) -> list
             Job(row.get("token_ids"), row.get("prompt"), int(max_tokens) if max_tokens else output_len.draw(rng))
         )
     return jobs
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A run's jobs as the command line gives them: how many, their lengths or file, the seed."""
+
+    count: int  # measured requests
+    warmup: int
+    lengths: tuple[LengthSpec, LengthSpec]  # prompt, output
+    prompts_file: str | None
+    seed: int
+    ignore_eos: bool
+
+    def report(self) -> dict:
+        prompt, output = self.lengths
+        return {
+            "requests": self.count,
+            "warmup": self.warmup,
+            "prompt_len": str(prompt),
+            "output_len": str(output),
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+        }

@@ -219,22 +219,15 @@ def bench(
             click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
             return
         if doors_url is not None:
-            _doors(
-                doors_url,
-                api_key,
-                plan_path,
-                runtime_dir,
-                concurrency,
-                count,
-                warmup,
-                lengths,
-                prompts_file,
-                seed,
-                ignore_eos,
-                rounds,
-                as_json,
-                say,
-            )
+            from kvasir.bench.doors import print_doors
+            from kvasir.bench.modes import doors_mode
+            from kvasir.bench.workload import Workload
+
+            door = _door(doors_url, api_key)
+            workload = Workload(count, warmup, lengths, prompts_file, seed, ignore_eos)
+            with driven_daemon(plan_path, runtime_dir) as rt:
+                report = doors_mode(rt, door, concurrency or 32, workload, rounds, say)
+            click.echo(json.dumps(report)) if as_json else print_doors(report, click.echo)
             return
         if failover:
             report = failover_mode(plan_path, runtime_dir, concurrency, rounds, lengths, prompts_file, seed, say)
@@ -320,33 +313,12 @@ def bench(
     print_report(report, click.echo)
 
 
-def _doors(
-    url,
-    api_key,
-    plan_path,
-    runtime_dir,
-    concurrency,
-    count,
-    warmup,
-    lengths,
-    prompts_file,
-    seed,
-    ignore_eos,
-    rounds,
-    as_json,
-    say,
-):
-    from kvasir.bench.doors import Door, print_doors
-    from kvasir.bench.modes import doors_mode
+def _door(url: str, api_key: str | None):
+    from kvasir.bench.doors import Door
 
     if not url.startswith(("http://", "https://")):
         raise click.UsageError(f"--doors {url}: give the front's URL, e.g. http://127.0.0.1:8000")
-    with driven_daemon(plan_path, runtime_dir) as rt:
-        door = Door(url.rstrip("/"), api_key)
-        report = doors_mode(
-            rt, door, concurrency or 32, count, warmup, lengths, prompts_file, seed, ignore_eos, rounds, say
-        )
-    click.echo(json.dumps(report)) if as_json else print_doors(report, click.echo)
+    return Door(url.rstrip("/"), api_key)
 
 
 def _progress_line(line: str) -> None:

@@ -360,3 +360,51 @@ def test_bench_drives_both_doors_with_the_same_jobs(http_daemon):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert wrong.returncode == 2 and "--doors" in wrong.stderr
+
+
+def test_hostile_bodies_get_openai_errors_and_the_front_keeps_serving(http_daemon):
+    url = f"http://127.0.0.1:{http_daemon.port}/v1/completions"
+    auth = ["-H", f"Authorization: Bearer {KEY}"]
+    cases = [
+        (["-d", "{not json"], "400"),
+        (["-d", '{"prompt": {"nested": [[[[1]]]]}}'], "400"),
+        (["-d", '{"prompt": "x", "n": 1e400}'], "400"),
+        (["-d", '{"prompt": "x", "stop": ["' + "s" * 300 + '"]}'], "400"),
+        (["-d", '{"prompt": [1, -5]}'], "400"),
+        (["-d", '{"prompt": "x", "max_tokens": 0}'], "400"),
+        (["-d", '{"prompt": "x", "temperature": -1}'], "400"),
+        (["-d", '{"prompt": "x", "logprobs": 99}'], "400"),
+        (["-d", '{"messages": [{"role": "user", "content": "x"}]}'], "400"),  # chat body on completions
+        (["--data-binary", "@-"], "413"),  # 40 MB of body, more than the front reads
+        (["-X", "PUT", "-d", "{}"], "405"),
+    ]
+    for args, status in cases:
+        body = b"[" + b"1," * (20 * 1024 * 1024) + b"1]" if "@-" in args else None
+        run = subprocess.run(
+            ["curl", "-s", "-w", "\n%{http_code}", *auth, *args, url], input=body, capture_output=True, timeout=60
+        )
+        text, _, code = run.stdout.decode().rpartition("\n")
+        assert code == status, (args[:2], code, text[:300])
+        assert json.loads(text)["error"]["message"], text[:300]
+    client = sdk(http_daemon)
+    assert client.completions.create(model="tiny-llama", prompt=[5], max_tokens=2).usage.completion_tokens <= 2
+
+
+def test_plan_and_start_refuse_an_exposed_or_taken_address(tiny_models, tmp_path):
+    from tests.support.daemon import BIN
+
+    exposed = write_plan(tmp_path / "exposed.toml", tiny_models["llama"], SPLITS, http={"listen": "0.0.0.0:8000"})
+    check = subprocess.run([str(BIN / "kvasir"), "plan", "check", str(exposed)], capture_output=True, text=True)
+    assert check.returncode == 2 and "needs http.api_keys" in check.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        plan = write_plan(tmp_path / "taken.toml", tiny_models["llama"], SPLITS, http={"listen": f"127.0.0.1:{port}"})
+        start = subprocess.run(
+            [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(tmp_path / "rt")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert start.returncode == 1 and f"cannot bind http.listen = 127.0.0.1:{port}" in start.stdout + start.stderr
