@@ -20,6 +20,8 @@ from kvasir.http.errors import ApiError
 from kvasir.http.schema import FinishReason
 from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, PromptLogprobs, TokenOut
 
+ANSWER_S = 5.0  # closing: how long to wait for the bridge's answer to a submission (to cancel it)
+
 
 @dataclass(frozen=True)
 class Submission:
@@ -85,6 +87,7 @@ class Choice:
     ids: list[int] = field(default_factory=list)  # output token ids so far
     scores: list[Score] = field(default_factory=list)  # their log-probabilities, when asked for
     prompt_scores: list[Score] = field(default_factory=list)  # the prompt's, with echo and logprobs
+    ended: bool = False
 
     @property
     def scores_prompt(self) -> bool:
@@ -96,8 +99,6 @@ class Choice:
         if not self.scores_prompt or len(self.prompt_scores) != len(prompt) - 1:
             return None
         return Piece(self.submission.index, "", scores=((prompt[0], None, None), *self.prompt_scores), prompt=True)
-
-    ended: bool = False
 
 
 @dataclass
@@ -197,9 +198,16 @@ class Generation:
         return None
 
     async def close_one(self, choice: Choice) -> None:
-        """A choice ended here (a stop string): cancel its request in the daemon."""
-        rid = choice.stream.request_id
+        """A choice ended here (a stop string, the client went away, a sibling was refused):
+        cancel its request in the daemon, once the bridge's answer to it is in."""
         choice.ended = True
+        rid = choice.stream.request_id
+        if rid is None:  # the answer to its submission is still on its way
+            try:
+                first = await asyncio.wait_for(anext(choice.events), ANSWER_S)
+            except (TimeoutError, StopAsyncIteration, KvasirError):
+                return
+            rid = first.request_id if isinstance(first, Accepted) else None
         if rid is not None:
             try:
                 await self.client.cancel(rid)

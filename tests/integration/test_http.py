@@ -408,3 +408,31 @@ def test_plan_and_start_refuse_an_exposed_or_taken_address(tiny_models, tmp_path
             timeout=120,
         )
     assert start.returncode == 1 and f"cannot bind http.listen = 127.0.0.1:{port}" in start.stdout + start.stderr
+
+
+def test_a_partly_refused_request_is_one_429_and_nothing_of_it_keeps_running(tiny_models, start_daemon):
+    port = free_port()
+    daemon = start_daemon(
+        tiny_models["llama-tokenizer"], SPLITS, http={"listen": f"127.0.0.1:{port}"}, max_waiting=2
+    ).wait_ready()
+    daemon.port = port
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    deadline = time.monotonic() + 30
+    while curl_health(port)[0] != "200" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(
+            model="llama-tokenizer", prompt=[5], n=4, max_tokens=200, extra_body={"ignore_eos": True}
+        )
+    assert refused.value.body["code"] == "overloaded"
+    aborted = 0.0
+    while time.monotonic() < deadline:
+        aborted = value(metrics(daemon)["kvasir:request_success"], "_total", finished_reason="abort")
+        with daemon.client() as zmq_client:
+            if zmq_client.stats().in_flight == 0 and aborted == 2:
+                break
+        time.sleep(0.1)
+    assert aborted == 2  # the two it accepted were cancelled, not left to run 200 tokens
+    assert (
+        client.completions.create(model="llama-tokenizer", prompt=[5], n=2, max_tokens=2).usage.completion_tokens <= 4
+    )
