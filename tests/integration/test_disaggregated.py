@@ -125,7 +125,7 @@ def test_a_lost_confirmation_ends_with_the_lease(tiny_models, start_daemon):
         for final in finals:
             assert isinstance(final, ErrorEvent) and final.code == "stage_failed", final
             assert "did not take" in final.message
-        prefill = [s for s in settled(daemon.runtime_dir).stages if s.pool == "prefill"]
+        prefill = [s for s in settled(daemon.runtime_dir, pool="prefill").stages if s.pool == "prefill"]
         assert len(prefill) == 2 and all(s.handing_off == 0 and s.kv_blocks == 0 for s in prefill), prefill
     finally:
         os.kill(pids[3], signal.SIGCONT)

@@ -191,20 +191,22 @@ class TailReader:
         self.process.wait()
 
 
-def settled(runtime_dir, timeout_s: float = 30.0):
+def settled(runtime_dir, timeout_s: float = 30.0, pool: str | None = None):
     """Stats once no request is in the daemon, every worker has reported since (the stages
     free released blocks with the next descriptor, and report twice a second) and no
-    stage holds a block; after ``timeout_s``, the stats as they are."""
+    stage holds a block; after ``timeout_s``, the stats as they are. With ``pool``, only
+    that pool's workers count (a test that stopped a worker of the other pool)."""
     deadline = time.monotonic() + timeout_s
     idle_at: dict[int, float] | None = None  # each worker's clock in the first report seen with nothing in flight
     while True:
         with Client(runtime_dir) as client:
             stats = client.stats()
-        workers = [*stats.stages, *stats.shards]  # by pid: a restarted worker's clock starts again
-        clocks = {worker.pid: worker.wall_s for worker in workers}
+        workers = [w for w in (*stats.stages, *stats.shards) if pool is None or w.pool == pool]
+        clocks = {worker.pid: worker.wall_s for worker in workers}  # by pid: a restarted worker's clock starts again
         if idle_at is None and stats.in_flight == 0:
             idle_at = clocks
         reported = idle_at is not None and all(wall > idle_at.get(pid, -1.0) for pid, wall in clocks.items())
-        if reported and all(s.kv_blocks == 0 for s in stats.stages) or time.monotonic() > deadline:
+        stages = [s for s in stats.stages if pool is None or s.pool == pool]
+        if reported and all(s.kv_blocks == 0 for s in stages) or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)
