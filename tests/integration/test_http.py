@@ -219,13 +219,22 @@ def front_pids(daemon) -> list[int]:
     return [int(pid) for pid in re.findall(r"http front ready .*pid=(\d+)", daemon.log())]
 
 
-def test_a_failed_front_is_restarted_alone_and_health_follows_the_daemon(tiny_models, start_daemon):
+def own_front(tiny_models, start_daemon, **plan) -> tuple[Daemon, openai.OpenAI]:
+    """A daemon of the test's own (the Llama with a tokenizer, one front without keys),
+    serving once its front says so, and an SDK client for it."""
     port = free_port()
-    daemon = start_daemon(
-        tiny_models["llama-tokenizer"], SPLITS, http={"listen": f"127.0.0.1:{port}"}, max_seq_len=512
-    ).wait_ready()
+    daemon = start_daemon(tiny_models["llama-tokenizer"], SPLITS, http={"listen": f"127.0.0.1:{port}"}, **plan)
+    daemon.wait_ready()
     daemon.port = port
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    deadline = time.monotonic() + 30
+    while curl_health(port)[0] != "200" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return daemon, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_a_failed_front_is_restarted_alone_and_health_follows_the_daemon(tiny_models, start_daemon):
+    daemon, client = own_front(tiny_models, start_daemon, max_seq_len=512)
+    port = daemon.port
     [first] = front_pids(daemon)
     with daemon.client() as zmq_client:
         running = zmq_client.submit(token_ids=[5, 6], max_tokens=400, temperature=0, ignore_eos=True)
@@ -411,15 +420,8 @@ def test_plan_and_start_refuse_an_exposed_or_taken_address(tiny_models, tmp_path
 
 
 def test_a_partly_refused_request_is_one_429_and_nothing_of_it_keeps_running(tiny_models, start_daemon):
-    port = free_port()
-    daemon = start_daemon(
-        tiny_models["llama-tokenizer"], SPLITS, http={"listen": f"127.0.0.1:{port}"}, max_waiting=2
-    ).wait_ready()
-    daemon.port = port
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    daemon, client = own_front(tiny_models, start_daemon, max_waiting=2)
     deadline = time.monotonic() + 30
-    while curl_health(port)[0] != "200" and time.monotonic() < deadline:
-        time.sleep(0.1)
     with pytest.raises(openai.RateLimitError) as refused:
         client.completions.create(
             model="llama-tokenizer", prompt=[5], n=4, max_tokens=200, extra_body={"ignore_eos": True}
