@@ -110,7 +110,6 @@ class Bridge:
         self.timelines: dict[int, deque[BatchSpan]] = {}
         self.started = time.monotonic()
         self.accepted = 0
-        self.tokens_out = 0
         self.next_id = 1
         self.draining = False
         self.drained_sent = False
@@ -292,7 +291,6 @@ class Bridge:
             record.second_ns = now
         record.last_ns = now
         record.token_ids.append(token.token_id)
-        self.tokens_out += 1
         text = ""
         if record.detokenizer is not None:
             text = record.detokenizer.push(token.token_id)
@@ -424,7 +422,7 @@ class Bridge:
             uptime_s=time.monotonic() - self.started,
             requests=self.accepted,
             in_flight=len(self.requests),
-            tokens_out=self.tokens_out,
+            tokens_out=self.metrics.generation_tokens,
             waiting_limit=self.max_waiting,
             vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len,

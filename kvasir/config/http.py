@@ -23,7 +23,7 @@ MAX_KEYS = 10_000
 class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     listen: str = "127.0.0.1:8000"  # HOST:PORT
     api_keys: str | None = None  # a file of bearer keys, one per line (relative: from the plan's folder)
-    workers: int = 1  # front processes sharing the port (SO_REUSEPORT)
+    workers: int = 1  # front processes sharing the one listening socket the launcher binds
     model_name: str | None = None  # the id in /v1/models and responses (default: from model.source)
 
 

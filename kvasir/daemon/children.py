@@ -53,6 +53,11 @@ class StagePlace:
     shards: list[ShardWiring] = field(default_factory=list)  # its expert shards
 
 
+def ending(code: int) -> str:
+    """How a child whose return code is ``code`` ended, in words."""
+    return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
 def child_name(settings: WorkerSettings) -> str:
     return "bridge" if settings.role == "bridge" else f"{settings.role}-{settings.index}"
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 
 from kvasir.config.http import HttpSpec, parse_listen
-from kvasir.daemon.children import Child, join_children, spawn_child
+from kvasir.daemon.children import Child, ending, join_children, spawn_child
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
 from kvasir.errors import KvasirError
 from kvasir.wire.control import Command, Heartbeat, Ready, WorkerSettings
@@ -47,7 +47,6 @@ class Fronts:
         self.running: dict[int, Child] = {}
         self.policies: dict[int, RestartPolicy] = {}
         self.due: dict[int, float] = {}  # fronts waiting out their back-off: when to start them
-        self.restarts = 0
 
     @property
     def workers(self) -> int:
@@ -99,13 +98,14 @@ class Fronts:
         for child in self.running.values():
             code = child.process.poll()
             if code is not None:
-                return f"{child.name} (pid {child.process.pid}) exited with code {code}"
+                return f"{child.name} (pid {child.process.pid}) {ending(code)}"
         return None
 
     def check(self, now: float) -> None:
         """Restart fronts that exited or hung, each after its own back-off."""
+        silent = self.heartbeats.silent(now)  # once a look: it forgives pauses of the launcher itself
         for index, child in list(self.running.items()):
-            why = self._why_failed(child, now)
+            why = self._why_failed(child, silent)
             if why is None:
                 continue
             self._end(index)
@@ -116,7 +116,6 @@ class Fronts:
         for index, at in list(self.due.items()):
             if now >= at:
                 del self.due[index]
-                self.restarts += 1
                 self._spawn(index)
 
     def stop(self, timeout_s: float) -> None:
@@ -136,11 +135,10 @@ class Fronts:
             self.listener.close()
             self.listener = None
 
-    def _why_failed(self, child: Child, now: float) -> str | None:
+    def _why_failed(self, child: Child, silent: tuple[str, float] | None) -> str | None:
         code = child.process.poll()
         if code is not None:
-            return f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"
-        silent = self.heartbeats.silent(now)
+            return ending(code)
         if silent is not None and silent[0] == child.name:
             return f"hung: no heartbeat for {silent[1]:.1f} s"
         return None

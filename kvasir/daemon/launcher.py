@@ -15,7 +15,7 @@ from typing import Literal
 import zmq
 
 from kvasir.config.plan import Plan
-from kvasir.daemon.children import Child, join_children
+from kvasir.daemon.children import Child, ending, join_children
 from kvasir.daemon.fronts import FrontError, Fronts
 from kvasir.daemon.layout import Layout, LayoutError, lay_out
 from kvasir.daemon.notify import ServiceNotifier
@@ -304,8 +304,7 @@ class Launcher:
         dead = self._dead()
         if dead is None:
             return None
-        code = dead.process.returncode or 0  # set: the child is dead
-        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        how = ending(dead.process.returncode or 0)  # set: the child is dead
         why = getattr(dead.process, "reason", "")  # a follower's worker: what its follower or the link said
         return f"{dead.name} (pid {dead.process.pid}) {how}" + (f": {why}" if why else "")
 

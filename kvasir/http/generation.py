@@ -134,8 +134,8 @@ class Generation:
     async def pieces(self) -> AsyncIterator[Piece]:
         """Every choice's pieces as they come, until each has its last (or failed)."""
         queue: asyncio.Queue[Piece] = asyncio.Queue()
-        for choice in self.choices:  # a one-token prompt has nothing to wait for
-            piece = choice.prompt_piece() if len(choice.submission.prompt) == 1 else None
+        for choice in self.choices:  # a one-token prompt's scores are complete already
+            piece = choice.prompt_piece()
             if piece is not None:
                 queue.put_nowait(piece)
         pumps = [asyncio.create_task(self._pump(choice, queue)) for choice in self.choices]

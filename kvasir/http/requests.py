@@ -10,10 +10,10 @@ from kvasir.http.errors import ApiError, invalid
 from kvasir.http.generation import Submission
 from kvasir.http.prompts import Prompt, Prompts
 from kvasir.http.schema import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
+from kvasir.wire.validation import MAX_SEED
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SUBMISSIONS = 256  # choices of one request, all prompts together (bridge.max_per_client's default)
-MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)

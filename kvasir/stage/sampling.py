@@ -78,12 +78,23 @@ class RequestSampler:
 
 def _scores(logits: torch.Tensor, token: int, top: int) -> dict:
     """``token``'s log-probability under the model's own distribution (before temperature,
-    top-k or top-p, as vLLM reports them) and the ``top`` most likely tokens'. Logits that
-    are not finite count as impossible (-inf), never as NaN."""
-    logprobs = torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=-1)
-    best = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else None
-    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
-    return {"logprob": float(logprobs[token]), "top": pairs}
+    top-k or top-p, as vLLM reports them) and the ``top`` most likely tokens'."""
+    logprobs = _log_probs(logits)
+    return {"logprob": float(logprobs[token]), "top": _best(logprobs[None], top)[0]}
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities over the last dimension; logits that are NaN count as impossible
+    (-inf), so no log-probability is NaN."""
+    return torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=-1)
+
+
+def _best(logprobs: torch.Tensor, top: int) -> list[tuple[tuple[int, float], ...]]:
+    """Per row of [R, vocab] log-probabilities: the ``top`` most likely (id, log-probability), best first."""
+    if not top:
+        return [()] * logprobs.shape[0]
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+    return [tuple(zip(ids, values)) for ids, values in zip(best.indices.tolist(), best.values.tolist())]
 
 
 def _argmax(logits: torch.Tensor) -> int:
@@ -114,7 +125,7 @@ class Sampler:
         """The requests whose rows in this batch are prompt chunks to score: the stage
         computes logits at their every token, after the emitting rows' (``sample``)."""
         self._admit(descriptor)
-        rows = tuple(row.request_id for row in descriptor.rows if self._scores(row))
+        rows = tuple(row.request_id for row in descriptor.rows if self._is_prompt_chunk(row))
         self._scoring = (descriptor, rows)
         return rows
 
@@ -164,7 +175,7 @@ class Sampler:
             sampled = msgspec.structs.replace(sampled, **_scores(logits, token, state.params.logprobs))
         return sampled
 
-    def _scores(self, row: Row) -> bool:
+    def _is_prompt_chunk(self, row: Row) -> bool:
         state = self._requests.get(row.request_id)
         return state is not None and row.start < len(state.prompt) - 1
 
@@ -178,13 +189,7 @@ class Sampler:
             chunk, offset = logits[offset : offset + row.num_tokens], offset + row.num_tokens
             count = min(row.start + row.num_tokens, len(state.prompt) - 1) - row.start
             targets = state.prompt[row.start + 1 : row.start + 1 + count]
-            logprobs = torch.log_softmax(torch.nan_to_num(chunk[:count], nan=float("-inf")), dim=-1)
+            logprobs = _log_probs(chunk[:count])
             chosen = logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist()
-            top = state.params.prompt_logprobs
-            best = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else None
-            pairs = (
-                tuple(tuple(zip(ids, values)) for ids, values in zip(best.indices.tolist(), best.values.tolist()))
-                if best is not None
-                else ((),) * count
-            )
+            pairs = tuple(_best(logprobs, state.params.prompt_logprobs))
             yield PromptScores(row.request_id, row.start + 1, tuple(targets), tuple(chosen), pairs)
