@@ -2,20 +2,24 @@
 
 Per-batch metadata is built once per batch (``PagedBatch``) and handed to the layers as
 a call argument (``kvasir=...``), which transformers forwards to the attention
-function; nothing is kept in module-level state.
+function; nothing is kept in module-level state. Each layer writes the batch's keys and
+values into the cache, then attends: in place on CPU (kvasir/model/paged_inplace.py),
+by gathering every row's context on an accelerator (kvasir/model/paged_gather.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kvasir.model.kv_cache import PagedKVCache
+from kvasir.model.paged_gather import GatherPlan, attend_gathered
+from kvasir.model.paged_inplace import RowPlan, attend_rows
 from kvasir.wire.batch import Row
 
 ATTENTION_NAME = "kvasir_paged"
@@ -27,57 +31,6 @@ def register_attention() -> None:
 
 
 @dataclass
-class RowView:
-    """A multi-token row (a prefill chunk): where it sits in the packed tokens and the cache."""
-
-    begin: int  # first token index in the packed batch
-    end: int
-    start: int  # position of the row's first token
-    read_slots: torch.Tensor  # cache slots of positions [0, start + n)
-    masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
-
-    def mask(self, window: int | None, groups: int, device: torch.device) -> torch.Tensor:
-        """Boolean [groups * n, context] mask (True = attend), repeated for the query
-        heads that share one KV head (grouped-query attention)."""
-        key = (window, groups)
-        if key not in self.masks:
-            n = self.end - self.begin
-            q_pos = torch.arange(self.start, self.start + n, device=device)[:, None]
-            k_pos = torch.arange(self.start + n, device=device)[None, :]
-            allowed = k_pos <= q_pos
-            if window is not None:
-                allowed &= (q_pos - k_pos) < window
-            self.masks[key] = allowed.repeat(groups, 1)
-        return self.masks[key]
-
-
-@dataclass
-class DecodeGroup:
-    """Every single-token row of a batch, attended together in one padded call."""
-
-    tokens: torch.Tensor  # [R] packed index of each row's token
-    read_slots: torch.Tensor  # [R, L] cache slots of each row's context, padded with slot 0
-    contexts: list[int]  # each row's context length (its position + 1)
-    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
-
-    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
-        """Boolean [R, 1, 1, L] mask hiding padding and keys outside the window; None
-        where every key of every row is attended."""
-        if window not in self.masks:
-            longest = self.read_slots.shape[1]
-            if min(self.contexts) == longest and (window is None or longest <= window):
-                self.masks[window] = None
-            else:
-                q_pos = torch.tensor(self.contexts, device=device)[:, None] - 1
-                k_pos = torch.arange(longest, device=device)[None, :]
-                allowed = k_pos <= q_pos
-                if window is not None:
-                    allowed &= (q_pos - k_pos) < window
-                self.masks[window] = allowed[:, None, None, :]
-        return self.masks[window]
-
-
-@dataclass
 class PagedBatch:
     """Attention metadata for one packed batch on one stage."""
 
@@ -85,10 +38,14 @@ class PagedBatch:
     first_layer: int
     positions: torch.Tensor  # [T] position of every packed token
     write_slots: torch.Tensor  # [T] cache slot each token's K/V goes to
-    decode: DecodeGroup | None  # the single-token rows
-    chunks: list[RowView]  # the multi-token rows
+    rows: list[RowPlan]
     emit_index: torch.Tensor  # [E] packed index of each emitting row's last token
     score_index: torch.Tensor  # [S] packed index of every token of the scored rows (prompt log-probabilities)
+    in_place: bool  # attend over the cache in place (CPU), else gather each row's context
+
+    @cached_property
+    def gathered(self) -> GatherPlan:
+        return GatherPlan.of(self.rows, self.cache.keys.device)
 
 
 def build_batch(
@@ -97,42 +54,29 @@ def build_batch(
     """Record the rows' block growth and precompute every index the layers need; the rows
     of the requests in ``scored`` get logits at every token (the tail only)."""
     device = cache.keys.device
-    positions, writes, chunks, emit = [], [], [], []
+    positions, writes, plans, emit = [], [], [], []
     score: list[int] = []
-    singles: list[tuple[int, torch.Tensor]] = []
     begin = 0
     for row in rows:
         table = cache.extend(row.request_id, row.new_blocks)
         stop = row.start + row.num_tokens
         writes.append(cache.slots(row.request_id, table, row.start, stop))
-        context = cache.slots(row.request_id, table, 0, stop)
-        if row.num_tokens == 1:
-            singles.append((begin, context))
-        else:
-            chunks.append(RowView(begin, begin + row.num_tokens, row.start, context))
+        plans.append(RowPlan(begin, begin + row.num_tokens, row.start, tuple(table), cache.block_size))
         positions.append(torch.arange(row.start, stop))
         if row.request_id in scored:
             score.extend(range(begin, begin + row.num_tokens))
         begin += row.num_tokens
         if row.emit:
             emit.append(begin - 1)
-    decode = None
-    if singles:
-        padded = torch.nn.utils.rnn.pad_sequence([slots for _, slots in singles], batch_first=True)
-        decode = DecodeGroup(
-            tokens=torch.tensor([index for index, _ in singles], dtype=torch.long, device=device),
-            read_slots=padded,
-            contexts=[len(slots) for _, slots in singles],
-        )
     return PagedBatch(
         cache=cache,
         first_layer=first_layer,
         positions=torch.cat(positions).to(device),
         write_slots=torch.cat(writes),
-        decode=decode,
-        chunks=chunks,
+        rows=plans,
         emit_index=torch.tensor(emit, dtype=torch.long, device=device),
         score_index=torch.tensor(score, dtype=torch.long, device=device),
+        in_place=device.type == "cpu",
     )
 
 
@@ -148,39 +92,19 @@ def paged_attention(
     kvasir: PagedBatch | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, None]:
-    """Write this batch's K/V into the paged cache, then attend over it: every
-    single-token row in one padded call, each multi-token row on its own.
+    """Write this batch's K/V into the paged cache, then attend over it.
 
     ``query`` is [1, heads, T, dim] and ``key``/``value`` are [1, kv_heads, T, dim]
-    (rotary already applied); returns [1, T, heads, dim]. Query heads that share a KV
-    head are folded into the query length instead of copying the keys per head.
+    (rotary already applied); returns [1, T, heads, dim].
     """
     if kvasir is None:
         raise RuntimeError("kvasir_paged attention called without its batch metadata (kvasir=...)")
     layer = cast(int, module.layer_idx) - kvasir.first_layer
-    k_cache = kvasir.cache.keys[layer]
-    v_cache = kvasir.cache.values[layer]
-    k_cache.index_copy_(0, kvasir.write_slots, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, kvasir.write_slots, value[0].transpose(0, 1))
-    heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    out = query.new_empty(total, heads, dim)
-    decode = kvasir.decode
-    if decode is not None:
-        rows = decode.tokens.shape[0]
-        q = query[0].index_select(1, decode.tokens).transpose(0, 1).reshape(rows, kv_heads, groups, dim)
-        k = k_cache[decode.read_slots].transpose(1, 2)  # [R, kv_heads, L, dim]
-        v = v_cache[decode.read_slots].transpose(1, 2)
-        mask = decode.mask(sliding_window, query.device)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-        out.index_copy_(0, decode.tokens, attended.reshape(rows, heads, dim))
-    for row in kvasir.chunks:
-        n = row.end - row.begin
-        q = query[0, :, row.begin : row.end].reshape(kv_heads, groups * n, dim)
-        k = k_cache[row.read_slots].transpose(0, 1)  # [kv_heads, context, dim]
-        v = v_cache[row.read_slots].transpose(0, 1)
-        mask = row.mask(sliding_window, groups, query.device)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-        out[row.begin : row.end] = attended.reshape(heads, n, dim).transpose(0, 1)
+    caches = (kvasir.cache.keys[layer], kvasir.cache.values[layer])
+    caches[0].index_copy_(0, kvasir.write_slots, key[0].transpose(0, 1))
+    caches[1].index_copy_(0, kvasir.write_slots, value[0].transpose(0, 1))
+    if kvasir.in_place:
+        out = attend_rows(kvasir.rows, query[0], key[0], value[0], caches, sliding_window, scaling)
+    else:
+        out = attend_gathered(kvasir.gathered, query[0], caches, sliding_window, scaling, key.shape[1])
     return out.unsqueeze(0), None
