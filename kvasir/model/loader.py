@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from kvasir.config.plan import Plan
 from kvasir.errors import ModelSourceError
 from kvasir.model.attention import ATTENTION_NAME, register_attention
+from kvasir.model.fused import fuse_layers
 from kvasir.model.moe import LocalExperts, MissingExperts, MoeBlock, MoeLayout, Piece
 from kvasir.model.source import ModelSource
 
@@ -109,14 +110,17 @@ def count_parameters(modules: SliceModules) -> int:
 def load_slice(
     source: ModelSource, spec: SliceSpec, dtype: torch.dtype, device: torch.device
 ) -> tuple[SliceModules, list[str]]:
-    """Materialise the stage's modules and fill them; return them and the tensors read."""
+    """Materialise the stage's modules, fill them and fuse their projections
+    (kvasir/model/fused.py); return them and the tensors read."""
     folder = source.require_weights()
     modules = build_skeleton(source, spec)
     modules.to_empty(device=device)
     modules.to(dtype)
     state = modules.state_dict(keep_vars=True)
     wanted = [(state[local], piece) for local, pieces in modules.checkpoint_pieces().items() for piece in pieces]
-    return modules, _read(source, folder, wanted, dtype)
+    read = _read(source, folder, wanted, dtype)
+    fuse_layers(modules.layers, source.config.model_type)
+    return modules, read
 
 
 def load_experts(

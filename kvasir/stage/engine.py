@@ -13,6 +13,7 @@ from kvasir.model.attention import build_batch
 from kvasir.model.expert_dispatch import DispatchClock, ExpertShard, InProcessShard, ShardedExperts
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import load_experts, load_slice, slice_spec
+from kvasir.model.packed import pack_linears
 from kvasir.model.source import ModelSource
 from kvasir.model.stage_model import StageModel
 from kvasir.wire.batch import BatchDescriptor
@@ -33,6 +34,7 @@ class StageEngine:
         self.device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)  # "cuda" is cuda:0
         dtype = torch_dtype(plan.model.dtype)
         modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
+        self.packed = pack_linears(modules)
         self.dispatch = DispatchClock()
         self.model = StageModel(modules, source, self.device)
         self.cache = PagedKVCache(

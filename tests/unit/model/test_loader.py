@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from kvasir.errors import ModelSourceError
-from kvasir.model.loader import SliceSpec, build_skeleton, load_slice
+from kvasir.model.loader import SliceSpec, build_skeleton, load_slice, slice_spec
+from kvasir.model.packed import PackedLinear
 from kvasir.model.source import resolve_source
 from kvasir.stage.engine import StageEngine
 
@@ -28,6 +29,9 @@ def test_two_stage_split_reads_disjoint_halves(tiny_models, plan_for):
         mine = sum(all_tensors[n].numel() for n in layer_params(read))
         assert mine == decoder // 2
         held = sum(p.numel() for n, p in stage.model.slice.named_parameters() if n.startswith("layers."))
+        packed = [m for m in stage.model.slice.layers.modules() if isinstance(m, PackedLinear)]
+        assert packed and stage.packed == len(packed) + (stage is tail)  # every projection, the tail's LM head
+        held += sum(m.in_features * m.out_features for m in packed)  # weights packed for oneDNN
         assert held == decoder // 2
     assert layer_params(head.tensors_read).isdisjoint(layer_params(tail.tensors_read))
     # head: embeddings only; tail: final norm and the LM head, tied to the embeddings here
@@ -39,7 +43,9 @@ def test_two_stage_split_reads_disjoint_halves(tiny_models, plan_for):
         "model.norm.weight",
         "model.embed_tokens.weight",
     }
-    assert torch.equal(tail.model.slice.lm_head.weight, all_tensors["model.embed_tokens.weight"])
+    probe = torch.randn(3, 64)  # the LM head (packed) computes with the embeddings' weights
+    expected = probe @ all_tensors["model.embed_tokens.weight"].T
+    torch.testing.assert_close(tail.model.slice.lm_head(probe), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_untied_lm_head_is_read_from_its_own_tensor(tiny_models, plan_for):
@@ -106,3 +112,24 @@ def test_bad_sources(tmp_path, monkeypatch):
         ModelSourceError, match="is not converted into the cache .* run `kvasir model prepare smollm2-135m`"
     ):
         resolve_source("smollm2-135m").require_weights()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_projections_are_fused_once_loaded(tiny_models, plan_for, family):
+    """One query/key/value product per layer and one gate/up product per dense MLP, the
+    weights those of the checkpoint side by side (the chain tests check the outputs)."""
+    from kvasir.model.fused import FusedAttention, FusedMLP
+
+    plan, source = plan_for(tiny_models[family], [(0, 3), (3, 6)])
+    modules, _ = load_slice(source, slice_spec(plan, 0), torch.float32, torch.device("cpu"))
+    tensors = load_file(str(tiny_models[family] / "model.safetensors"))
+    for index, layer in enumerate(modules.layers):
+        assert isinstance(layer.self_attn, FusedAttention)
+        prefix = f"model.layers.{index}."
+        parts = [tensors[f"{prefix}self_attn.{name}_proj.weight"] for name in "qkv"]
+        assert torch.equal(layer.self_attn.qkv.weight, torch.cat(parts))
+        dense = f"{prefix}mlp.gate_proj.weight" in tensors
+        assert isinstance(layer.mlp, FusedMLP) == dense
+    assert modules.layers[0].self_attn.sliding_window == (8 if family == "mistral-window" else None)
+    if family == "qwen2_moe":  # its one dense layer among the MoE ones
+        assert isinstance(modules.layers[1].mlp, FusedMLP)
