@@ -74,8 +74,8 @@ class FusedAttention(nn.Module):
         self.qkv = _fused_linear([attention.q_proj, attention.k_proj, attention.v_proj])
         self.sizes = [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
         self.o_proj = attention.o_proj
-        self.q_norm = getattr(attention, "q_norm", None)
-        self.k_norm = getattr(attention, "k_norm", None)
+        self.q_norm: Any = getattr(attention, "q_norm", None)
+        self.k_norm: Any = getattr(attention, "k_norm", None)  # both or neither (Qwen3)
         self.rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
 
     def forward(
