@@ -104,6 +104,12 @@ from kvasir.errors import KvasirError
     "descriptor, CURVE) over loopback TCP; cpu only.",
 )
 @click.option(
+    "--roofline",
+    is_flag=True,
+    help="Measure this machine's limits: memory bandwidth (copy, triad) and float32 matrix-product "
+    "GFLOP/s at the model's shapes (--plan's model, else the default), with 1 and 2 threads.",
+)
+@click.option(
     "--submit-only",
     is_flag=True,
     help="Measure submission line rate: --requests one-token requests as fast as one client can.",
@@ -151,6 +157,7 @@ def bench(
     rounds,
     plot_dir,
     hop,
+    roofline,
     hop_device,
     hop_link,
     submit_only,
@@ -210,6 +217,9 @@ def bench(
     slo = (slo_ttft, slo_tpot) if slo_ttft is not None else None
     say = _progress_line if not as_json else (lambda line: None)
     try:
+        if roofline:
+            _roofline(plan_path, as_json)
+            return
         if hop:
             from kvasir.bench.hop import hop_report, print_hop
 
@@ -311,6 +321,16 @@ def bench(
     from kvasir.bench.report import print_report
 
     print_report(report, click.echo)
+
+
+def _roofline(plan_path: str | None, as_json: bool) -> None:
+    from kvasir.bench.roofline import print_roofline, roofline_report
+    from kvasir.config.plan import default_plan_path
+    from kvasir.daemon.resolve import resolve_plan
+
+    _, source = resolve_plan(Path(plan_path) if plan_path is not None else default_plan_path())
+    report = roofline_report(source)
+    click.echo(json.dumps(report)) if as_json else print_roofline(report, click.echo)
 
 
 def _door(url: str, api_key: str | None):
