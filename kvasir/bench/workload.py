@@ -1,8 +1,10 @@
-"""What a bench run submits: prompts and output lengths from fixed, uniform or file specs."""
+"""What a bench run submits: prompts and output lengths from fixed, uniform, mixed,
+log-normal or file specs."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,15 +18,21 @@ class WorkloadError(KvasirError):
 
 @dataclass(frozen=True)
 class LengthSpec:
-    """A fixed length ("128"), a uniform range ("64:192", both ends included), or a mix
-    drawn uniformly from a list ("1000,40,40,40": a quarter long prompts, the rest chats)."""
+    """A fixed length ("128"), a uniform range ("64:192", both ends included), a mix
+    drawn uniformly from a list ("1000,40,40,40": a quarter long prompts, the rest chats),
+    or a heavy tail like chat traffic's ("lognormal:96:0.9:8:1024": log-normal with median
+    96 and sigma 0.9, rounded and kept within 8..1024)."""
 
     low: int
     high: int
     choices: tuple[int, ...] = ()
+    median: float | None = None  # log-normal: the median and the sigma of the log
+    sigma: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> LengthSpec:
+        if text.startswith("lognormal:"):
+            return cls._lognormal(text)
         if "," in text:
             try:
                 choices = tuple(int(part) for part in text.split(","))
@@ -43,10 +51,29 @@ class LengthSpec:
             raise WorkloadError(f"length {text!r} must satisfy 1 <= LOW <= HIGH")
         return cls(low, high)
 
+    @classmethod
+    def _lognormal(cls, text: str) -> LengthSpec:
+        parts = text.split(":")[1:]
+        try:
+            median, sigma = float(parts[0]), float(parts[1])
+            low, high = int(parts[2]), int(parts[3])
+        except (ValueError, IndexError):
+            raise WorkloadError(f"length {text!r} is not lognormal:MEDIAN:SIGMA:LOW:HIGH") from None
+        if len(parts) != 4 or not (math.isfinite(median) and math.isfinite(sigma)):
+            raise WorkloadError(f"length {text!r} is not lognormal:MEDIAN:SIGMA:LOW:HIGH")
+        if low < 1 or high < low or not low <= median <= high or not 0 <= sigma <= 10:
+            raise WorkloadError(f"length {text!r} must satisfy 1 <= LOW <= MEDIAN <= HIGH and 0 <= SIGMA <= 10")
+        return cls(low, high, median=median, sigma=sigma)
+
     def draw(self, rng: random.Random) -> int:
+        if self.median is not None:
+            length = round(rng.lognormvariate(math.log(self.median), self.sigma))
+            return min(self.high, max(self.low, length))
         return rng.choice(self.choices) if self.choices else rng.randint(self.low, self.high)
 
     def __str__(self) -> str:
+        if self.median is not None:
+            return f"lognormal:{self.median:g}:{self.sigma:g}:{self.low}:{self.high}"
         if self.choices:
             return ",".join(map(str, self.choices))
         return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"

@@ -25,9 +25,16 @@ from kvasir.errors import KvasirError
     "--prompt-len",
     default="128",
     show_default=True,
-    help="Prompt tokens: N, LOW:HIGH (uniform) or N,N,... (drawn from the list: 1000,40,40,40 mixes long prompts into chats).",
+    help="Prompt tokens: N, LOW:HIGH (uniform), N,N,... (drawn from the list: 1000,40,40,40 mixes long "
+    "prompts into chats) or lognormal:MEDIAN:SIGMA:LOW:HIGH (heavy-tailed like chat traffic, e.g. "
+    "lognormal:96:0.9:8:1024).",
 )
-@click.option("--output-len", default="64", show_default=True, help="Output tokens: N, LOW:HIGH or N,N,...")
+@click.option(
+    "--output-len",
+    default="64",
+    show_default=True,
+    help="Output tokens: N, LOW:HIGH, N,N,... or lognormal:MEDIAN:SIGMA:LOW:HIGH.",
+)
 @click.option(
     "--prompts",
     "prompts_file",

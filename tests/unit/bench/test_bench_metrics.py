@@ -102,6 +102,36 @@ def test_length_specs_and_jobs(tmp_path):
         file_jobs(path, 1, LengthSpec(1, 1), seed=0)
 
 
+def test_lognormal_lengths_have_a_heavy_tail_within_their_bounds():
+    import random
+    import statistics
+
+    from kvasir.bench.workload import LengthSpec, WorkloadError
+
+    spec = LengthSpec.parse("lognormal:96:0.9:8:1024")
+    assert str(spec) == "lognormal:96:0.9:8:1024"
+    rng = random.Random(3)
+    draws = [spec.draw(rng) for _ in range(4000)]
+    assert min(draws) >= 8 and max(draws) <= 1024
+    assert 85 <= statistics.median(draws) <= 107
+    assert statistics.mean(draws) > 1.3 * statistics.median(draws)  # the tail pulls the mean up
+    assert sum(d > 500 for d in draws) > 20  # a few long ones, as in chat traffic
+    assert LengthSpec.parse("lognormal:5:0:1:9").draw(rng) == 5  # sigma 0: always the median
+    rerun = random.Random(3)
+    assert [spec.draw(rerun) for _ in range(4000)] == draws  # seeded
+    for bad in (
+        "lognormal:96:0.9:8",
+        "lognormal:x:1:1:9",
+        "lognormal:96:-1:8:1024",
+        "lognormal:4:1:8:1024",
+        "lognormal:96:0.9:8:1024:5",
+        "lognormal:nan:1:1:9",
+        "lognormal:96:11:8:1024",
+    ):
+        with pytest.raises(WorkloadError, match="lognormal"):
+            LengthSpec.parse(bad)
+
+
 def test_goodput_search_finds_a_known_knee():
     from kvasir.bench.metrics import search_goodput
 
