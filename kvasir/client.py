@@ -27,6 +27,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvasir.config.keys import load_pair, load_public
 from kvasir.errors import KvasirError
+from kvasir.wire import batching
+from kvasir.wire.batching import MAX_BATCH
 from kvasir.wire.client import (
     Accepted,
     Cancel,
@@ -136,6 +138,8 @@ class AsyncClient:
         self._by_key: dict[int, RequestStream] = {}
         self._by_id: dict[int, RequestStream] = {}
         self._stats: dict[int, asyncio.Future] = {}
+        self._outgoing: list[bytes] = []  # messages of this turn, sent together (kvasir/wire/batching.py)
+        self._sender: asyncio.Task | None = None
         self._reader = asyncio.create_task(self._read())
         self._failure: BaseException | None = None
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | REFUSED | sum(LINK))
@@ -218,12 +222,12 @@ class AsyncClient:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-        await self._io.send(self._encoder.encode(message))
+        await self._post(message)
         return stream
 
     async def cancel(self, request_id: int) -> None:
         self._raise_if_failed()
-        await self._io.send(self._encoder.encode(Cancel(request_id=request_id)))
+        await self._post(Cancel(request_id=request_id))
 
     async def stats(self, timeline: bool = False, timeout_s: float = 10.0) -> DaemonStats:
         """The daemon's statistics; with ``timeline``, each stage's recent batch spans too.
@@ -232,7 +236,7 @@ class AsyncClient:
         key = next(self._keys)
         future = asyncio.get_running_loop().create_future()
         self._stats[key] = future
-        await self._io.send(self._encoder.encode(StatsQuery(key=key, timeline=timeline)))
+        await self._post(StatsQuery(key=key, timeline=timeline))
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
@@ -242,7 +246,42 @@ class AsyncClient:
         finally:
             self._stats.pop(key, None)
 
+    async def _post(self, message: Submit | Cancel | StatsQuery) -> None:
+        """Queue a message for the bridge: what is queued in one turn of the event loop
+        leaves as one batch when the turn ends (at most MAX_BATCH messages each)."""
+        self._outgoing.append(self._encoder.encode(message))
+        if len(self._outgoing) >= MAX_BATCH:
+            batch, self._outgoing = self._outgoing, []
+            await self._io.send(batching.join(batch))
+        elif self._sender is None:
+            self._sender = asyncio.create_task(self._send_turn())
+
+    async def _send_turn(self) -> None:
+        await asyncio.sleep(0)  # let the rest of this turn's messages join
+        self._sender = None
+        batch, self._outgoing = self._outgoing, []
+        if not batch:
+            return
+        try:
+            await self._io.send(batching.join(batch))
+        except Exception as exc:  # the socket is gone: every caller hears of it
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        for stream in [*self._by_key.values(), *self._by_id.values()]:
+            stream._put(exc)
+        for future in self._stats.values():
+            if not future.done():
+                future.set_exception(exc)
+
+    def _decode(self, body: bytes) -> list:
+        members = batching.split(body) if batching.is_batch(body) else [body]
+        return [self._decoder.decode(member) for member in members]
+
     async def close(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
         for task in (self._reader, self._watcher):
             task.cancel()
         await asyncio.gather(self._reader, self._watcher, return_exceptions=True)
@@ -256,16 +295,12 @@ class AsyncClient:
         try:
             while True:
                 for body in await self._io.recv_batch():
-                    self._route(self._decoder.decode(body))
+                    for event in self._decode(body):
+                        self._route(event)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # deliver the failure to every waiting caller
-            self._failure = exc
-            for stream in [*self._by_key.values(), *self._by_id.values()]:
-                stream._put(exc)
-            for future in self._stats.values():
-                if not future.done():
-                    future.set_exception(exc)
+            self._fail(exc)
 
     async def _watch(self) -> None:
         """When the connection to the bridge drops (it failed or stopped), route what had
@@ -282,7 +317,8 @@ class AsyncClient:
                 continue
             try:
                 while True:
-                    self._route(self._decoder.decode(self._io.shadow.recv(zmq.NOBLOCK)))
+                    for event in self._decode(self._io.shadow.recv(zmq.NOBLOCK)):
+                        self._route(event)
             except zmq.Again:
                 pass
             lost = ErrorEvent(code="stage_failed", message="lost the connection to kvasird before the request ended")
@@ -293,14 +329,9 @@ class AsyncClient:
 
     def _refused(self) -> None:
         """The daemon's endpoint refused the handshake: fail every caller, clearly."""
-        self._failure = NotAuthorised(
-            "kvasird refused this client: no CURVE key, a key it does not allow, or the wrong server key"
+        self._fail(
+            NotAuthorised("kvasird refused this client: no CURVE key, a key it does not allow, or the wrong server key")
         )
-        for stream in [*self._by_key.values(), *self._by_id.values()]:
-            stream._put(self._failure)
-        for future in self._stats.values():
-            if not future.done():
-                future.set_exception(self._failure)
 
     def _route(self, event) -> None:
         match event:

@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -23,8 +24,10 @@ from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
 from kvasir.bridge.metrics import Metrics
 from kvasir.bridge.outbox import Outbox
 from kvasir.bridge.sockets import client_router, remote_router
+from kvasir.bridge.stats import daemon_stats
 from kvasir.bridge.submissions import Submissions
 from kvasir.errors import RequestError
+from kvasir.wire import batching
 from kvasir.wire.batch import PromptScores, SampledToken
 from kvasir.wire.bridge import (
     BatchSpan,
@@ -40,7 +43,6 @@ from kvasir.wire.client import (
     Cancel,
     Cancelled,
     ClientMessage,
-    DaemonStats,
     ErrorEvent,
     PromptLogprobs,
     StatsQuery,
@@ -139,6 +141,7 @@ class Bridge:
                     if failure is not None:
                         raise failure  # a broken loop is fatal: the launcher sees us exit
         finally:
+            self.outbox.end_turn()  # what this turn has for clients leaves before the sockets close
             for task in [*self._tasks, stopped]:
                 task.cancel()
             await asyncio.gather(*self._tasks, stopped, return_exceptions=True)
@@ -157,15 +160,23 @@ class Bridge:
             return
         identity, body = frames
         peer = Peer(io, identity)
+        if not batching.is_batch(body):
+            await self._client_body(peer, body)
+            return
+        try:
+            members = batching.split(body)
+        except batching.BatchError as exc:
+            await self._send(peer, ErrorEvent(code="invalid_request", message=str(exc)))
+            return
+        for member in members:
+            await self._client_body(peer, member)
+
+    async def _client_body(self, peer: Peer, body: bytes) -> None:
         try:
             message = self.client_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._send(
-                peer,
-                ErrorEvent(
-                    code="invalid_request", message=f"malformed message: {exc}", key=self.submissions.key_of(body)
-                ),
-            )
+            key = self.submissions.key_of(body)
+            await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}", key=key))
             return
         match message:
             case Submit():
@@ -173,7 +184,7 @@ class Bridge:
             case Cancel(request_id=rid):
                 await self._cancel(peer, rid)
             case StatsQuery(key=key, timeline=timeline):
-                await self._send(peer, StatsReply(key=key, stats=self.daemon_stats(timeline)))
+                await self._send(peer, StatsReply(key=key, stats=daemon_stats(self, timeline)))
 
     async def _submit(self, peer: Peer, msg: Submit) -> None:
         try:
@@ -202,9 +213,15 @@ class Bridge:
         self.metrics.accepted(len(ids))
         client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
-        if self.requests.get(rid) is None:
-            return  # the client could not be told (gone, or not reading): nothing runs for nobody
-        await self.head_io.send(self.encoder.encode(Enqueue(rid, tuple(ids), sampling, client)))
+        self.outbox.after_turn(
+            partial(self._enqueue, rid, self.encoder.encode(Enqueue(rid, tuple(ids), sampling, client)))
+        )
+
+    def _enqueue(self, rid: int, body: bytes) -> None:
+        """Hand a request to the head once its Accepted has left: one whose client could
+        not be told (gone, or not reading) is never enqueued, nothing runs for nobody."""
+        if self.requests.get(rid) is not None:
+            self.head_io.send_now([body])
 
     async def _cancel(self, peer: Peer, rid: int) -> None:
         record = self.requests.get(rid)
@@ -272,7 +289,7 @@ class Bridge:
                 logprobs=list(scores.logprobs),
                 top_logprobs=top,
             )
-            self._deliver(record.peer, self.encoder.encode(event))
+            self.outbox.deliver(record.peer, self.encoder.encode(event))
 
     async def _token(self, arrived: SampledToken) -> None:
         record = self.requests.get(arrived.request_id)
@@ -306,7 +323,7 @@ class Bridge:
         )
         encoded = self.encoder.encode(event)
         await self.publisher_io.send(encoded)
-        self._deliver(record.peer, encoded)
+        self.outbox.deliver(record.peer, encoded)
         if token.finish is not None:
             self.requests.end(token.request_id)
             finished = record.finished(token.request_id, token.finish)
@@ -397,13 +414,10 @@ class Bridge:
             await self._send(record.peer, ErrorEvent(code=code, message=message, request_id=rid))
 
     async def _send(self, peer: Peer, event) -> None:
-        self._deliver(peer, self.encoder.encode(event))
-
-    def _deliver(self, peer: Peer, payload: bytes) -> None:
         """Queue one event for a client; a client that is gone, or has not read its last
         ``bridge.max_client_queue`` events or ``bridge.max_client_bytes`` bytes, loses its
         requests instead (see kvasir/bridge/outbox.py)."""
-        self.outbox.deliver(peer, payload)
+        self.outbox.deliver(peer, self.encoder.encode(event))
 
     def _lost(self, peer: Peer, why: str) -> None:
         """Cancel every request of a client that cannot be told anything any more."""
@@ -415,28 +429,3 @@ class Bridge:
             self.head_io.send_now([self.encoder.encode(CancelRequest(rid))])
         if rids:
             self.log.warning("client lost: its requests are cancelled", why=why, requests=len(rids))
-
-    def daemon_stats(self, timeline: bool = False) -> DaemonStats:
-        order = sorted(self.stage_stats)
-        return DaemonStats(
-            uptime_s=time.monotonic() - self.started,
-            requests=self.accepted,
-            in_flight=len(self.requests),
-            tokens_out=self.metrics.generation_tokens,
-            waiting_limit=self.max_waiting,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            stages=[self.stage_stats[k] for k in order],
-            shards=[self.shard_stats[k] for k in sorted(self.shard_stats)],
-            timeline=[list(self.timelines.get(k, ())) for k in order] if timeline else [],
-            state="draining" if self.draining else "restarting" if self.restarting is not None else "serving",
-            restarts=self.restarts,
-            last_failure=self.last_failure,
-            last_failure_age_s=time.monotonic() - self.last_failure_at if self.last_failure is not None else None,
-            handoff=self.handoffs.summary(),
-            client_bytes_waiting=self.outbox.waiting_bytes,
-            clients_lost=self.clients_lost,
-            malformed=self.malformed,
-            hosts_missing=self.hosts_missing,
-            metrics=self.metrics.snapshot(),
-        )

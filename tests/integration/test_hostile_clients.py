@@ -15,6 +15,7 @@ from kvasir.client import AsyncClient, Client
 from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
 from tests.support.daemon import settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
+from tests.support.wire import events
 
 enc = msgspec.msgpack.encode
 
@@ -186,7 +187,7 @@ def test_oversized_lists_and_texts_are_refused_before_any_walk(tiny_models, star
             assert len(frame) < 16 << 20, name
             sock.send(frame)
             assert sock.poll(20_000), name
-            reply = decoder.decode(sock.recv())
+            (reply,) = events(decoder, sock.recv())
             assert isinstance(reply, ErrorEvent) and reply.code == code and fragment in reply.message, (name, reply)
             assert reply.key is not None, name  # the client's stream for it ends
         sock.close(linger=0)

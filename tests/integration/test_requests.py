@@ -16,10 +16,11 @@ from kvasir.wire.client import Accepted, Cancelled, ClientEvent, ErrorEvent, Fin
 from kvasir.wire.transport import Endpoints
 from tests.support.daemon import BIN, alive, write_plan
 from tests.support.models import hf_greedy, reference_model
+from tests.support.wire import events
 
 
 async def raw_exchange(runtime_dir, frames_list):
-    """Send raw frames on a DEALER and collect one reply per message."""
+    """Send raw frames on a DEALER and collect the events of one reply per message."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -29,7 +30,7 @@ async def raw_exchange(runtime_dir, frames_list):
     try:
         for frames in frames_list:
             await sock.send_multipart(frames)
-            replies.append(decoder.decode(await asyncio.wait_for(sock.recv(), 10)))
+            replies.extend(events(decoder, await asyncio.wait_for(sock.recv(), 10)))
     finally:
         sock.close()
         ctx.term()
@@ -48,9 +49,38 @@ MALFORMED = [
     [enc({"type": "submit", "key": 1, "token_ids": [1, 2], "colour": "red"})],  # unknown field
     [enc({"type": "submit", "key": "one", "token_ids": [1]})],  # wrong type
     [enc({"type": "cancel", "request_id": [1]})],
-    [enc([1, 2, 3])],
+    [enc([1, 2, 3])],  # a batch of three messages, each malformed: three errors
+    [enc([])],  # an empty batch
+    [enc([{"type": "cancel", "request_id": 1}] * 1025)],  # past MAX_BATCH
+    [enc([[{"type": "stats", "key": 1}]])],  # a batch inside a batch
     [enc({"type": "submit", "key": 1, "token_ids": [1]}), b"extra frame"],
 ]
+
+
+async def mixed_batch(runtime_dir):
+    """One body holding a good submission between bad ones: every member answered on
+    its own; the good one runs to the end."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(Endpoints(runtime_dir).client)
+    decoder = msgspec.msgpack.Decoder(ClientEvent)
+    body = enc(
+        [
+            {"type": "submit", "key": 8, "token_ids": [1, 999]},  # outside the vocabulary
+            {"type": "submit", "key": 7, "token_ids": [5, 9, 11], "max_tokens": 3, "temperature": 0.0},
+            {"type": "submit", "key": 9, "colour": "red"},
+        ]
+    )
+    got: list = []
+    try:
+        await sock.send(body)
+        while not any(isinstance(e, Finished) for e in got):
+            got.extend(events(decoder, await asyncio.wait_for(sock.recv(), 10)))
+    finally:
+        sock.close()
+        ctx.term()
+    return got
 
 
 async def refusals(runtime_dir):
@@ -81,11 +111,18 @@ def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(tiny_models, s
     daemon.wait_ready()
     replies = asyncio.run(raw_exchange(daemon.runtime_dir, MALFORMED))
     assert all(isinstance(r, ErrorEvent) and r.code == "invalid_request" for r in replies), replies
+    assert len(replies) == len(MALFORMED) + 2  # the batch of three got an error each
+    assert sum("1 to 1024 messages" in r.message for r in replies) == 2
     results = asyncio.run(refusals(daemon.runtime_dir))
     for name, event in results.items():
         assert isinstance(event, ErrorEvent), (name, event)
         assert event.code == ("too_long" if name == "too long" else "invalid_request"), (name, event)
         assert event.message
+    mixed = asyncio.run(mixed_batch(daemon.runtime_dir))
+    answers = {e.key: e for e in mixed if isinstance(e, (Accepted, ErrorEvent))}
+    assert answers[8].code == "invalid_request" and answers[9].code == "invalid_request", mixed
+    assert isinstance(answers[7], Accepted) and isinstance(mixed[-1], Finished)
+    assert mixed[-1].token_ids == hf_greedy(reference_model(tiny_models["llama"]), [5, 9, 11], 3)
     unknown = asyncio.run(raw_exchange(daemon.runtime_dir, [[enc({"type": "cancel", "request_id": 424242})]]))
     assert unknown[0].code == "unknown_request"
     # a client that vanishes mid-stream is dropped quietly

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from kvasir.bridge.ledger import Peer
-from kvasir.bridge.outbox import ZMQ_QUEUE, Outbox
+from kvasir.bridge.outbox import BATCH_BYTES, ZMQ_QUEUE, Outbox
+from kvasir.wire import batching
 from kvasir.wire.transport import BatchedSocket
 
 
@@ -81,16 +83,22 @@ def test_a_slow_reader_gets_every_event_in_order(tmp_path):
 
 
 async def read_slowly(outbox, dealer, peer, lost):
-    events = [f"event {i} ".encode() * 200 for i in range(3000)]
+    events = [msgspec.msgpack.encode(f"event {i} " * 200) for i in range(3000)]  # encoded, as the bridge's are
     for event in events:  # far more than ZMQ's queue holds: most wait in the outbox
         outbox.deliver(peer, event)
+    await asyncio.sleep(0)  # the turn ends: its events leave, joined into messages of at most BATCH_BYTES
     assert outbox.waiting_bytes > 0
-    got = []
+    got: list[bytes] = []
+    messages = 0
     while len(got) < len(events):
-        got.append(await asyncio.wait_for(dealer.recv(), 10))
-        if len(got) % 100 == 0:
+        body = await asyncio.wait_for(dealer.recv(), 10)
+        assert len(body) <= BATCH_BYTES + 16
+        got.extend(batching.split(body))
+        messages += 1
+        if messages % 10 == 0:
             await asyncio.sleep(0.001)  # a reader slower than the writer
     assert got == events and not lost and outbox.waiting_bytes == 0
+    assert messages < len(events) // 10  # events travel many to a message
 
 
 def test_a_client_that_is_gone_is_lost_at_once(tmp_path):

@@ -1,0 +1,36 @@
+"""The bridge's answer to a stats query, from its own counters and the stages' reports."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvasir.wire.client import DaemonStats
+
+
+def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
+    """What ``kvasir stats`` shows: the bridge's (kvasir/bridge/server.py) own figures and
+    the stages' latest reports."""
+    order = sorted(bridge.stage_stats)
+    return DaemonStats(
+        uptime_s=time.monotonic() - bridge.started,
+        requests=bridge.accepted,
+        in_flight=len(bridge.requests),
+        tokens_out=bridge.metrics.generation_tokens,
+        waiting_limit=bridge.max_waiting,
+        vocab_size=bridge.vocab_size,
+        max_seq_len=bridge.max_seq_len,
+        stages=[bridge.stage_stats[k] for k in order],
+        shards=[bridge.shard_stats[k] for k in sorted(bridge.shard_stats)],
+        timeline=[list(bridge.timelines.get(k, ())) for k in order] if timeline else [],
+        state="draining" if bridge.draining else "restarting" if bridge.restarting is not None else "serving",
+        restarts=bridge.restarts,
+        last_failure=bridge.last_failure,
+        last_failure_age_s=time.monotonic() - bridge.last_failure_at if bridge.last_failure is not None else None,
+        handoff=bridge.handoffs.summary(),
+        client_bytes_waiting=bridge.outbox.waiting_bytes,
+        clients_lost=bridge.clients_lost,
+        malformed=bridge.malformed,
+        hosts_missing=bridge.hosts_missing,
+        metrics=bridge.metrics.snapshot(),
+    )
