@@ -105,6 +105,8 @@ def run_compare(
     ``on_ring_result(kind, client, result)`` (async) is called after each ring run while
     its daemon still answers (the plot fetches stage timelines there).
     """
+    from kvasir.bench.roofline import stage_rates
+    from kvasir.config.devices import torch_dtype
     from kvasir.daemon.resolve import resolve_plan
     from kvasir.model.convert import prepare
 
@@ -115,6 +117,7 @@ def run_compare(
     source = prepare(source)
     folder = source.require_weights()
     threads = sum(stage.threads for stage in plan.all_stages)
+    dtype_bytes = torch_dtype(plan.model.dtype).itemsize
     figures: dict[str, dict] = {name: {"output_tokens_per_s": [], "requests_per_s": []} for name in contenders}
     baselines = None
     with tempfile.TemporaryDirectory(prefix="kvasir-compare-") as tmp:
@@ -131,6 +134,9 @@ def run_compare(
                     entry["output_tokens_per_s"].append(report["summary"]["output_tokens_per_s"])
                     entry["requests_per_s"].append(report["summary"]["requests_per_s"])
                     entry["summary"], entry["stages"] = report["summary"], report["stages"]
+                    last = len(plan.all_stages) - 1
+                    for stage in entry["stages"]:
+                        stage.update(stage_rates(source, stage, stage["index"] == last, dtype_bytes))
                     if "shards" in report:
                         entry["shards"] = report["shards"]
                 else:

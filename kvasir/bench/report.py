@@ -74,6 +74,7 @@ def print_stages(stages: list[dict], echo: Echo, indent: str = "", shards=()) ->
             f"{indent}stage {st['index']}  busy {st['busy']:.0%}  starved {st['starved']:.0%}  blocked {st['blocked']:.0%}  "
             f"hop {st['hop_of_busy']:.2%} of busy  {st['batches_per_s']:.1f} batches/s  "
             f"{st['rows_per_batch']:.1f} rows, {st['tokens_per_batch']:.1f} tokens per batch"
+            + (f"  {st['gflop_s']:.0f} GFLOP/s, {st['weight_gb_s']:.1f} GB/s of weights" if "gflop_s" in st else "")
         )
         if "expert_imbalance" in st:
             echo(

@@ -49,6 +49,26 @@ def model_products(source: ModelSource) -> list[Product]:
     ]
 
 
+def stage_rates(source: ModelSource, stage: dict, is_tail: bool, itemsize: int = 4) -> dict:
+    """What a stage achieved over a measured window (a ``stage_fractions`` entry): GFLOP/s
+    of its matrix products and GB/s of weights read (each batch reads every weight of
+    the slice once), per busy second. Attention's own products are left out (a few
+    percent at these lengths); a mixture-of-experts model gets nothing (its products
+    depend on routing)."""
+    if source.moe is not None:
+        return {}
+    shapes = model_products(source)
+    layer = sum(p.inputs * p.outputs for p in shapes if p.name != "lm_head")
+    head = next(p.inputs * p.outputs for p in shapes if p.name == "lm_head") if is_tail else 0
+    first, last = stage["layers"]
+    busy_s = max(stage["busy"] * stage["window_s"], 1e-9)
+    batches = stage["batches_per_s"] * stage["window_s"]
+    tokens, rows = stage["tokens_per_batch"] * batches, stage["rows_per_batch"] * batches
+    flops = 2 * layer * (last - first) * tokens + 2 * head * rows  # the LM head runs on emitting rows (<= rows)
+    weights = itemsize * (layer * (last - first) + head) * batches
+    return {"gflop_s": flops / busy_s / 1e9, "weight_gb_s": weights / busy_s / 1e9}
+
+
 def _seconds(run: Callable[[], object], budget: float, least: int = 3) -> float:
     """Median seconds of ``run`` over at least ``least`` calls and about ``budget`` seconds."""
     run()
