@@ -13,6 +13,7 @@ event to its request's stream. An error in the reader reaches every waiting call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -48,6 +49,7 @@ from kvasir.wire.transport import BatchedSocket, Endpoints, default_runtime_dir
 
 __all__ = ["AsyncClient", "Client", "NoDaemon", "NotAuthorised", "Remote", "RuntimeDirError"]
 
+CLOSE_LINGER_MS = 200  # how long closing waits for messages queued just before it to leave
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 LINK: dict[int, str] = {  # what a connection attempt did, for NoDaemon's message
@@ -282,12 +284,18 @@ class AsyncClient:
     async def close(self) -> None:
         if self._sender is not None:
             self._sender.cancel()
+        linger = 0
+        if self._outgoing:  # queued this turn (a cancel just before closing): it still leaves
+            with contextlib.suppress(zmq.ZMQError):
+                self._io.send_now([batching.join(self._outgoing)])
+                linger = CLOSE_LINGER_MS
+            self._outgoing = []
         for task in (self._reader, self._watcher):
             task.cancel()
         await asyncio.gather(self._reader, self._watcher, return_exceptions=True)
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._sock.close(linger=linger)
         self._ctx.term()
 
     # -- reading ----------------------------------------------------------------------------
