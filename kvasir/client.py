@@ -278,8 +278,7 @@ class AsyncClient:
                 future.set_exception(exc)
 
     def _decode(self, body: bytes) -> list:
-        members = batching.split(body) if batching.is_batch(body) else [body]
-        return [self._decoder.decode(member) for member in members]
+        return [self._decoder.decode(member) for member in batching.members(body)]
 
     async def close(self) -> None:
         if self._sender is not None:

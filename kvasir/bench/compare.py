@@ -118,6 +118,7 @@ def run_compare(
     folder = source.require_weights()
     threads = sum(stage.threads for stage in plan.all_stages)
     dtype_bytes = torch_dtype(plan.model.dtype).itemsize
+    tail = len(plan.all_stages) - 1
     figures: dict[str, dict] = {name: {"output_tokens_per_s": [], "requests_per_s": []} for name in contenders}
     baselines = None
     with tempfile.TemporaryDirectory(prefix="kvasir-compare-") as tmp:
@@ -134,9 +135,8 @@ def run_compare(
                     entry["output_tokens_per_s"].append(report["summary"]["output_tokens_per_s"])
                     entry["requests_per_s"].append(report["summary"]["requests_per_s"])
                     entry["summary"], entry["stages"] = report["summary"], report["stages"]
-                    last = len(plan.all_stages) - 1
                     for stage in entry["stages"]:
-                        stage.update(stage_rates(source, stage, stage["index"] == last, dtype_bytes))
+                        stage.update(stage_rates(source, stage, stage["index"] == tail, dtype_bytes))
                     if "shards" in report:
                         entry["shards"] = report["shards"]
                 else:

@@ -160,11 +160,8 @@ class Bridge:
             return
         identity, body = frames
         peer = Peer(io, identity)
-        if not batching.is_batch(body):
-            await self._client_body(peer, body)
-            return
         try:
-            members = batching.split(body)
+            members = batching.members(body)
         except batching.BatchError as exc:
             await self._send(peer, ErrorEvent(code="invalid_request", message=str(exc)))
             return

@@ -39,6 +39,11 @@ def split(body: bytes) -> list[bytes]:
     return [bytes(member) for member in members]
 
 
+def members(body: bytes) -> list[bytes]:
+    """The messages of a body, each still encoded: a batch's members, or the body itself."""
+    return split(body) if is_batch(body) else [body]
+
+
 def join(payloads: list[bytes]) -> bytes:
     """One body for ``payloads`` (each an encoded message): itself when there is one."""
     if len(payloads) == 1:

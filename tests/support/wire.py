@@ -7,4 +7,4 @@ from kvasir.wire import batching
 
 def events(decoder, body: bytes) -> list:
     """The events of one reply body: one, or a batch of them (kvasir/wire/batching.py)."""
-    return [decoder.decode(member) for member in (batching.split(body) if batching.is_batch(body) else [body])]
+    return [decoder.decode(member) for member in batching.members(body)]

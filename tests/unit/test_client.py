@@ -48,7 +48,7 @@ def test_messages_queued_just_before_closing_still_leave(tmp_path):
     def bridge() -> None:
         while router.poll(5_000):
             identity, body = router.recv_multipart()
-            for member in batching.split(body) if batching.is_batch(body) else [body]:
+            for member in batching.members(body):
                 message = decoder.decode(member)
                 got.append(message)
                 if isinstance(message, StatsQuery):
