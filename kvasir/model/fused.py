@@ -49,8 +49,8 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One linear layer computing ``parts`` side by side (their outputs concatenated)."""
     first = parts[0]
     bias = any(part.bias is not None for part in parts)
-    fused = nn.Linear(first.in_features, sum(part.out_features for part in parts), bias=bias)
-    fused = fused.to(device=first.weight.device, dtype=first.weight.dtype)
+    outputs = sum(part.out_features for part in parts)
+    fused = nn.Linear(first.in_features, outputs, bias=bias, device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([part.weight for part in parts]))
         if bias:

@@ -44,8 +44,7 @@ class RowPlan:
         """Positions [low, high) of the keys read from the cache: a decode row's whole
         context (its own key is written already), a chunk's prefix before it."""
         high = self.start + 1 if self.num_tokens == 1 else self.start
-        first_query = self.start
-        low = 0 if window is None else max(0, first_query - window + 1)
+        low = 0 if window is None else max(0, self.start - window + 1)  # what the first query sees
         return low, high
 
     def runs(self, window: int | None) -> list[tuple[int, int]]:
