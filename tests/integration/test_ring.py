@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,6 @@ def test_ring_matches_hf_generate_for_concurrent_requests(tiny_models, start_dae
         tail.stop()
     stats = daemon.child_pids()
     assert len(stats) == len(splits)
+    for pid in stats:  # each stage runs with glibc asked for huge pages (kvasir/daemon/children.py)
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert any(b"glibc.malloc.hugetlb=1" in item for item in environ if item.startswith(b"GLIBC_TUNABLES="))

@@ -1,0 +1,62 @@
+"""A worker's environment asks glibc for transparent huge pages, and the request takes hold."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvasir.daemon.children import worker_env
+
+
+def test_adds_the_huge_page_tunable_and_keeps_everything_else():
+    env = worker_env({"PATH": "/bin", "KVASIR_CACHE_DIR": "/c"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert env["PATH"] == "/bin" and env["KVASIR_CACHE_DIR"] == "/c"
+
+
+def test_appends_to_a_users_other_tunables():
+    env = worker_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+
+
+@pytest.mark.parametrize("setting", ["glibc.malloc.hugetlb=0", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2"])
+def test_a_users_own_huge_page_setting_wins(setting):
+    assert worker_env({"GLIBC_TUNABLES": setting})["GLIBC_TUNABLES"] == setting
+
+
+def _thp_mode() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not path.exists():
+        return "never"
+    return path.read_text().split("[", 1)[1].split("]", 1)[0]
+
+
+_ALLOCATE = """
+import torch
+weights = torch.ones(64, 1024, 1024)  # 256 MiB, touched
+rollup = open("/proc/self/smaps_rollup").read()
+print(int(rollup.split("AnonHugePages:")[1].split()[0]))
+"""
+
+
+def _huge_kib(env: dict[str, str]) -> int:
+    done = subprocess.run([sys.executable, "-c", _ALLOCATE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off in this kernel")
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or tuple(map(int, platform.libc_ver()[1].split(".")[:2])) < (2, 35),
+    reason="glibc.malloc.hugetlb needs glibc 2.35 or later",
+)
+def test_a_workers_tensors_land_in_huge_pages(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert _huge_kib(worker_env(os.environ)) >= 128 * 1024  # at least half the tensor
+    if _thp_mode() == "madvise":  # without the request, nothing asks for them
+        assert _huge_kib(dict(os.environ)) == 0
