@@ -35,6 +35,7 @@ class Pending:
     logprobs: bool = False  # its tokens go out with their log-probabilities
     token_ids: list[int] = field(default_factory=list)
     scheduled_ns: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, found in the head's prefix cache
     first_ns: int = 0
     second_ns: int = 0
     last_ns: int = 0
@@ -59,7 +60,7 @@ class Pending:
             request_id=rid,
             reason=reason,
             token_ids=self.token_ids,
-            usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=n),
+            usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=n, cached_tokens=self.cached_tokens),
             timings=Timings(
                 queued_s=max(0, self.scheduled_ns - self.submitted_ns) / 1e9,
                 first_token_s=(self.first_ns - self.submitted_ns) / 1e9,

@@ -301,6 +301,7 @@ class Bridge:
         if not record.token_ids:
             record.first_ns = now
             record.scheduled_ns = token.scheduled_ns
+            record.cached_tokens = min(max(token.cached_tokens, 0), record.prompt_tokens)
         elif len(record.token_ids) == 1:
             record.second_ns = now
         record.last_ns = now

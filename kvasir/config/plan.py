@@ -45,6 +45,7 @@ class BatchSpec(_Section, frozen=True):
 class KvSpec(_Section, frozen=True):
     block_size: int = 16
     num_blocks: int = 1024
+    prefix_cache: bool = True  # reuse the KV blocks of prompts' shared beginnings (kvasir/sched/prefix.py)
 
 
 class BridgeSpec(_Section, frozen=True):

@@ -25,6 +25,7 @@ import torch
 from kvasir.config.plan import Plan
 from kvasir.errors import BatchError, RequestError
 from kvasir.sched.blocks import BlockAllocator
+from kvasir.sched.prefix import PrefixCache, block_keys
 from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SamplingParams
 from kvasir.wire.head import BatchResult
 from kvasir.wire.validation import MAX_SEED, check_prompt, check_sampling
@@ -48,6 +49,9 @@ class RequestState:
     parked: bool = False  # holds its blocks but is not scheduled (KV being handed between pools)
     client: int = 0  # the bridge's number for the client that submitted it
     arrival: int = 0  # admission order among waiting requests
+    keys: list[bytes] | None = None  # chained keys of its full blocks, as far as known (prefix cache)
+    registered: int = 0  # its first blocks that are in the prefix cache
+    cached_tokens: int = 0  # prompt tokens it found cached instead of computing them
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -92,6 +96,7 @@ class Scheduler:
         self.max_seq_len = plan.model.max_seq_len
         self.vocab_size = vocab_size
         self.blocks = BlockAllocator(plan.kv.num_blocks)
+        self.cache = PrefixCache(self.blocks, self.block_size, enabled=plan.kv.prefix_cache)
         self.waiting: dict[int, RequestState] = {}  # by request id, in arrival order
         self.queues: dict[int, deque[int]] = {}  # per client: its waiting request ids, oldest first (stale ids skipped)
         self.held: dict[int, int] = {}  # per client: KV blocks its running requests hold
@@ -205,9 +210,14 @@ class Scheduler:
             first = self._fairest()
             if first is None:
                 return
-            blocks = self.blocks.allocate(first.need_blocks)
+            cached = self.cache.lookup(self._prompt_keys(first))
+            blocks = self.cache.take(cached, first.need_blocks - len(cached))
             if blocks is None:
                 return
+            if first.keys:
+                self.cache.note(first.prompt_len, len(cached) * self.block_size)
+            first.registered = len(cached)
+            first.computed = first.cached_tokens = len(cached) * self.block_size
             state = self.waiting.pop(first.request_id)
             queue = self.queues[state.client]
             queue.popleft()
@@ -237,6 +247,33 @@ class Scheduler:
                 best = state
         return best
 
+    def _prompt_keys(self, state: RequestState) -> list[bytes]:
+        """The chained keys of the prompt's blocks a cache hit may cover (all full ones
+        before its last token); none for a request that wants every prompt token scored."""
+        if state.keys is None:
+            reusable = (state.prompt_len - 1) // self.block_size
+            wanted = self.cache.enabled and state.sampling.prompt_logprobs < 0 and reusable > 0
+            state.keys = block_keys(state.prompt, self.block_size, reusable) if wanted else []
+        return state.keys
+
+    def _register(self, state: RequestState) -> None:
+        """Put the request's blocks that are now full and written on every stage into the
+        prefix cache (a decode pool's request, which has no prompt tokens here, has none)."""
+        full = state.computed // self.block_size
+        if not self.cache.enabled or full <= state.registered or len(state.prompt) != state.prompt_len:
+            return
+        keys = state.keys if state.keys is not None else []
+        if len(keys) < full:
+            parent = keys[-1] if keys else b""
+            known = len(keys) * self.block_size
+            keys += block_keys(
+                state.tokens(known, full * self.block_size - known), self.block_size, full - len(keys), parent
+            )
+        state.keys = keys
+        for index in range(state.registered, full):
+            self.cache.register(state.blocks[index], keys[index])
+        state.registered = full
+
     def _row(self, state: RequestState, budget: int, tokens: list[int], new: list[NewRequest]) -> Row:
         start = state.computed
         count = min(state.length - start, budget)
@@ -249,7 +286,9 @@ class Scheduler:
         tokens.extend(state.tokens(start, count))
         if not state.announced:
             prompt = tuple(state.prompt) if state.sampling.prompt_logprobs >= 0 else ()
-            new.append(NewRequest(state.request_id, state.sampling, state.seed, len(state.output), prompt))
+            new.append(
+                NewRequest(state.request_id, state.sampling, state.seed, len(state.output), prompt, state.cached_tokens)
+            )
             state.announced = True
         return Row(state.request_id, start, count, growth, emit=stop == state.length)
 
@@ -268,6 +307,7 @@ class Scheduler:
         for rid in members:
             state = self.running[rid]
             state.in_flight = False
+            self._register(state)
             token = sampled.pop(rid, None)
             if state.cancelled:
                 self._retire(state)
@@ -303,7 +343,7 @@ class Scheduler:
             raise RequestError("invalid_request", f"request id {request_id} is already in use")
         total = min(prompt_len + sampling.max_tokens, self.max_seq_len)
         need = -(-total // self.block_size)
-        blocks = self.blocks.allocate(need)
+        blocks = self.cache.take([], need)
         if blocks is None:
             return None
         state = RequestState(request_id, [], sampling, seed, need, prompt_len, output=list(output), blocks=blocks)
@@ -319,7 +359,7 @@ class Scheduler:
 
     def _retire(self, state: RequestState) -> None:
         self.running.pop(state.request_id, None)
-        self.blocks.release(state.blocks)
+        self.cache.release(state.blocks)
         left = self.held.get(state.client, 0) - len(state.blocks)
         if left > 0:
             self.held[state.client] = left

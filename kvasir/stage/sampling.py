@@ -25,6 +25,7 @@ class RequestSampler:
         self.params = new.sampling
         self.prompt = new.prompt  # only for a request whose prompt the tail scores
         self.scheduled_ns = scheduled_ns
+        self.cached_tokens = new.cached_tokens
         self.generator = torch.Generator(device="cpu")
         self.seed = new.seed
         eos = () if new.sampling.ignore_eos else eos_ids
@@ -169,8 +170,15 @@ class Sampler:
         finish = state.finish(token, row.start + row.num_tokens + 1)
         if finish is not None:
             del self._requests[row.request_id]
-        first = state.scheduled_ns if state.generated == 1 else 0
-        sampled = SampledToken(row.request_id, token, state.generated - 1, finish, first)
+        first = state.generated == 1
+        sampled = SampledToken(
+            row.request_id,
+            token,
+            state.generated - 1,
+            finish,
+            state.scheduled_ns if first else 0,
+            state.cached_tokens if first else 0,
+        )
         if state.params.logprobs >= 0:
             sampled = msgspec.structs.replace(sampled, **_scores(logits, token, state.params.logprobs))
         return sampled

@@ -29,6 +29,7 @@ class NewRequest(Wire, frozen=True):
     seed: int  # the resolved seed (a request without one gets a random seed at the head)
     generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
     prompt: tuple[int, ...] = ()  # the prompt's ids, for a request with prompt_logprobs only (the tail scores them)
+    cached_tokens: int = 0  # prompt tokens the head found in the prefix cache (not computed)
 
 
 class Row(Wire, frozen=True):
@@ -62,6 +63,7 @@ class SampledToken(Wire, frozen=True):
     index: int  # position in the request's output
     finish: FinishReason | None  # None while running
     scheduled_ns: int = 0  # on a request's first token: when its first batch was scheduled
+    cached_tokens: int = 0  # on a request's first token: prompt tokens found in the prefix cache
     logprob: float = (
         0.0  # with SamplingParams.logprobs >= 0: the token's log-probability (the model's, before sampling)
     )

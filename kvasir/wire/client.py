@@ -80,6 +80,7 @@ class PromptLogprobs(_Client, frozen=True, tag="prompt_logprobs"):
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache instead of computed
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):

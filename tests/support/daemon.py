@@ -51,7 +51,8 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\ndtype = "{kw.get("dtype", "float32")}"\n'
         f"[batch]\nmax_rows = {values['max_rows']}\nmax_tokens = {values['max_tokens']}\ninflight = {values['inflight']}\n"
         f"[kv]\nblock_size = {values['block_size']}\nnum_blocks = {values['num_blocks']}\n"
-        f"[bridge]\nmax_waiting = {values['max_waiting']}\nmax_per_client = {values['max_per_client']}\n"
+        + ("prefix_cache = false\n" if kw.get("prefix_cache") is False else "")
+        + f"[bridge]\nmax_waiting = {values['max_waiting']}\nmax_per_client = {values['max_per_client']}\n"
         + "".join(
             f"{key} = {kw[key]}\n"
             for key in ("max_client_queue", "max_client_bytes", "max_tokens_per_request")

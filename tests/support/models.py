@@ -140,6 +140,7 @@ def make_plan(
     dtype="float32",
     device="cpu",
     experts=None,
+    prefix_cache=True,
 ):
     """A plan TOML for ``source`` split at the given layer ranges, parsed; ``experts``:
     {stage index: [expert ranges of its shards]}."""
@@ -159,6 +160,7 @@ inflight = {inflight}
 [kv]
 block_size = {block_size}
 num_blocks = {num_blocks}
+prefix_cache = {str(prefix_cache).lower()}
 {stages}
 """
     return parse_plan(text)

@@ -14,6 +14,8 @@ VOCAB = 100
 
 
 def scheduler(**kw):
+    """Without the prefix cache: these tests repeat prompts (tests/unit/sched/test_scheduler_prefix.py has it on)."""
+    kw.setdefault("prefix_cache", False)
     plan = make_plan("unused", [(0, 1), (1, 2)], **kw)
     return Scheduler(plan, VOCAB)
 

@@ -163,4 +163,4 @@ def test_cancel_mid_stream_frees_blocks_and_others_continue(tiny_models, plan_fo
     assert outputs[victim].finish == "cancelled"
     assert len(outputs[victim].token_ids) < 30
     assert outputs[keeper].token_ids == hf_greedy(reference(tiny_models["llama"]), texts[1], 8)
-    assert chain.scheduler.blocks.free == plan.kv.num_blocks
+    assert chain.scheduler.cache.available == plan.kv.num_blocks

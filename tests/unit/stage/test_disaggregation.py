@@ -126,7 +126,7 @@ def test_prefill_reserves_the_prompt_and_decode_takes_a_parked_request_in():
     prefill = Scheduler(plan, 100, reserve_output=False)
     rid = prefill.submit(list(range(3, 13)), SamplingParams(max_tokens=40))
     batch = prefill.next_batch()
-    assert prefill.blocks.free == 20 - 3  # ten prompt tokens: three blocks, no room for the output
+    assert prefill.cache.available == 20 - 3  # ten prompt tokens: three blocks, no room for the output
     [event] = prefill.complete(BatchResult(batch.descriptor.batch_id, (SampledToken(rid, 7, 0, None),)))
     state = prefill.park(rid)
     assert prefill.next_batch() is None  # parked: no decode row in the prefill pool
@@ -139,7 +139,7 @@ def test_prefill_reserves_the_prompt_and_decode_takes_a_parked_request_in():
     assert (row.start, row.num_tokens, row.new_blocks, row.emit) == (10, 1, (), True)
     assert decode.reserve(99, 10, state.output, state.sampling, state.seed) is None  # full: it waits
     prefill.retire(rid)
-    assert prefill.blocks.free == 20 and prefill.release_only().release == (rid,)
+    assert prefill.cache.available == 20 and prefill.release_only().release == (rid,)
 
 
 def test_tokens_overtaking_each_other_are_streamed_in_order():

@@ -73,7 +73,7 @@ def test_a_cancel_that_overtakes_the_hand_off_drops_it_on_arrival(decode):
     assert ch["stage0"].take() == [Placement(3, ())]  # its parts may be at the stages already
     deliver(intake, ch["inbox"], handoff(3))
     assert ch["stage0"].take() == [Placement(3, ())] and ch["prefill"].take() == [Adopted(3)]
-    assert intake.scheduler.blocks.free == 20 and not intake.pending and not intake.placed
+    assert intake.scheduler.cache.available == 20 and not intake.pending and not intake.placed
 
 
 def test_a_drop_while_copying_frees_the_decode_blocks_and_late_copies_are_ignored(decode):
@@ -81,7 +81,7 @@ def test_a_drop_while_copying_frees_the_decode_blocks_and_late_copies_are_ignore
     deliver(intake, ch["inbox"], handoff(4))
     ch["prefill"].take()
     deliver(intake, ch["inbox"], KvHeld(4, 0, 1, 1, 1), KvDrop(4))
-    assert ch["prefill"].take() == [Adopted(4)] and intake.scheduler.blocks.free == 20
+    assert ch["prefill"].take() == [Adopted(4)] and intake.scheduler.cache.available == 20
     deliver(intake, ch["inbox"], KvHeld(4, 1, 1, 1, 1))  # the other stage's copy, too late
     assert ch["prefill"].take() == [] and ch["inbox"].dropped == []
     assert ch["bridge"].take() == []  # the prefill pool told the bridge how it ended: one word only
@@ -98,7 +98,7 @@ def test_a_drop_says_nothing_to_the_bridge_wherever_the_request_is(decode):
     deliver(intake, ch["inbox"], KvDrop(2))  # while its decode step is in flight
     deliver(intake, ch["inbox"], BatchResult(batch.descriptor.batch_id, (SampledToken(2, 9, 1, None),)))
     assert [m for m in ch["bridge"].take() if isinstance(m, RequestEnded)] == []
-    assert intake.scheduler.idle and intake.scheduler.blocks.free == 20
+    assert intake.scheduler.idle and intake.scheduler.cache.available == 20
     deliver(intake, ch["inbox"], handoff(3), CancelRequest(3))  # a client's cancel is still reported
     assert ch["bridge"].take() == [RequestEnded(3, "cancelled")]
 
@@ -119,10 +119,10 @@ def prefill():
 def test_the_prefill_head_parks_the_request_until_adopted(prefill):
     intake, ch, rid, result = prefill
     deliver(intake, ch["inbox"], result)
-    assert intake.handed == {rid} and intake.scheduler.blocks.free == 20 - 3  # its prompt's blocks held
+    assert intake.handed == {rid} and intake.scheduler.cache.available == 20 - 3  # its prompt's blocks held
     assert intake.counters()["handing_off"] == 1
     deliver(intake, ch["inbox"], KvPlaced(rid), Adopted(rid))
-    assert intake.handed == set() and intake.scheduler.blocks.free == 20
+    assert intake.handed == set() and intake.scheduler.cache.available == 20
 
 
 def test_an_adoption_that_overtakes_the_result_frees_the_blocks_at_once(prefill):
@@ -130,7 +130,7 @@ def test_an_adoption_that_overtakes_the_result_frees_the_blocks_at_once(prefill)
     deliver(intake, ch["inbox"], KvPlaced(rid), Adopted(rid))
     assert intake.handed == set()
     deliver(intake, ch["inbox"], result)
-    assert intake.handed == set() and intake.scheduler.blocks.free == 20
+    assert intake.handed == set() and intake.scheduler.cache.available == 20
 
 
 def test_a_lost_confirmation_fails_the_request_when_its_lease_runs_out(prefill):
@@ -141,7 +141,7 @@ def test_a_lost_confirmation_fails_the_request_when_its_lease_runs_out(prefill):
     assert ch["decode"].take() == [KvDrop(rid)]  # the decode head drops it without a word
     [ended] = ch["bridge"].take()
     assert ended.code == "stage_failed" and "within 5 s" in ended.message
-    assert intake.handed == set() and intake.scheduler.blocks.free == 20
+    assert intake.handed == set() and intake.scheduler.cache.available == 20
 
 
 def test_waiting_for_decode_blocks_is_not_timed(prefill):

@@ -1,0 +1,141 @@
+"""The head's prefix cache: full KV blocks kept by what they hold, so a prompt's shared
+beginning is computed once.
+
+A full block's *key* chains its parent block's key with its own tokens (blake2b, 16
+bytes), so two blocks have the same key exactly when the tokens up to their ends are the
+same. A block is registered under its key once its K/V is written on every stage (the
+batch that filled it has come back); a new request takes the blocks of its longest
+registered prefix instead of computing them, on every stage at once, because the head
+gives every stage the same block ids. Blocks are counted per request holding them; a
+registered block nobody holds keeps its K/V and its key until an allocation needs the
+room, least recently used first. A block is only ever shared whole and before the
+position its new holder starts writing at, so nobody writes into a shared block.
+
+With the cache off (``enabled`` False) nothing is looked up or registered, and it is
+plain allocation from the BlockAllocator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvasir.sched.blocks import BlockAllocator
+
+KEY_BYTES = 16
+
+
+def block_keys(tokens: Sequence[int], block_size: int, count: int, parent: bytes = b"") -> list[bytes]:
+    """The chained keys of the first ``count`` full blocks of ``tokens`` (after ``parent``)."""
+    keys: list[bytes] = []
+    for index in range(count):
+        chunk = tokens[index * block_size : (index + 1) * block_size]
+        if len(chunk) != block_size:
+            raise ValueError(f"block {index} is not full: {len(chunk)} of {block_size} tokens")
+        digest = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        digest.update(b"".join(token.to_bytes(4, "little") for token in chunk))
+        parent = digest.digest()
+        keys.append(parent)
+    return keys
+
+
+class PrefixCache:
+    """Block ids for running requests, with registered full blocks reused by later ones."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.enabled = enabled
+        self._by_key: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._holders: dict[int, int] = {}  # block id -> requests holding it
+        self._idle: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody; oldest use first
+        self.queries = 0  # prompts looked up
+        self.query_tokens = 0  # their prompt tokens
+        self.hit_tokens = 0  # of those, found cached
+        self.evicted = 0  # registered blocks given up for room
+
+    @property
+    def cached_blocks(self) -> int:
+        """Registered blocks (held or idle)."""
+        return len(self._key_of)
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation can get: free ones and idle registered ones."""
+        return self.allocator.free + len(self._idle)
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The registered blocks of the longest prefix of ``keys`` (a prompt's chained
+        block keys); nothing is held yet."""
+        blocks: list[int] = []
+        for key in keys if self.enabled else ():
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def note(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted prompt that was looked up, and how much of it was cached."""
+        self.queries += 1
+        self.query_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
+
+    def take(self, cached: list[int], fresh: int) -> list[int] | None:
+        """Hold ``cached`` (from ``lookup``) and ``fresh`` new blocks, evicting idle
+        registered blocks for room if need be; None (nothing held) when they do not fit."""
+        idle_cached = sum(1 for block in cached if block in self._idle)
+        if fresh > self.available - idle_cached:
+            return None
+        for block in cached:
+            self._hold(block)
+        shortfall = fresh - self.allocator.free
+        for _ in range(max(0, shortfall)):
+            self._evict()
+        new = self.allocator.allocate(fresh)
+        if new is None:  # cannot happen: the room was counted above
+            raise RuntimeError(f"{fresh} KV blocks counted free but not allocated")
+        for block in new:
+            self._holders[block] = 1
+        return cached + new
+
+    def register(self, block: int, key: bytes) -> None:
+        """Record that held ``block`` holds the prefix ``key`` (its K/V written on every
+        stage). A key already held by another block keeps that block."""
+        if not self.enabled or key in self._by_key or block in self._key_of:
+            return
+        if block not in self._holders:
+            raise ValueError(f"KV block {block} registered while nobody holds it")
+        self._by_key[key] = block
+        self._key_of[block] = key
+
+    def release(self, blocks: list[int]) -> None:
+        """A request lets go of its blocks: registered ones nobody else holds go idle
+        (most recently used), unregistered ones back to the allocator."""
+        freed = []
+        for block in blocks:
+            holders = self._holders.get(block, 0)
+            if holders <= 0:
+                raise ValueError(f"KV block {block} given back twice or never taken")
+            if holders > 1:
+                self._holders[block] = holders - 1
+                continue
+            del self._holders[block]
+            if block in self._key_of:
+                self._idle[block] = None
+            else:
+                freed.append(block)
+        if freed:
+            self.allocator.release(freed)
+
+    def _hold(self, block: int) -> None:
+        self._idle.pop(block, None)
+        self._holders[block] = self._holders.get(block, 0) + 1
+
+    def _evict(self) -> None:
+        block, _ = self._idle.popitem(last=False)
+        del self._by_key[self._key_of.pop(block)]
+        self.allocator.release([block])
+        self.evicted += 1

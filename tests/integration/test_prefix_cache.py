@@ -1,0 +1,87 @@
+"""The prefix cache in a real daemon: shared beginnings are reused (usage.cached_tokens
+says how much) and every output equals the unsplit Hugging Face model's."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvasir.client import AsyncClient
+from kvasir.wire.client import Finished
+from tests.support.models import hf_greedy, random_prompts, reference_model
+
+VOCAB, BLOCK = 320, 4
+
+
+async def finish(runtime_dir, prompts: list[list[int]], budget: int) -> list[Finished]:
+    """Submit every prompt at once; each request's Finished event."""
+    async with await AsyncClient.connect(runtime_dir) as client:
+        streams = [await client.submit(token_ids=p, max_tokens=budget, temperature=0) for p in prompts]
+        ends = [[event async for event in stream][-1] for stream in streams]
+    assert all(isinstance(end, Finished) for end in ends), ends
+    return ends
+
+
+def one(runtime_dir, prompt: list[int], budget: int = 8) -> Finished:
+    return asyncio.run(finish(runtime_dir, [prompt], budget))[0]
+
+
+def test_shared_prefixes_of_every_shape_are_reused_exactly(tiny_models, start_daemon):
+    daemon = start_daemon(
+        tiny_models["llama"],
+        [(0, 3), (3, 6)],
+        max_rows=6,
+        max_tokens=8,
+        block_size=BLOCK,
+        num_blocks=64,
+        max_seq_len=64,
+    ).wait_ready()
+    model = reference_model(tiny_models["llama"])
+    base, x, y, z = random_prompts(VOCAB, [22, 5, 12, 3], seed=11)
+    first = one(daemon.runtime_dir, base)
+    assert first.usage.cached_tokens == 0 and first.token_ids == hf_greedy(model, base, 8)
+    cases = [
+        (base[:9] + x, 8),  # shared prefix ends inside a block: its two full blocks are reused
+        (base[:12] + y, 12),  # ends exactly on a block boundary; the rest (12 tokens) is chunked
+        (base, 20),  # the whole prompt again: all but its last block (its last token is computed)
+        (base + first.token_ids + z, 28),  # the next turn: history and generated tokens reused
+    ]
+    for prompt, cached in cases:
+        end = one(daemon.runtime_dir, prompt)
+        assert end.usage.cached_tokens == cached, (len(prompt), end.usage)
+        assert end.usage.prompt_tokens == len(prompt)
+        assert end.token_ids == hf_greedy(model, prompt, 8)
+
+
+def test_racing_requests_and_eviction_keep_every_output_exact(tiny_models, start_daemon):
+    # 24 blocks: two requests of the 48-token limit fill the cache, so admitting the
+    # distinct prompts below evicts idle cached blocks while others hold theirs
+    daemon = start_daemon(
+        tiny_models["qwen2"],
+        [(0, 2), (2, 6)],
+        max_rows=6,
+        max_tokens=8,
+        block_size=BLOCK,
+        num_blocks=24,
+        max_seq_len=48,
+    ).wait_ready()
+    model = reference_model(tiny_models["qwen2"])
+    shared = random_prompts(VOCAB, [13], seed=21)[0]
+    racing = [shared + tail for tail in random_prompts(VOCAB, [1, 2, 3, 4, 5, 6], seed=22)]
+    distinct = random_prompts(VOCAB, [17, 19, 23, 14, 21, 18], seed=23)
+    for round_ in range(2):  # the second round finds the first's blocks, or what eviction left of them
+        prompts = racing + distinct
+        ends = asyncio.run(finish(daemon.runtime_dir, prompts, 10))
+        for prompt, end in zip(prompts, ends):
+            assert end.token_ids == hf_greedy(model, prompt, 10), (round_, prompt)
+            assert 0 <= end.usage.cached_tokens < len(prompt)
+    again = [one(daemon.runtime_dir, racing[0], 10) for _ in range(2)]  # eviction may have taken it; then cached
+    assert again[1].usage.cached_tokens == 12
+    assert again[0].token_ids == again[1].token_ids == hf_greedy(model, racing[0], 10)
+
+
+def test_with_the_cache_off_nothing_is_reused(tiny_models, start_daemon):
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], block_size=BLOCK, prefix_cache=False).wait_ready()
+    prompt = random_prompts(VOCAB, [30], seed=31)[0]
+    ends = [one(daemon.runtime_dir, prompt) for _ in range(2)]
+    assert [end.usage.cached_tokens for end in ends] == [0, 0]
+    assert ends[0].token_ids == ends[1].token_ids
