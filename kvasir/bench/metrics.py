@@ -25,6 +25,8 @@ class RequestRecord:
     output_tokens: int
     ok: bool = True  # finished (not an error or cancellation)
     handoff: tuple[int, float, float] | None = None  # disaggregated plans: KV bytes, hand-off s, copy s
+    prompt_tokens: int = 0  # as the daemon counted them (finished requests)
+    cached_tokens: int = 0  # of those, reused from the prefix cache
 
     @property
     def e2e_s(self) -> float:
@@ -147,7 +149,13 @@ class Summary:
     itl: Distribution
     e2e: Distribution
     slo_attainment: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     extra: dict = field(default_factory=dict)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def summarise(records: Sequence[RequestRecord], duration_s: float, slo: tuple[float, float] | None = None) -> Summary:
@@ -164,6 +172,8 @@ def summarise(records: Sequence[RequestRecord], duration_s: float, slo: tuple[fl
         itl=Distribution.of([gap for r in done for gap in r.itl_s]),
         e2e=Distribution.of([r.e2e_s for r in done]),
         slo_attainment=attainment(records, *slo) if slo is not None else None,
+        prompt_tokens=sum(r.prompt_tokens for r in done),
+        cached_tokens=sum(r.cached_tokens for r in done),
     )
 
 

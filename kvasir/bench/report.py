@@ -55,6 +55,8 @@ def print_run(report: dict, echo: Echo) -> None:
         echo(f"{name:<5} ms    p50 {d['p50'] * 1e3:8.1f}  p90 {d['p90'] * 1e3:8.1f}  p99 {d['p99'] * 1e3:8.1f}")
     if s["slo_attainment"] is not None:
         echo(f"SLO attainment {s['slo_attainment']:.1%}")
+    if s["cached_tokens"]:
+        echo(prefix_line(s))
     if "handoff" in report:
         print_handoff(report["handoff"], echo)
     print_stages(report["stages"], echo, shards=report.get("shards", ()))
@@ -89,6 +91,13 @@ def print_stages(stages: list[dict], echo: Echo, indent: str = "", shards=()) ->
         )
 
 
+def prefix_line(s: dict, indent: str = "") -> str:
+    return (
+        f"{indent}prefix cache: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens reused "
+        f"(hit rate {s['prefix_hit_rate']:.1%})"
+    )
+
+
 def print_compare(report: dict, echo: Echo) -> None:
     w = report["workload"]
     echo(
@@ -107,6 +116,8 @@ def print_compare(report: dict, echo: Echo) -> None:
                 f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
                 f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms"
             )
+            if s["cached_tokens"]:
+                echo(prefix_line(s, "    "))
             print_stages(entry["stages"], echo, indent="    ", shards=entry.get("shards", ()))
     for name, value in report["ratios"].items():
         echo(f"ratio {name:<22} {value:.2f}x")
@@ -136,6 +147,7 @@ def print_plans(report: dict, echo: Echo) -> None:
             if "goodput" in entry:
                 line += f"; goodput {entry['goodput']:.3g} requests/s (>= {slo['attain']:.0%}; figures above at {entry['shown_rate']:.3g})"
             echo(line)
+        echo(prefix_line(s, "    "))
         if entry["handoff"] is not None:
             print_handoff(entry["handoff"], echo, "    ")
         for pool, f in entry["pools"].items():

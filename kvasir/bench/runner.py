@@ -36,15 +36,17 @@ async def one_request(
     times: list[float] = []
     ok = False
     handoff = None
+    usage = (0, 0)
     async for event in stream:
         if isinstance(event, TokenOut):
             times.append(clock() - submitted)
         elif isinstance(event, Finished):
             ok = True
+            usage = (event.usage.prompt_tokens, event.usage.cached_tokens)
             if event.handoff is not None:
                 handoff = (event.handoff.kv_bytes, event.handoff.seconds, event.handoff.copy_s)
     first = times[0] if times else clock() - submitted
-    return RequestRecord(submitted, first, tuple(times), len(times), ok, handoff)
+    return RequestRecord(submitted, first, tuple(times), len(times), ok, handoff, *usage)
 
 
 async def run_load(
@@ -144,6 +146,7 @@ def summary_data(records, duration_s: float, slo: tuple[float, float] | None) ->
     """``summarise`` as plain data (for reports and --json)."""
     summary = summarise(records, duration_s, slo)
     fields = summary.__dict__ | {name: getattr(summary, name).__dict__ for name in ("ttft", "itl", "e2e")}
+    fields["prefix_hit_rate"] = summary.prefix_hit_rate
     return msgspec.to_builtins(fields)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvasir.errors import KvasirError
@@ -21,16 +21,20 @@ class LengthSpec:
     """A fixed length ("128"), a uniform range ("64:192", both ends included), a mix
     drawn uniformly from a list ("1000,40,40,40": a quarter long prompts, the rest chats),
     or a heavy tail like chat traffic's ("lognormal:96:0.9:8:1024": log-normal with median
-    96 and sigma 0.9, rounded and kept within 8..1024)."""
+    96 and sigma 0.9, rounded and kept within 8..1024). For prompts, "shared:N+SPEC" puts
+    the same N tokens (one system prompt) before every prompt's own SPEC tokens."""
 
     low: int
     high: int
     choices: tuple[int, ...] = ()
     median: float | None = None  # log-normal: the median and the sigma of the log
     sigma: float = 0.0
+    shared: int = 0  # prompts: tokens every prompt begins with, before its own
 
     @classmethod
     def parse(cls, text: str) -> LengthSpec:
+        if text.startswith("shared:"):
+            return cls._shared(text)
         if text.startswith("lognormal:"):
             return cls._lognormal(text)
         if "," in text:
@@ -50,6 +54,15 @@ class LengthSpec:
         if low < 1 or high < low:
             raise WorkloadError(f"length {text!r} must satisfy 1 <= LOW <= HIGH")
         return cls(low, high)
+
+    @classmethod
+    def _shared(cls, text: str) -> LengthSpec:
+        shared, plus, own = text.removeprefix("shared:").partition("+")
+        if not plus or not shared.isdigit() or int(shared) < 1:
+            raise WorkloadError(f"length {text!r} is not shared:N+SPEC (N >= 1 shared tokens, then SPEC of its own)")
+        if own.startswith("shared:"):
+            raise WorkloadError(f"length {text!r}: one shared prefix only")
+        return replace(cls.parse(own), shared=int(shared))
 
     @classmethod
     def _lognormal(cls, text: str) -> LengthSpec:
@@ -72,6 +85,8 @@ class LengthSpec:
         return rng.choice(self.choices) if self.choices else rng.randint(self.low, self.high)
 
     def __str__(self) -> str:
+        if self.shared:
+            return f"shared:{self.shared}+{replace(self, shared=0)}"
         if self.median is not None:
             return f"lognormal:{self.median:g}:{self.sigma:g}:{self.low}:{self.high}"
         if self.choices:
@@ -87,10 +102,12 @@ class Job:
 
 
 def synthetic_jobs(count: int, prompt_len: LengthSpec, output_len: LengthSpec, vocab_size: int, seed: int) -> list[Job]:
-    """Random token-id prompts (ids 3..vocab-1), reproducible by seed."""
+    """Random token-id prompts (ids 3..vocab-1), reproducible by seed; with a shared
+    prefix, every prompt begins with the same random tokens."""
     rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(prompt_len.shared)]
     return [
-        Job([rng.randrange(3, vocab_size) for _ in range(prompt_len.draw(rng))], None, output_len.draw(rng))
+        Job(prefix + [rng.randrange(3, vocab_size) for _ in range(prompt_len.draw(rng))], None, output_len.draw(rng))
         for _ in range(count)
     ]
 

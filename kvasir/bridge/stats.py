@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvasir.wire.client import DaemonStats
+from kvasir.wire.client import DaemonStats, PrefixCacheStats
 
 
 def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
@@ -33,4 +33,5 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         malformed=bridge.malformed,
         hosts_missing=bridge.hosts_missing,
         metrics=bridge.metrics.snapshot(),
+        prefix_cache=PrefixCacheStats.of([bridge.stage_stats[k] for k in order]) if order else None,
     )

@@ -27,7 +27,8 @@ from kvasir.errors import KvasirError
     show_default=True,
     help="Prompt tokens: N, LOW:HIGH (uniform), N,N,... (drawn from the list: 1000,40,40,40 mixes long "
     "prompts into chats) or lognormal:MEDIAN:SIGMA:LOW:HIGH (heavy-tailed like chat traffic, e.g. "
-    "lognormal:96:0.9:8:1024).",
+    "lognormal:96:0.9:8:1024); shared:N+SPEC starts every prompt with the same N tokens (a system "
+    "prompt: shared:1000+40).",
 )
 @click.option(
     "--output-len",
@@ -221,6 +222,8 @@ def bench(
         lengths = (LengthSpec.parse(prompt_len), LengthSpec.parse(output_len))
     except KvasirError as exc:
         raise click.UsageError(str(exc)) from None
+    if lengths[1].shared:
+        raise click.UsageError("--output-len takes no shared: prefix (that is for prompts)")
     slo = (slo_ttft, slo_tpot) if slo_ttft is not None else None
     say = _progress_line if not as_json else (lambda line: None)
     try:

@@ -16,7 +16,7 @@ from kvasir.http.generation import Generation
 from kvasir.http.metrics import CONTENT_TYPE, render
 from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Planned, Served, plan_chat, plan_completion
-from kvasir.http.schema import ChatRequest, CompletionRequest, FinishReason, ModelCard, ModelList
+from kvasir.http.schema import ChatRequest, CompletionRequest, FinishReason, ModelCard, ModelList, UsageBody
 from kvasir.http.shapes import ChatShape, CompletionShape, Out, Shape, usage
 
 MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids fits many times over)
@@ -145,7 +145,7 @@ class Api:
             Out("".join(texts[k]), finishes[k], choice.ids if ids else None, self._scores(choice))
             for k, choice in enumerate(generation.choices)
         ]
-        return _json(shape.whole(outs, usage(planned.prompt_tokens, generation.completion_tokens)))
+        return _json(shape.whole(outs, _usage(planned, generation)))
 
     @staticmethod
     def _scores(choice) -> list:
@@ -171,10 +171,15 @@ class Api:
             if piece.text or piece.scores or piece.finish is not None:
                 await response.write(_event(shape.chunk(piece)))
         if include_usage and not failed:
-            await response.write(_event(shape.usage_chunk(usage(planned.prompt_tokens, generation.completion_tokens))))
+            await response.write(_event(shape.usage_chunk(_usage(planned, generation))))
         await response.write(DONE)
         await response.write_eof()
         return response
+
+
+def _usage(planned: Planned, generation: Generation) -> UsageBody:
+    cached = generation.cached_tokens(planned.choices_per_prompt)
+    return usage(planned.prompt_tokens, generation.completion_tokens, cached)
 
 
 def _event(body: bytes) -> bytes:

@@ -88,6 +88,7 @@ class Choice:
     scores: list[Score] = field(default_factory=list)  # their log-probabilities, when asked for
     prompt_scores: list[Score] = field(default_factory=list)  # the prompt's, with echo and logprobs
     ended: bool = False
+    cached_tokens: int = 0  # of its prompt, reused from the prefix cache (known when it finished)
 
     @property
     def scores_prompt(self) -> bool:
@@ -130,6 +131,15 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(len(choice.ids) for choice in self.choices)
+
+    def cached_tokens(self, choices_per_prompt: int) -> int:
+        """Prompt tokens the prefix cache supplied, each prompt counted once (as
+        prompt_tokens counts it): the most any of its choices found cached."""
+        best: dict[int, int] = {}
+        for choice in self.choices:
+            prompt = choice.submission.index // choices_per_prompt
+            best[prompt] = max(best.get(prompt, 0), choice.cached_tokens)
+        return sum(best.values())
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Every choice's pieces as they come, until each has its last (or failed)."""
@@ -186,8 +196,9 @@ class Generation:
             case PromptLogprobs(token_ids=ids, logprobs=logprobs, top_logprobs=tops):
                 choice.prompt_scores.extend(zip(ids, logprobs, tops))
                 return choice.prompt_piece()
-            case Finished(reason=reason):
+            case Finished(reason=reason, usage=used):
                 choice.ended = True
+                choice.cached_tokens = used.cached_tokens
                 return Piece(index, choice.stops.flush(), reason)
             case ErrorEvent(code=code, message=message):
                 choice.ended = True

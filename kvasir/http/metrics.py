@@ -108,6 +108,19 @@ class _Snapshot:
             "handoff_seconds", "Seconds of KV hand-offs, all together.", model, handoff.seconds if handoff else 0.0
         )
         yield _counter("restarts", "Ring restarts after a failed worker.", model, stats.restarts)
+        cache = stats.prefix_cache
+        yield _counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (since the ring last started).",
+            model,
+            cache.prompt_tokens if cache else 0,
+        )
+        yield _counter(
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (since the ring last started).",
+            model,
+            cache.hit_tokens if cache else 0,
+        )
         yield _gauge(
             "serving",
             "1 while the daemon takes requests, 0 while it restarts or drains.",

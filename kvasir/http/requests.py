@@ -35,6 +35,10 @@ class Planned:
     def prompt_tokens(self) -> int:
         return sum(len(prompt.ids) for prompt in self.prompts)
 
+    @property
+    def choices_per_prompt(self) -> int:
+        return max(1, len(self.submissions) // max(1, len(self.prompts)))
+
 
 def plan_completion(req: CompletionRequest, prompts: Prompts, served: Served) -> Planned:
     _common(req, served)

@@ -88,10 +88,15 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True):
 
 
 # -- responses ------------------------------------------------------------------------------
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int  # prompt tokens reused from the prefix cache
+
+
 class UsageBody(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 FinishReason = Literal["stop", "length"] | None

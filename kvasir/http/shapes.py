@@ -23,6 +23,7 @@ from kvasir.http.schema import (
     CompletionChoice,
     Delta,
     FinishReason,
+    PromptTokensDetails,
     UsageBody,
 )
 
@@ -78,8 +79,10 @@ def chat_logprobs(scores: Sequence[Score], text_of: Callable[[int], str]) -> dic
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageBody:
-    return UsageBody(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageBody:
+    return UsageBody(
+        prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, PromptTokensDetails(cached_tokens)
+    )
 
 
 class CompletionShape:

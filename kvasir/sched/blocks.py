@@ -25,6 +25,11 @@ class BlockAllocator:
         return self._free
 
     @property
+    def longest_run(self) -> int:
+        """The most adjacent free blocks (0 when none is free)."""
+        return max(self._length.values(), default=0)
+
+    @property
     def runs(self) -> int:
         """How many separate runs the free blocks form (1 when nothing is scattered)."""
         return len(self._starts)

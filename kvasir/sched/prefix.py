@@ -8,8 +8,10 @@ batch that filled it has come back); a new request takes the blocks of its longe
 registered prefix instead of computing them, on every stage at once, because the head
 gives every stage the same block ids. Blocks are counted per request holding them; a
 registered block nobody holds keeps its K/V and its key until an allocation needs the
-room, least recently used first. A block is only ever shared whole and before the
-position its new holder starts writing at, so nobody writes into a shared block.
+room, least recently used first (and a few more while that frees one run of adjacent
+blocks for the new request: the stages read a run with one call). A block is only ever
+shared whole and before the position its new holder starts writing at, so nobody
+writes into a shared block.
 
 With the cache off (``enabled`` False) nothing is looked up or registered, and it is
 plain allocation from the BlockAllocator.
@@ -91,8 +93,13 @@ class PrefixCache:
             return None
         for block in cached:
             self._hold(block)
-        shortfall = fresh - self.allocator.free
-        for _ in range(max(0, shortfall)):
+        for _ in range(max(0, fresh - self.allocator.free)):
+            self._evict()
+        # a row reads each run of adjacent blocks with one call (kvasir/model/paged_inplace.py):
+        # evict up to as many again, oldest first, while that makes room for one run
+        for _ in range(fresh if self.allocator.longest_run < fresh else 0):
+            if not self._idle or self.allocator.longest_run >= fresh:
+                break
             self._evict()
         new = self.allocator.allocate(fresh)
         if new is None:  # cannot happen: the room was counted above

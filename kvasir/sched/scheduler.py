@@ -214,7 +214,7 @@ class Scheduler:
             blocks = self.cache.take(cached, first.need_blocks - len(cached))
             if blocks is None:
                 return
-            if first.keys:
+            if self.cache.enabled and first.sampling.prompt_logprobs < 0:
                 self.cache.note(first.prompt_len, len(cached) * self.block_size)
             first.registered = len(cached)
             first.computed = first.cached_tokens = len(cached) * self.block_size

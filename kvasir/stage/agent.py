@@ -158,6 +158,11 @@ class StageAgent:
             handoff_bytes=self.handoff.nbytes,
             handoff_s=self.handoff.copy_s,
             handing_off=counters.get("handing_off", 0),
+            prefix_queries=counters.get("prefix_queries", 0),
+            prefix_prompt_tokens=counters.get("prefix_prompt_tokens", 0),
+            prefix_hit_tokens=counters.get("prefix_hit_tokens", 0),
+            prefix_cached_blocks=counters.get("prefix_cached_blocks", 0),
+            prefix_evicted=counters.get("prefix_evicted", 0),
             **self._device_memory(),
             **self._experts(),
         )

@@ -99,7 +99,16 @@ class SchedulerIntake:
         pass
 
     def counters(self) -> dict[str, int]:
-        return {"inflight": len(self.scheduler.inflight), "waiting": len(self.scheduler.waiting)}
+        cache = self.scheduler.cache
+        return {
+            "inflight": len(self.scheduler.inflight),
+            "waiting": len(self.scheduler.waiting),
+            "prefix_queries": cache.queries,
+            "prefix_prompt_tokens": cache.query_tokens,
+            "prefix_hit_tokens": cache.hit_tokens,
+            "prefix_cached_blocks": cache.cached_blocks,
+            "prefix_evicted": cache.evicted,
+        }
 
 
 class PrefillHeadIntake(SchedulerIntake):

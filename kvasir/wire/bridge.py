@@ -59,6 +59,11 @@ class StageStats(Tagged, frozen=True):
     expert_imbalance: float = 0.0  # MoE stages: the busiest expert's tokens over the mean (1.0: even)
     dispatch_s: float = 0.0  # stages with expert shards: of busy time, spent dispatching rows and combining
     host: str = ""  # a plan across hosts: the host it runs on
+    prefix_queries: int = 0  # heads: admitted prompts looked up in the prefix cache
+    prefix_prompt_tokens: int = 0  # heads: their tokens
+    prefix_hit_tokens: int = 0  # heads: of those, reused from the cache
+    prefix_cached_blocks: int = 0  # heads: blocks in the cache now (held by requests or idle)
+    prefix_evicted: int = 0  # heads: cached blocks given up for room
 
 
 class ShardStats(Tagged, frozen=True):

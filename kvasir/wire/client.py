@@ -120,6 +120,38 @@ class ErrorEvent(_Client, frozen=True, tag="error"):
     key: int | None = None  # set when the error answers a submission before it had an id
 
 
+class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The heads' prefix caches since the ring (re)started: a restart empties them."""
+
+    queries: int  # admitted prompts looked up
+    prompt_tokens: int  # their tokens
+    hit_tokens: int  # of those, reused from the cache instead of computed
+    hit_rate: float  # hit_tokens / prompt_tokens (0 before any query)
+    cached_blocks: int  # blocks in the cache now (held by requests or idle)
+    evicted: int  # cached blocks given up for room
+
+    def describe(self) -> str:
+        """One line for ``kvasir stats`` and ``kvasir top``."""
+        return (
+            f"prefix cache: {self.queries} prompts looked up, {self.hit_tokens} of {self.prompt_tokens} prompt "
+            f"tokens reused ({self.hit_rate:.0%}); {self.cached_blocks} blocks cached, {self.evicted} evicted"
+        )
+
+    @classmethod
+    def of(cls, stages: list[StageStats]) -> PrefixCacheStats:
+        """Summed over the stages' reports (only heads report any)."""
+        prompt = sum(s.prefix_prompt_tokens for s in stages)
+        hits = sum(s.prefix_hit_tokens for s in stages)
+        return cls(
+            queries=sum(s.prefix_queries for s in stages),
+            prompt_tokens=prompt,
+            hit_tokens=hits,
+            hit_rate=hits / prompt if prompt else 0.0,
+            cached_blocks=sum(s.prefix_cached_blocks for s in stages),
+            evicted=sum(s.prefix_evicted for s in stages),
+        )
+
+
 class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     uptime_s: float
     requests: int  # accepted since start
@@ -143,6 +175,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     malformed: int = 0  # internal messages the bridge dropped because they did not decode
     hosts_missing: list[str] = []  # a plan across hosts: hosts with workers whose kvasird join is not there
     metrics: RequestMetrics | None = None  # latency histograms and request counters
+    prefix_cache: PrefixCacheStats | None = None  # the heads' prefix caches (None: no stage reported yet)
 
 
 class Histogram(msgspec.Struct, frozen=True, kw_only=True):

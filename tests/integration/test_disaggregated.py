@@ -60,6 +60,18 @@ def test_disaggregated_output_equals_hf_generate(tiny_models, start_daemon, spli
     assert set(body["pools"]) == {"prefill", "decode"}
     decode = [stage for stage in body["stages"] if stage["pool"] == "decode"]
     assert all(stage["handoff_bytes"] > 0 for stage in decode)
+    # the prefill pool reuses cached prefixes; the decode pool still gets every request's whole KV
+    repeat = prompts[LENGTHS.index(33)]
+    whole = check_events(results[LENGTHS.index(33)])[1].handoff
+    cached = []
+    for prompt in (repeat, repeat[:30] + [7, 7, 7]):  # the first may find its blocks evicted since; then cached
+        (events,) = asyncio.run(run_all(daemon.runtime_dir, [prompt], [12]))
+        final = check_events(events)[1]
+        assert isinstance(final, Finished) and final.token_ids == hf_greedy(model, prompt, 12)
+        assert whole is not None and final.handoff is not None
+        assert final.handoff.kv_bytes == whole.kv_bytes  # 33 tokens' KV, cached or not
+        cached.append(final.usage.cached_tokens)
+    assert cached[1] == 28  # the first 30 tokens' seven full blocks
 
 
 def test_a_stage_dying_mid_handoff_fails_its_requests_once_and_the_pools_recover(tiny_models, start_daemon):

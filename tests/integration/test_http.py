@@ -57,6 +57,10 @@ def test_greedy_output_through_http_equals_the_zeromq_clients(http_daemon):
             assert choice.token_ids == ours.token_ids  # type: ignore[attr-defined]
             assert choice.finish_reason == "length" and http.usage.completion_tokens == 12
             assert http.usage.prompt_tokens == ours.usage.prompt_tokens
+            details = http.usage.prompt_tokens_details
+            assert details is not None and 0 <= details.cached_tokens < http.usage.prompt_tokens
+            if isinstance(prompt, list):  # its first block, cached by the ZeroMQ request just before
+                assert details.cached_tokens == 4
         chat = client.chat.completions.create(
             model="tiny-llama",
             messages=[{"role": "user", "content": "hello ring"}],
@@ -189,6 +193,10 @@ def test_metrics_parse_with_prometheus_client(http_daemon):
     busy = after["kvasir:worker_busy_seconds"]
     assert {s.labels["stage"] for s in busy.samples} == {"0", "1"} and value(busy, "_total") > 0
     assert after["kvasir:kv_blocks_in_use"].type == "gauge"
+    assert after["kvasir:prefix_cache_queries"].type == after["kvasir:prefix_cache_hits"].type == "counter"
+    assert (
+        0 <= value(after["kvasir:prefix_cache_hits"], "_total") <= value(after["kvasir:prefix_cache_queries"], "_total")
+    )
     for family in after.values():
         if family.name.startswith("kvasir:"):
             assert all(s.labels.get("model_name") == "tiny-llama" for s in family.samples), family.name
@@ -316,7 +324,9 @@ def test_logprobs_are_the_reference_models(http_daemon, tiny_models):
     reference = torch.log_softmax(logits[: len(prompt) - 1], dim=-1)  # token k given the tokens before it
     expected_prompt = [float(reference[k - 1, prompt[k]]) for k in range(1, len(prompt))]
     assert scored.token_logprobs[1 : len(prompt)] == pytest.approx(expected_prompt, abs=1e-3)
-    assert scored.token_logprobs[len(prompt) :] == pytest.approx(got.token_logprobs, abs=1e-6)
+    # one of the two computed its prompt whole, the other may have found it in the prefix cache
+    # (computed in another batch's shape): equal to float32 rounding
+    assert scored.token_logprobs[len(prompt) :] == pytest.approx(got.token_logprobs, abs=1e-4)
     assert echoed.text.endswith(choice.text) and echoed.text == "".join(scored.tokens)
     long = [(7 * k + 3) % 300 + 5 for k in range(150)]  # longer than a batch (max_tokens 64): scored in chunks
     whole = client.completions.create(model="tiny-llama", prompt=long, max_tokens=1, logprobs=0, echo=True)
@@ -342,7 +352,7 @@ def test_logprobs_are_the_reference_models(http_daemon, tiny_models):
         model="tiny-llama", prompt=prompt, max_tokens=6, temperature=0, logprobs=1, stream=True
     )
     scores = [lp for chunk in streamed for c in chunk.choices if c.logprobs for lp in c.logprobs.token_logprobs]
-    assert scores == pytest.approx(got.token_logprobs, abs=1e-6)
+    assert scores == pytest.approx(got.token_logprobs, abs=1e-4)
 
 
 def test_bench_drives_both_doors_with_the_same_jobs(http_daemon):

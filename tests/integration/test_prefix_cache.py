@@ -4,9 +4,10 @@ says how much) and every output equals the unsplit Hugging Face model's."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvasir.client import AsyncClient
-from kvasir.wire.client import Finished
+from kvasir.wire.client import Finished, PrefixCacheStats
 from tests.support.models import hf_greedy, random_prompts, reference_model
 
 VOCAB, BLOCK = 320, 4
@@ -50,6 +51,21 @@ def test_shared_prefixes_of_every_shape_are_reused_exactly(tiny_models, start_da
         assert end.usage.cached_tokens == cached, (len(prompt), end.usage)
         assert end.usage.prompt_tokens == len(prompt)
         assert end.token_ids == hf_greedy(model, prompt, 8)
+    cache = reported(daemon, queries=5)  # kvasir stats: the head's counts, summed
+    assert (cache.hit_tokens, cache.prompt_tokens) == (68, sum(len(p) for p, _ in cases) + len(base))
+    assert cache.cached_blocks > 0 and cache.evicted == 0
+
+
+def reported(daemon, queries: int, timeout_s: float = 30.0) -> PrefixCacheStats:
+    """The daemon's prefix-cache figures once the head has reported ``queries`` lookups."""
+    deadline = time.monotonic() + timeout_s
+    with daemon.client() as client:
+        while True:
+            cache = client.stats().prefix_cache
+            if cache is not None and cache.queries >= queries or time.monotonic() > deadline:
+                assert cache is not None and cache.queries == queries, cache
+                return cache
+            time.sleep(0.2)
 
 
 def test_racing_requests_and_eviction_keep_every_output_exact(tiny_models, start_daemon):
@@ -84,4 +100,6 @@ def test_with_the_cache_off_nothing_is_reused(tiny_models, start_daemon):
     prompt = random_prompts(VOCAB, [30], seed=31)[0]
     ends = [one(daemon.runtime_dir, prompt) for _ in range(2)]
     assert [end.usage.cached_tokens for end in ends] == [0, 0]
+    cache = reported(daemon, queries=0)
+    assert (cache.hit_tokens, cache.cached_blocks) == (0, 0)
     assert ends[0].token_ids == ends[1].token_ids

@@ -88,9 +88,19 @@ def one_greedy(runtime_dir: Path, ids: list[int], n: int) -> list[int]:
     return final.token_ids
 
 
+def cached(runtime_dir: Path, ids: list[int]) -> int:
+    """How many of the prompt's tokens a request found in the prefix cache."""
+    with Client(runtime_dir) as client:
+        final = client.generate(token_ids=ids, max_tokens=2, temperature=0)
+    assert isinstance(final, Finished), final
+    return final.usage.cached_tokens
+
+
 def test_chaos_sigkill_a_random_stage_under_load(tiny_models, start_daemon):
     daemon = start_daemon(tiny_models["llama"], [(0, 2), (2, 4), (4, 6)], name="chaos").wait_ready()
     launcher = daemon.process.pid
+    known = [21, 5, 8, 13, 2, 34, 55, 9, 3]  # two full blocks the prefix cache keeps
+    assert [cached(daemon.runtime_dir, known) for _ in range(2)] == [0, 8]
     before = daemon.child_pids()
     victim_index = random.randrange(3)
     victim = before[victim_index]
@@ -111,6 +121,8 @@ def test_chaos_sigkill_a_random_stage_under_load(tiny_models, start_daemon):
     assert len(after) == 3 and not set(after) & set(before)
     reference = reference_model(tiny_models["llama"])
     assert one_greedy(daemon.runtime_dir, [4, 8, 15, 16], 12) == hf_greedy(reference, [4, 8, 15, 16], 12)
+    assert [cached(daemon.runtime_dir, known) for _ in range(2)] == [0, 8]  # the restart emptied the cache
+    assert one_greedy(daemon.runtime_dir, known, 6) == hf_greedy(reference, known, 6)
     assert daemon.stop() == 0
     assert not any(alive(pid) for pid in after)
     assert list(daemon.runtime_dir.glob("*")) == []  # no socket file, no lock

@@ -152,3 +152,27 @@ def test_goodput_search_finds_a_known_knee():
     # nothing passes: goodput 0 after the allowed halvings
     best, points = search_goodput(lambda rate: 0.0, attain=0.9, start=1.0, max_moves=3)
     assert best == 0.0 and [r for r, _ in points] == [1.0, 0.5, 0.25, 0.125]
+
+
+def test_shared_prefix_prompts_begin_alike_and_count_their_cache_hits():
+    from kvasir.bench.workload import LengthSpec, WorkloadError, synthetic_jobs
+
+    spec = LengthSpec.parse("shared:10+3:5")
+    assert spec.shared == 10 and (spec.low, spec.high) == (3, 5) and str(spec) == "shared:10+3:5"
+    assert LengthSpec.parse(str(spec)) == spec
+    jobs = synthetic_jobs(6, spec, LengthSpec(2, 2), vocab_size=50, seed=4)
+    heads = {tuple(job.token_ids[:10]) for job in jobs if job.token_ids}
+    assert len(heads) == 1 and all(13 <= len(job.token_ids or []) <= 15 for job in jobs)
+    assert len({tuple(job.token_ids or []) for job in jobs}) > 1
+    assert synthetic_jobs(3, LengthSpec(3, 3), LengthSpec(7, 7), 50, 1) == synthetic_jobs(
+        3, LengthSpec.parse("3"), LengthSpec(7, 7), 50, 1
+    )  # no prefix: the same draws as before
+    for bad in ("shared:0+4", "shared:x+4", "shared:4", "shared:4+shared:2+3"):
+        with pytest.raises(WorkloadError):
+            LengthSpec.parse(bad)
+    records = [
+        RequestRecord(0.0, 0.1, (0.1,), 1, True, None, 40, 32),
+        RequestRecord(0.0, 0.1, (0.1,), 1, True, None, 40, 0),
+    ]
+    s = summarise(records, duration_s=1.0)
+    assert (s.prompt_tokens, s.cached_tokens, s.prefix_hit_rate) == (80, 32, 0.4)

@@ -3,6 +3,8 @@ tests/integration/test_stats.py)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from kvasir.cli.top import bar, frame
 from kvasir.wire.bridge import StageStats
 from kvasir.wire.client import DaemonStats
@@ -101,3 +103,17 @@ def test_a_disaggregated_frame_names_each_pool_and_its_head():
     assert "decode: queued 3, batches in flight 2" in lines[0]
     assert lines[1].startswith("pool     stage")
     assert [line.split()[0] for line in lines[2:]] == ["prefill", "prefill", "decode", "decode"]
+
+
+def test_a_frame_ends_with_the_prefix_cache_once_it_was_used():
+    from kvasir.wire.client import PrefixCacheStats
+
+    before = snapshot(10.0, [stage(0, (0, 15), 9.0, 4.0, 10), stage(1, (15, 30), 9.0, 3.0, 10)], 100)
+    head = stage(0, (0, 15), 11.0, 5.0, 30, prefix_queries=4, prefix_prompt_tokens=400, prefix_hit_tokens=300)
+    stages = [head, stage(1, (15, 30), 11.0, 3.5, 30)]
+    used = msgspec.structs.replace(snapshot(12.0, stages, 140), prefix_cache=PrefixCacheStats.of(stages))
+    assert frame(before, used)[-1] == (
+        "prefix cache: 4 prompts looked up, 300 of 400 prompt tokens reused (75%); 0 blocks cached, 0 evicted"
+    )
+    unused = msgspec.structs.replace(snapshot(12.0, stages[1:], 140), prefix_cache=PrefixCacheStats.of(stages[1:]))
+    assert not frame(before, unused)[-1].startswith("prefix cache")

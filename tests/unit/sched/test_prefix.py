@@ -113,3 +113,16 @@ def test_a_key_already_registered_keeps_its_block_and_off_means_no_reuse():
     assert got is not None
     off.register(got[0], key[0])
     assert off.lookup(key) == [] and off.cached_blocks == 0
+
+
+def test_eviction_goes_on_while_that_makes_one_run_of_adjacent_blocks():
+    c = cache(blocks=6)
+    held = [c.take([], 3), c.take([], 3)]  # two requests of three blocks, their first two registered
+    assert held == [[0, 1, 2], [3, 4, 5]]
+    for got in held:
+        for block in got[:2]:
+            c.register(block, block_keys([block] * 4, BLOCK, 1)[0])
+        c.release(got)
+    assert c.allocator.free == 2 and c.allocator.runs == 2  # blocks 2 and 5: apart
+    assert c.take([], 3) == [0, 1, 2]  # one eviction was room enough; the second made a run
+    assert c.evicted == 2 and c.lookup(block_keys([3] * 4, BLOCK, 1)) == [3]
