@@ -26,16 +26,13 @@ def one(runtime_dir, prompt: list[int], budget: int = 8) -> Finished:
     return asyncio.run(finish(runtime_dir, [prompt], budget))[0]
 
 
+def small(start_daemon, model, splits, **kv):
+    """A ready daemon with 4-token blocks and 8-token batches (prompts are chunked)."""
+    return start_daemon(model, splits, max_rows=6, max_tokens=8, block_size=BLOCK, **kv).wait_ready()
+
+
 def test_shared_prefixes_of_every_shape_are_reused_exactly(tiny_models, start_daemon):
-    daemon = start_daemon(
-        tiny_models["llama"],
-        [(0, 3), (3, 6)],
-        max_rows=6,
-        max_tokens=8,
-        block_size=BLOCK,
-        num_blocks=64,
-        max_seq_len=64,
-    ).wait_ready()
+    daemon = small(start_daemon, tiny_models["llama"], [(0, 3), (3, 6)], num_blocks=64, max_seq_len=64)
     model = reference_model(tiny_models["llama"])
     base, x, y, z = random_prompts(VOCAB, [22, 5, 12, 3], seed=11)
     first = one(daemon.runtime_dir, base)
@@ -71,15 +68,7 @@ def reported(daemon, queries: int, timeout_s: float = 30.0) -> PrefixCacheStats:
 def test_racing_requests_and_eviction_keep_every_output_exact(tiny_models, start_daemon):
     # 24 blocks: two requests of the 48-token limit fill the cache, so admitting the
     # distinct prompts below evicts idle cached blocks while others hold theirs
-    daemon = start_daemon(
-        tiny_models["qwen2"],
-        [(0, 2), (2, 6)],
-        max_rows=6,
-        max_tokens=8,
-        block_size=BLOCK,
-        num_blocks=24,
-        max_seq_len=48,
-    ).wait_ready()
+    daemon = small(start_daemon, tiny_models["qwen2"], [(0, 2), (2, 6)], num_blocks=24, max_seq_len=48)
     model = reference_model(tiny_models["qwen2"])
     shared = random_prompts(VOCAB, [13], seed=21)[0]
     racing = [shared + tail for tail in random_prompts(VOCAB, [1, 2, 3, 4, 5, 6], seed=22)]
