@@ -97,7 +97,7 @@ class PrefixCache:
             self._evict()
         # a row reads each run of adjacent blocks with one call (kvasir/model/paged_inplace.py):
         # evict up to as many again, oldest first, while that makes room for one run
-        for _ in range(fresh if self.allocator.longest_run < fresh else 0):
+        for _ in range(fresh):
             if not self._idle or self.allocator.longest_run >= fresh:
                 break
             self._evict()
