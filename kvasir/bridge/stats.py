@@ -12,6 +12,7 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
     """What ``kvasir stats`` shows: the bridge's (kvasir/bridge/server.py) own figures and
     the stages' latest reports."""
     order = sorted(bridge.stage_stats)
+    stages = [bridge.stage_stats[k] for k in order]
     return DaemonStats(
         uptime_s=time.monotonic() - bridge.started,
         requests=bridge.accepted,
@@ -20,7 +21,7 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         waiting_limit=bridge.max_waiting,
         vocab_size=bridge.vocab_size,
         max_seq_len=bridge.max_seq_len,
-        stages=[bridge.stage_stats[k] for k in order],
+        stages=stages,
         shards=[bridge.shard_stats[k] for k in sorted(bridge.shard_stats)],
         timeline=[list(bridge.timelines.get(k, ())) for k in order] if timeline else [],
         state="draining" if bridge.draining else "restarting" if bridge.restarting is not None else "serving",
@@ -33,5 +34,5 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         malformed=bridge.malformed,
         hosts_missing=bridge.hosts_missing,
         metrics=bridge.metrics.snapshot(),
-        prefix_cache=PrefixCacheStats.of([bridge.stage_stats[k] for k in order]) if order else None,
+        prefix_cache=PrefixCacheStats.of(stages) if stages else None,
     )
