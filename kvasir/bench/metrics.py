@@ -27,6 +27,7 @@ class RequestRecord:
     handoff: tuple[int, float, float] | None = None  # disaggregated plans: KV bytes, hand-off s, copy s
     prompt_tokens: int = 0  # as the daemon counted them (finished requests)
     cached_tokens: int = 0  # of those, reused from the prefix cache
+    output_ids: tuple[int, ...] = ()  # the reply's tokens (a conversation's next turn resends them)
 
     @property
     def e2e_s(self) -> float:

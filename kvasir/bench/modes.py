@@ -11,6 +11,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
+from kvasir.bench.workload import workload_lengths
 from kvasir.wire.transport import default_runtime_dir
 
 
@@ -91,8 +92,7 @@ def against_daemon(
     workload = {
         "requests": count,
         "warmup": warmup,
-        "prompt_len": str(lengths[0]),
-        "output_len": str(lengths[1]),
+        **workload_lengths(lengths),
         "seed": seed,
         "ignore_eos": ignore_eos,
     }
@@ -183,8 +183,7 @@ def plans_mode(
     report["workload"] = {
         "requests": count,
         "warmup": warmup,
-        "prompt_len": str(lengths[0]),
-        "output_len": str(lengths[1]),
+        **workload_lengths(lengths),
         "seed": seed,
         **({"concurrency": concurrency} if concurrency is not None else {"rate": rate}),
     }
@@ -220,7 +219,7 @@ def compare_mode(
 
     names = tuple(name.strip() for name in contenders.split(",") if name.strip())
     report = run_compare(path, Workload(jobs, warmup, concurrency), names, rounds, slo, keep, say)
-    report["workload"].update(prompt_len=str(lengths[0]), output_len=str(lengths[1]), seed=seed)
+    report["workload"].update(**workload_lengths(lengths), seed=seed)
     return {"compare": report}, list(pictures.values())
 
 

@@ -98,11 +98,18 @@ def prefix_line(s: dict, indent: str = "") -> str:
     )
 
 
+def prompt_words(workload: dict) -> str:
+    """ "prompt SPEC", and for conversations how many turns and that history is resent."""
+    words = f"prompt {workload.get('prompt_len')}"
+    turns = workload.get("turns", 1)
+    return words if turns == 1 else f"{words} a turn ({turns}-turn conversations resending their history)"
+
+
 def print_compare(report: dict, echo: Echo) -> None:
     w = report["workload"]
     echo(
         f"plan {report['plan']}: {w['requests']} requests (+{w['warmup']} warm-up), concurrency {w['concurrency']}, "
-        f"prompt {w.get('prompt_len')}, output {w.get('output_len')} tokens; {report['threads']} torch threads "
+        f"{prompt_words(w)}, output {w.get('output_len')} tokens; {report['threads']} torch threads "
         f"per contender; {report['rounds']} round(s), alternating"
     )
     for name, entry in report["contenders"].items():
@@ -127,7 +134,7 @@ def print_plans(report: dict, echo: Echo) -> None:
     w = report["workload"]
     load = f"concurrency {w['concurrency']}" if "concurrency" in w else f"rate {w['rate']:g} req/s"
     echo(
-        f"{w['requests']} requests (+{w['warmup']} warm-up), {load}, prompt {w['prompt_len']}, output "
+        f"{w['requests']} requests (+{w['warmup']} warm-up), {load}, {prompt_words(w)}, output "
         f"{w['output_len']} tokens; {report['rounds']} round(s), alternating"
     )
     slo = report.get("slo")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import msgspec
 
 from kvasir.bench.metrics import RequestRecord, handoff_figures, summarise
-from kvasir.bench.workload import Job
+from kvasir.bench.workload import Job, conversations
 from kvasir.client import AsyncClient
 from kvasir.wire.bridge import StageStats
 from kvasir.wire.client import DaemonStats, Finished, TokenOut
@@ -34,19 +34,37 @@ async def one_request(
         job.text, token_ids=job.token_ids, max_tokens=job.max_tokens, temperature=0, ignore_eos=ignore_eos
     )
     times: list[float] = []
+    ids: list[int] = []
     ok = False
     handoff = None
     usage = (0, 0)
     async for event in stream:
         if isinstance(event, TokenOut):
             times.append(clock() - submitted)
+            ids.append(event.token_id)
         elif isinstance(event, Finished):
             ok = True
             usage = (event.usage.prompt_tokens, event.usage.cached_tokens)
             if event.handoff is not None:
                 handoff = (event.handoff.kv_bytes, event.handoff.seconds, event.handoff.copy_s)
     first = times[0] if times else clock() - submitted
-    return RequestRecord(submitted, first, tuple(times), len(times), ok, handoff, *usage)
+    return RequestRecord(submitted, first, tuple(times), len(times), ok, handoff, *usage, output_ids=tuple(ids))
+
+
+async def converse(send, conversation: list[Job]) -> list[RequestRecord]:
+    """Send a conversation's turns in order: each later turn's prompt is the history (the
+    turn before's prompt and reply) and then its own message. A failed turn ends it."""
+    history: list[int] = []
+    records: list[RequestRecord] = []
+    for job in conversation:
+        if job.turn:
+            job = replace(job, token_ids=history + list(job.token_ids or ()))
+        record = await send(job)
+        records.append(record)
+        if not record.ok:
+            break
+        history = list(job.token_ids or ()) + list(record.output_ids)
+    return records
 
 
 async def run_load(
@@ -63,6 +81,8 @@ async def run_load(
 ) -> LoadResult:
     """Run ``warmup`` jobs first (not measured), then the rest; exactly one of
     ``concurrency`` (closed loop) or ``rate`` (open loop, Poisson arrivals) is given.
+    The unit of either loop is a conversation (kvasir/bench/workload.py): one job, or
+    several turns sent one after another.
     ``ignore_eos`` makes every request produce exactly its ``max_tokens``. ``send``: how a
     job is sent and timed (default: through ``client``; kvasir/bench/doors.py: over HTTP);
     ``client`` reads the daemon's statistics either way."""
@@ -102,30 +122,30 @@ async def fresh_stats(client: AsyncClient, before: DaemonStats, window_s: float,
 
 
 async def _closed(send, jobs, concurrency, progress) -> list[RequestRecord]:
-    queue = list(reversed(jobs))
+    queue = list(reversed(conversations(jobs)))
     records: list[RequestRecord] = []
 
     async def worker() -> None:
         while queue:
-            records.append(await send(queue.pop()))
+            records.extend(await converse(send, queue.pop()))
             if progress is not None:
                 progress(len(records))
 
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(jobs)) or 1)))
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(queue)) or 1)))
     return records
 
 
 async def _open(send, jobs, rate, rng, progress) -> list[RequestRecord]:
     records: list[RequestRecord] = []
 
-    async def timed(job) -> None:
-        records.append(await send(job))
+    async def timed(conversation) -> None:
+        records.extend(await converse(send, conversation))
         if progress is not None:
             progress(len(records))
 
     tasks = []
-    for job in jobs:
-        tasks.append(asyncio.create_task(timed(job)))
+    for conversation in conversations(jobs):
+        tasks.append(asyncio.create_task(timed(conversation)))
         await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
     return records

@@ -22,7 +22,9 @@ class LengthSpec:
     drawn uniformly from a list ("1000,40,40,40": a quarter long prompts, the rest chats),
     or a heavy tail like chat traffic's ("lognormal:96:0.9:8:1024": log-normal with median
     96 and sigma 0.9, rounded and kept within 8..1024). For prompts, "shared:N+SPEC" puts
-    the same N tokens (one system prompt) before every prompt's own SPEC tokens."""
+    the same N tokens (one system prompt) before every prompt's own SPEC tokens. ``turns``
+    (``kvasir bench --turns``) groups the prompts into conversations: each later turn's
+    SPEC tokens follow the whole history (earlier prompts and replies), resent."""
 
     low: int
     high: int
@@ -30,6 +32,7 @@ class LengthSpec:
     median: float | None = None  # log-normal: the median and the sigma of the log
     sigma: float = 0.0
     shared: int = 0  # prompts: tokens every prompt begins with, before its own
+    turns: int = 1  # prompts: turns of a conversation (the first turn starts with the shared tokens)
 
     @classmethod
     def parse(cls, text: str) -> LengthSpec:
@@ -99,17 +102,40 @@ class Job:
     token_ids: list[int] | None
     text: str | None
     max_tokens: int
+    turn: int = 0  # > 0: a later turn of the conversation the jobs before it began; token_ids
+    # are then only its new message, sent after the history (kvasir/bench/runner.py)
 
 
 def synthetic_jobs(count: int, prompt_len: LengthSpec, output_len: LengthSpec, vocab_size: int, seed: int) -> list[Job]:
     """Random token-id prompts (ids 3..vocab-1), reproducible by seed; with a shared
-    prefix, every prompt begins with the same random tokens."""
+    prefix, every conversation's first prompt begins with the same random tokens; with
+    turns, every ``turns`` consecutive jobs are one conversation."""
     rng = random.Random(seed)
     prefix = [rng.randrange(3, vocab_size) for _ in range(prompt_len.shared)]
-    return [
-        Job(prefix + [rng.randrange(3, vocab_size) for _ in range(prompt_len.draw(rng))], None, output_len.draw(rng))
-        for _ in range(count)
-    ]
+    jobs = []
+    for number in range(count):
+        turn = number % prompt_len.turns
+        own = [rng.randrange(3, vocab_size) for _ in range(prompt_len.draw(rng))]
+        jobs.append(Job(own if turn else prefix + own, None, output_len.draw(rng), turn))
+    return jobs
+
+
+def conversations(jobs: list[Job]) -> list[list[Job]]:
+    """The jobs grouped into conversations: each begins at a job of turn 0."""
+    groups: list[list[Job]] = []
+    for job in jobs:
+        if job.turn == 0 or not groups:
+            groups.append([])
+        groups[-1].append(job)
+    return groups
+
+
+def workload_lengths(lengths: tuple[LengthSpec, LengthSpec]) -> dict:
+    """The length fields of a run's report (and its turns a conversation, if more than one)."""
+    prompt, output = lengths
+    return {"prompt_len": str(prompt), "output_len": str(output)} | (
+        {"turns": prompt.turns} if prompt.turns > 1 else {}
+    )
 
 
 def file_jobs(path: Path, count: int, output_len: LengthSpec, seed: int) -> list[Job]:
@@ -157,12 +183,10 @@ class Workload:
     ignore_eos: bool
 
     def report(self) -> dict:
-        prompt, output = self.lengths
         return {
             "requests": self.count,
             "warmup": self.warmup,
-            "prompt_len": str(prompt),
-            "output_len": str(output),
+            **workload_lengths(self.lengths),
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -35,6 +36,15 @@ from kvasir.errors import KvasirError
     default="64",
     show_default=True,
     help="Output tokens: N, LOW:HIGH, N,N,... or lognormal:MEDIAN:SIGMA:LOW:HIGH.",
+)
+@click.option(
+    "--turns",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Multi-turn conversations of N turns: each later turn resends the conversation so far (earlier "
+    "prompts and replies) and adds --prompt-len new tokens; a closed loop keeps conversations in flight, "
+    "an open loop starts --rate conversations a second. --requests and --warmup count turns.",
 )
 @click.option(
     "--prompts",
@@ -151,6 +161,7 @@ def bench(
     warmup,
     prompt_len,
     output_len,
+    turns,
     prompts_file,
     seed,
     ignore_eos,
@@ -224,6 +235,17 @@ def bench(
         raise click.UsageError(str(exc)) from None
     if lengths[1].shared:
         raise click.UsageError("--output-len takes no shared: prefix (that is for prompts)")
+    lengths = (replace(lengths[0], turns=_turns(turns, count, warmup)), lengths[1])
+    if turns > 1 and (prompts_file or doors_url or failover or submit_only or hop or roofline):
+        raise click.UsageError(
+            "--turns sends random-id conversations on load runs: not with --prompts, --doors, "
+            "--failover, --submit-only, --hop or --roofline"
+        )
+    if turns > 1 and compare and not two_plans and not _rings_only(contenders):
+        raise click.UsageError(
+            "--turns compares rings only: add --contenders ring,drained (the transformers "
+            "baselines do not hold conversations)"
+        )
     slo = (slo_ttft, slo_tpot) if slo_ttft is not None else None
     say = _progress_line if not as_json else (lambda line: None)
     try:
@@ -331,6 +353,18 @@ def bench(
     from kvasir.bench.report import print_report
 
     print_report(report, click.echo)
+
+
+def _turns(turns: int, count: int, warmup: int) -> int:
+    if turns < 1 or count % turns or warmup % turns:
+        raise click.UsageError("--turns must be >= 1 and divide --requests and --warmup (whole conversations)")
+    return turns
+
+
+def _rings_only(contenders: str) -> bool:
+    from kvasir.bench.compare import RING_KINDS
+
+    return all(name.strip() in RING_KINDS for name in contenders.split(",") if name.strip())
 
 
 def _roofline(plan_path: str | None, as_json: bool) -> None:

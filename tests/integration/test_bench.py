@@ -62,6 +62,32 @@ def test_bench_closed_and_open_loop_report(shared_daemon, tmp_path):
     assert bench(tmp_path / "nobody", "--requests", "1").returncode == 3
 
 
+def test_multi_turn_conversations_resend_their_history_and_report_the_hits(shared_daemon, tmp_path):
+    args = ("--concurrency", "2", "--prompt-len", "shared:12+5", "--output-len", "4", "--ignore-eos", "--json")
+    run = bench(shared_daemon.runtime_dir, "--turns", "3", "--requests", "6", "--warmup", "3", *args)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["workload"]["turns"] == 3 and report["workload"]["prompt_len"] == "shared:12+5"
+    s = report["summary"]
+    assert s["requests"] == 6 and s["errors"] == 0 and s["output_tokens"] == 24
+    # each conversation: prompts of 17, 26 (17 + 4 replied + 5 new) and 35 tokens; reused:
+    # the system prompt's 3 blocks (the warm-up conversation wrote them), then every block
+    # the turn before wrote in full (20, then 28 tokens; 4-token blocks)
+    assert (s["prompt_tokens"], s["cached_tokens"]) == (2 * (17 + 26 + 35), 2 * (12 + 20 + 28))
+    for wrong in (
+        ("--turns", "3", "--requests", "5"),  # not whole conversations
+        ("--turns", "3", "--requests", "6", "--warmup", "2"),
+        (
+            "--turns",
+            "0",
+        ),
+        ("--turns", "2", "--compare"),  # the transformers baselines hold no conversations
+        ("--turns", "2", "--submit-only"),
+    ):
+        bad = bench(tmp_path / "nobody", *wrong)
+        assert bad.returncode == 2 and "--turns" in bad.stderr, (wrong, bad.stderr)
+
+
 def test_submit_only_counts_every_reply_and_respects_the_queue_bound(tiny_models, start_daemon):
     # 6000 submissions, up to 2000 in the daemon: several thousand events queue for one
     # client, more than ZMQ's default queue of 1000 (which a ROUTER would silently drop)

@@ -92,3 +92,31 @@ def test_with_the_cache_off_nothing_is_reused(tiny_models, start_daemon):
     cache = reported(daemon, queries=0)
     assert (cache.hit_tokens, cache.cached_blocks) == (0, 0)
     assert ends[0].token_ids == ends[1].token_ids
+
+
+def test_multi_turn_conversations_resend_their_history_and_reuse_it(tiny_models, start_daemon):
+    from kvasir.bench.runner import run_load
+    from kvasir.bench.workload import LengthSpec, synthetic_jobs
+
+    daemon = small(start_daemon, tiny_models["llama"], [(0, 3), (3, 6)], num_blocks=64, max_seq_len=64)
+    model = reference_model(tiny_models["llama"])
+    jobs = synthetic_jobs(6, LengthSpec(5, 5, turns=3), LengthSpec(4, 4), VOCAB, seed=3)
+    assert [job.turn for job in jobs] == [0, 1, 2, 0, 1, 2]
+
+    async def run():
+        async with await AsyncClient.connect(daemon.runtime_dir) as client:
+            return await run_load(client, jobs, concurrency=1)
+
+    records = asyncio.run(run()).records  # one conversation at a time: in the jobs' order
+    assert len(records) == 6 and all(r.ok for r in records)
+    history: list[int] = []
+    for job, record in zip(jobs, records):
+        prompt = (history if job.turn else []) + list(job.token_ids or ())
+        assert record.prompt_tokens == len(prompt)
+        assert list(record.output_ids) == hf_greedy(model, prompt, 4)  # the history resent exactly
+        if job.turn:  # reused: the blocks the turn before wrote in full (all but its last sampled token)
+            written = (len(history) - 1) // BLOCK * BLOCK
+            assert record.cached_tokens == min(written, (len(prompt) - 1) // BLOCK * BLOCK) > 0
+        else:
+            assert record.cached_tokens == 0
+        history = prompt + list(record.output_ids)
