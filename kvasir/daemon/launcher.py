@@ -136,8 +136,7 @@ class Launcher:
             raise LaunchError(str(exc)) from None
         for stale in self.ends.socket_files():  # only Kvasir's names (make_runtime_dir checked)
             stale.unlink(missing_ok=True)
-        for path, size in sweep_stale_segments():
-            self.log.warning("removed stale shared memory", file=str(path), bytes=size)
+        self._sweep()
         self._control = PullChannel(self.sockets.bind(zmq.PULL, self.ends.control), ControlMessage, self.log)
         try:
             self.fronts.bind()
@@ -412,6 +411,12 @@ class Launcher:
             child.process.wait()
             child.command.socket.close(linger=0)
             self.heartbeats.forget(child.name)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove shared memory whose creator is gone (killed children's, a killed daemon's)."""
+        for path, size in sweep_stale_segments():
+            self.log.warning("removed stale shared memory", file=str(path), bytes=size)
 
     def _stop_all(self, code: str) -> None:
         self.state = "stopping"
@@ -430,10 +435,7 @@ class Launcher:
     # -- cleanup --------------------------------------------------------------------------
     def cleanup(self) -> None:
         """Stop whatever still runs, remove sockets, shared memory and the lock."""
-        for child in self.children:
-            if child.process.poll() is None:
-                child.process.kill()
-                child.process.wait()
+        self._kill(self.children)  # and sweep their shared memory
         self.fronts.close()
         if self.hosts is not None:
             self.hosts.halt_all("the leader stops")

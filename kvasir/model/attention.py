@@ -17,7 +17,8 @@ from typing import cast
 import torch
 from transformers import AttentionInterface
 
-from kvasir.model.kv_cache import PagedKVCache
+from kvasir.model.host_index import to_device
+from kvasir.model.kv_cache import PagedKVCache, flat_slots
 from kvasir.model.paged_gather import GatherPlan, attend_gathered
 from kvasir.model.paged_inplace import RowPlan, attend_rows
 from kvasir.wire.batch import Row
@@ -52,15 +53,16 @@ def build_batch(
     cache: PagedKVCache, first_layer: int, rows: tuple[Row, ...], scored: Collection[int] = ()
 ) -> PagedBatch:
     """Record the rows' block growth and precompute every index the layers need; the rows
-    of the requests in ``scored`` get logits at every token (the tail only)."""
-    device = cache.keys.device
+    of the requests in ``scored`` get logits at every token (the tail only). The indices
+    are built on the host and reach an accelerator in one non-blocking copy
+    (kvasir/model/host_index.py)."""
     positions, writes, plans, emit = [], [], [], []
     score: list[int] = []
     begin = 0
     for row in rows:
         table = cache.extend(row.request_id, row.new_blocks)
         stop = row.start + row.num_tokens
-        writes.append(cache.slots(row.request_id, table, row.start, stop))
+        writes.append(flat_slots(row.request_id, table, cache.block_size, row.start, stop))
         plans.append(RowPlan(begin, begin + row.num_tokens, row.start, tuple(table), cache.block_size))
         positions.append(torch.arange(row.start, stop))
         if row.request_id in scored:
@@ -68,16 +70,15 @@ def build_batch(
         begin += row.num_tokens
         if row.emit:
             emit.append(begin - 1)
-    return PagedBatch(
-        cache=cache,
-        first_layer=first_layer,
-        positions=torch.cat(positions).to(device),
-        write_slots=torch.cat(writes),
-        rows=plans,
-        emit_index=torch.tensor(emit, dtype=torch.long, device=device),
-        score_index=torch.tensor(score, dtype=torch.long, device=device),
-        in_place=device.type == "cpu",
+    device = cache.keys.device
+    at, slots, emits, scores = to_device(
+        device,
+        torch.cat(positions),
+        torch.cat(writes),
+        torch.tensor(emit, dtype=torch.long),
+        torch.tensor(score, dtype=torch.long),
     )
+    return PagedBatch(cache, first_layer, at, slots, plans, emits, scores, in_place=device.type == "cpu")
 
 
 def paged_attention(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvasir.model.host_index import to_device
 from kvasir.model.kv_cache import flat_slots
 from kvasir.model.paged_inplace import RowPlan
 
@@ -47,6 +48,7 @@ class DecodeGroup:
     tokens: torch.Tensor  # [R] packed index of each row's token
     read_slots: torch.Tensor  # [R, L] cache slots of each row's context, padded with slot 0
     contexts: list[int]  # each row's context length (its position + 1)
+    lengths: torch.Tensor  # [R] the same, on the device
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -57,7 +59,7 @@ class DecodeGroup:
             if min(self.contexts) == longest and (window is None or longest <= window):
                 self.masks[window] = None
             else:
-                q_pos = torch.tensor(self.contexts, device=device)[:, None] - 1
+                q_pos = self.lengths[:, None] - 1
                 k_pos = torch.arange(longest, device=device)[None, :]
                 allowed = k_pos <= q_pos
                 if window is not None:
@@ -73,22 +75,27 @@ class GatherPlan:
 
     @classmethod
     def of(cls, rows: list[RowPlan], device: torch.device) -> GatherPlan:
+        """Every row's context slots, built on the host and moved in one non-blocking copy."""
         singles: list[tuple[int, torch.Tensor]] = []
-        chunks = []
+        chunks: list[tuple[RowPlan, torch.Tensor]] = []
         for row in rows:
-            context = flat_slots(0, row.table, row.block_size, 0, row.start + row.num_tokens).to(device)
+            context = flat_slots(0, row.table, row.block_size, 0, row.start + row.num_tokens)
             if row.num_tokens == 1:
                 singles.append((row.begin, context))
             else:
-                chunks.append(ChunkView(row, context))
+                chunks.append((row, context))
+        host = [slots for _, slots in chunks]
+        contexts = [len(slots) for _, slots in singles]
+        if singles:
+            host.append(torch.tensor([index for index, _ in singles], dtype=torch.long))
+            host.append(torch.nn.utils.rnn.pad_sequence([slots for _, slots in singles], batch_first=True))
+            host.append(torch.tensor(contexts, dtype=torch.long))
+        moved = to_device(device, *host)
         decode = None
         if singles:
-            decode = DecodeGroup(
-                tokens=torch.tensor([index for index, _ in singles], dtype=torch.long, device=device),
-                read_slots=torch.nn.utils.rnn.pad_sequence([slots for _, slots in singles], batch_first=True),
-                contexts=[len(slots) for _, slots in singles],
-            )
-        return cls(decode, chunks)
+            tokens, read_slots, lengths = moved[len(chunks) :]
+            decode = DecodeGroup(tokens, read_slots, contexts, lengths)
+        return cls(decode, [ChunkView(row, slots) for (row, _), slots in zip(chunks, moved)])
 
 
 def attend_gathered(

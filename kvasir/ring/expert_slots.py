@@ -69,12 +69,12 @@ class DispatchSegment:
         self._registered: int | None = None
         self._landed: torch.cuda.Event | None = None
         if spec.kind == "tcp" and cuda_ordinal(device) is not None:
-            self._landed = torch.cuda.Event()
+            self._landed = torch.cuda.Event(blocking=True)  # waits sleep, not spin
         if spec.kind == "pinned" and cuda_ordinal(device) is not None:
             from kvasir.ring.gpu_slots import register_host
 
             self._registered = register_host(raw.data_ptr(), size, f"dispatch slot {spec.name}")
-            self._landed = torch.cuda.Event()
+            self._landed = torch.cuda.Event(blocking=True)
 
     def check(self, rows: int) -> None:
         if not 0 < rows <= self.spec.max_rows:
@@ -140,14 +140,16 @@ class DispatchSegment:
             part[:rows].view(-1).view(torch.uint8).copy_(received(frame))
 
     def close(self) -> None:
-        if self._registered is not None:
-            from kvasir.ring.gpu_slots import unregister_host
+        registered, self._registered = self._registered, None
+        try:
+            if registered is not None:
+                from kvasir.ring.gpu_slots import unregister_host
 
-            unregister_host(self._registered)
-            self._registered = None
-        self.ids = self.weights = self.hidden = self.out = None  # type: ignore[assignment]
-        if self._map is not None:
-            close_map(self._map)
+                unregister_host(registered, f"dispatch slot {self.spec.name}")
+        finally:
+            self.ids = self.weights = self.hidden = self.out = None  # type: ignore[assignment]
+            if self._map is not None:
+                close_map(self._map)
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -18,6 +18,8 @@ handles (memory and events) are exchanged once at start-up (kvasir/ring/handshak
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvasir.config.devices import cuda_ordinal, torch_dtype
@@ -36,8 +38,10 @@ def register_host(pointer: int, size: int, what: str) -> int:
     return pointer
 
 
-def unregister_host(pointer: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+def unregister_host(pointer: int, what: str) -> None:
+    status = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+    if status != 0:
+        raise SlotError(f"{what}: cudaHostUnregister failed (cudaError {status})")
 
 
 def _side_device(spec: EdgeSpec, side: Side) -> str:
@@ -56,7 +60,8 @@ class PinnedSlotRing(ShmSlotRing):
         self._events: list[torch.cuda.Event] = []
         if self.device is not None:
             self._registered = register_host(self._slots.data_ptr(), edge_bytes(spec), f"edge {spec.name}")
-            self._events = [torch.cuda.Event() for _ in range(spec.slots)]
+            # blocking: a wait for a copy sleeps in the driver instead of spinning a core
+            self._events = [torch.cuda.Event(blocking=True) for _ in range(spec.slots)]
 
     def write(self, slot: int, boundary: torch.Tensor) -> None:
         self._check(slot, boundary.shape[0])
@@ -82,15 +87,25 @@ class PinnedSlotRing(ShmSlotRing):
             self._events[slot].synchronize()  # the copy out of the slot has finished: it may be overwritten
 
     def close(self) -> None:
-        if self._registered is not None:
-            unregister_host(self._registered)
-            self._registered = None
-        super().close()
+        registered, self._registered = self._registered, None
+        try:
+            if registered is not None:
+                unregister_host(registered, f"edge {self.spec.name}")
+        finally:
+            super().close()
 
 
 def export_memory(tensor: torch.Tensor) -> CudaMemoryHandle:
     """The IPC handle of a CUDA tensor's storage (torch's own storage sharing, no pickle)."""
-    device, handle, size, offset, ref_counter, ref_offset, event, event_sync = tensor.untyped_storage()._share_cuda_()
+    try:
+        shared = tensor.untyped_storage()._share_cuda_()
+    except RuntimeError as exc:
+        raise SlotError(
+            f"cannot share CUDA slot memory with the next stage ({exc}); with "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True some PyTorch versions cannot share "
+            "memory at all: leave that setting out of the daemon's environment"
+        ) from None
+    device, handle, size, offset, ref_counter, ref_offset, event, event_sync = shared
     return CudaMemoryHandle(
         device=int(device),
         handle=bytes(handle),
@@ -123,6 +138,35 @@ def import_memory(memory: CudaMemoryHandle, dtype: torch.dtype, shape: tuple[int
     return torch.empty(0, dtype=dtype, device=torch.device("cuda", memory.device)).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch's stub lacks this overload
 
 
+def shareable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed CUDA memory that another process can open through CUDA IPC. Memory in
+    expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) cannot be shared
+    that way, so the allocator makes these buffers with the setting off, then restores it."""
+    if not expandable_segments(os.environ):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if settings is None:
+        raise SlotError(
+            "PYTORCH_CUDA_ALLOC_CONF asks for expandable_segments:True, whose memory cannot be shared "
+            "between stages, and this PyTorch cannot turn it off for the slots: leave the setting out"
+        )
+    settings("expandable_segments:False")
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    finally:
+        settings("expandable_segments:True")
+
+
+def expandable_segments(environ) -> bool:
+    """Whether the CUDA allocator settings in ``environ`` turn expandable segments on."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for option in environ.get(name, "").split(","):
+            key, _, value = option.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return True
+    return False
+
+
 def _ipc_event(device: torch.device) -> torch.cuda.Event:
     event = torch.cuda.Event(interprocess=True)  # interprocess events carry no timing
     event.record(torch.cuda.current_stream(device))  # made on this device now, and complete
@@ -143,10 +187,11 @@ class CudaIpcSlotRing:
         self.device = torch.device("cuda", ordinal)
         self._shape = (spec.slots, spec.max_tokens, spec.hidden)
         self._dtype = torch_dtype(spec.dtype)
-        # consumer: "read" events; producer: "written" events
+        self._slots = shareable_zeros(self._shape, self._dtype, self.device) if side == "consumer" else None
+        # consumer: "read" events; producer: "written" events; recorded after the slots'
+        # zero-fill, so a producer's first wait covers it
         self._own = [_ipc_event(self.device) for _ in range(spec.slots)]
         self._peer: list[torch.cuda.Event] = []
-        self._slots = torch.zeros(self._shape, dtype=self._dtype, device=self.device) if side == "consumer" else None
 
     def local_half(self, index: int, pid: int) -> EdgeHandles:
         return EdgeHandles(

@@ -15,9 +15,12 @@ from kvasir.pids import alive
 SHM_DIR = Path("/dev/shm")
 
 
-SEGMENT_NAME = re.compile(
-    r"kvasir-(?P<pid>[0-9]+)-[0-9a-f]{8}-[a-z]+[0-9]*"
-)  # segment_prefix() + "-edge3", "-kv0", "-hop"
+STALE_NAMES = (
+    re.compile(r"kvasir-(?P<pid>[0-9]+)-[0-9a-f]{8}-[a-z]+[0-9]*"),  # segment_prefix() + "-edge3", "-kv0", "-hop"
+    # PyTorch's CUDA IPC reference counters ("/torch_<pid>_<random>_<n>"): a stage that
+    # shared CUDA memory and was killed leaves one behind
+    re.compile(r"torch_(?P<pid>[0-9]+)_[0-9]+_[0-9]+"),
+)
 
 
 def segment_prefix() -> str:
@@ -27,18 +30,18 @@ def segment_prefix() -> str:
 
 
 def sweep_stale_segments(directory: Path = SHM_DIR) -> list[tuple[Path, int]]:
-    """Remove this user's segments whose creator no longer runs (a daemon or bench killed
-    with SIGKILL, or by the OOM killer, cannot remove its own). Segments of live
-    processes, other users' files and other names are left alone. Returns the removed
-    files with their sizes."""
+    """Remove this user's segments whose creator no longer runs (a daemon, stage or bench
+    killed with SIGKILL, or by the OOM killer, cannot remove its own): Kvasir's, and
+    PyTorch's CUDA IPC reference counters. Segments of live processes, other users'
+    files and other names are left alone. Returns the removed files with their sizes."""
     removed: list[tuple[Path, int]] = []
     try:
         entries = list(directory.iterdir())
     except OSError:
         return removed
     for path in entries:
-        match = SEGMENT_NAME.fullmatch(path.name)
-        if match is None or alive(int(match["pid"])):
+        pid = _creator(path.name)
+        if pid is None or alive(pid):
             continue
         try:
             info = path.lstat()
@@ -49,6 +52,15 @@ def sweep_stale_segments(directory: Path = SHM_DIR) -> list[tuple[Path, int]]:
             continue  # gone already, or not ours to remove
         removed.append((path, info.st_size))
     return removed
+
+
+def _creator(name: str) -> int | None:
+    """The pid a stale-sweepable file name carries, None for other names."""
+    for pattern in STALE_NAMES:
+        match = pattern.fullmatch(name)
+        if match is not None:
+            return int(match["pid"])
+    return None
 
 
 def map_file(path: Path, size: int, create: bool) -> mmap.mmap:

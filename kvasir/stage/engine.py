@@ -11,6 +11,7 @@ from kvasir.config.plan import Plan
 from kvasir.errors import BatchError
 from kvasir.model.attention import build_batch
 from kvasir.model.expert_dispatch import DispatchClock, ExpertShard, InProcessShard, ShardedExperts
+from kvasir.model.host_index import input_to
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import load_experts, load_slice, slice_spec
 from kvasir.model.packed import pack_linears
@@ -77,7 +78,7 @@ class StageEngine:
             )
         self.release(descriptor)
         batch = build_batch(self.cache, self.spec.layers[0], descriptor.rows, scored)
-        return self.model(inputs.to(self.device), batch)
+        return self.model(input_to(self.device, inputs), batch)
 
 
 def in_process_shards(plan: Plan, index: int, source: ModelSource, device: torch.device) -> list[ExpertShard]:

@@ -18,6 +18,7 @@ from kvasir.model.convert import prepare
 from kvasir.model.source import resolve_source
 from kvasir.wire.client import Finished
 from tests.support.daemon import Daemon
+from tests.support.gpu import gpu_under_test
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,6 +27,7 @@ pytestmark = [
 ]
 
 PLAN = Path(__file__).parents[2] / "plans" / "smollm2-cuda.toml"
+GPU = gpu_under_test()
 CHATS = ["What is the capital of France?", "Name a colour of the sky.", "Write one line about rivers."]
 NEW_TOKENS = 32
 BF16_MARGIN = 0.05
@@ -51,7 +53,14 @@ def prompts(smollm2):
 
 @pytest.fixture(scope="module")
 def reference(smollm2):
-    return AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).to("cuda:0").eval()
+    return AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).to(GPU).eval()
+
+
+def on_the_gpu(tmp_path: Path) -> Path:
+    """The default CUDA plan with its stages on $KVASIR_GPU."""
+    copy = tmp_path / "smollm2-cuda.toml"
+    copy.write_text(PLAN.read_text().replace('device = "cuda:0"', f'device = "{GPU}"'))
+    return copy
 
 
 def serve(plan_path: Path, tmp_path: Path, prompts) -> list[list[int]]:
@@ -72,9 +81,9 @@ def serve(plan_path: Path, tmp_path: Path, prompts) -> list[list[int]]:
 
 
 def test_default_model_on_one_gpu_matches_generate_float32(reference, prompts, tmp_path):
-    got = serve(PLAN, tmp_path, prompts)
+    got = serve(on_the_gpu(tmp_path), tmp_path, prompts)
     for prompt, tokens in zip(prompts, got):
-        inputs = torch.tensor([prompt], device="cuda:0")
+        inputs = torch.tensor([prompt], device=GPU)
         out = reference.generate(
             inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW_TOKENS, do_sample=False
         )
@@ -84,14 +93,14 @@ def test_default_model_on_one_gpu_matches_generate_float32(reference, prompts, t
 def test_default_model_on_one_gpu_bfloat16_is_near_argmax(reference, prompts, tmp_path):
     import msgspec
 
-    plan = load_plan(PLAN)
+    plan = load_plan(on_the_gpu(tmp_path))
     bf16 = tmp_path / "bf16.toml"
     text = plan_toml(msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, dtype="bfloat16")))
     bf16.write_text(text)
     got = serve(bf16, tmp_path, prompts)
     for prompt, tokens in zip(prompts, got):
         with torch.no_grad():
-            logits = reference(torch.tensor([prompt + tokens], device="cuda:0")).logits[0, len(prompt) - 1 : -1].float()
+            logits = reference(torch.tensor([prompt + tokens], device=GPU)).logits[0, len(prompt) - 1 : -1].float()
         best = logits.max(dim=-1).values
-        chosen = logits.gather(1, torch.tensor(tokens, device="cuda:0")[:, None])[:, 0]
+        chosen = logits.gather(1, torch.tensor(tokens, device=GPU)[:, None])[:, 0]
         assert bool(((best - chosen) <= BF16_MARGIN * logits.abs().max(dim=-1).values).all())

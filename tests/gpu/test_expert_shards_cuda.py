@@ -14,6 +14,7 @@ from test_ring_cuda import MIXED_MARGIN, check_near_argmax, greedy, reference
 
 from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.wire.control import DispatchSlot
+from tests.support.gpu import gpu_under_test
 from tests.support.models import random_prompts
 
 pytestmark = [
@@ -21,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
 ]
 
-GPU = os.environ.get("KVASIR_GPU", "cuda:0")
+GPU = gpu_under_test()
 
 
 def test_a_pinned_slot_carries_rows_from_a_gpu_stage_to_a_cpu_shard_and_back():

@@ -16,14 +16,19 @@ Tolerance rules:
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvasir.client import AsyncClient
-from kvasir.wire.client import Finished, TokenOut
+from kvasir.client import AsyncClient, Client
+from kvasir.wire.client import ErrorEvent, Finished, TokenOut
 from tests.support.daemon import settled
+from tests.support.gpu import gpu_under_test
 from tests.support.models import random_prompts
 
 pytestmark = [
@@ -35,6 +40,7 @@ LENGTHS = [1, 4, 9, 17, 33, 60, 90, 120, 2, 45]
 NEW = 16
 BF16_MARGIN = 0.05
 MIXED_MARGIN = 1e-4
+GPU = gpu_under_test()
 
 
 async def greedy(runtime_dir, prompts, new_tokens=NEW) -> list[list[int]]:
@@ -84,26 +90,26 @@ def check_exact(daemon, folder, device: str, prompts) -> None:
 
 
 def test_two_stages_on_one_gpu_over_cuda_ipc_match_generate_float32(start_daemon, tiny_models):
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], devices=["cuda:0", "cuda:0"]).wait_ready()
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], devices=[GPU, GPU]).wait_ready()
     assert edge_kinds(daemon) == ["cuda-ipc"]
     prompts = random_prompts(320, LENGTHS)
-    check_exact(daemon, tiny_models["llama"], "cuda:0", prompts)
+    check_exact(daemon, tiny_models["llama"], GPU, prompts)
     stages = settled(daemon.runtime_dir).stages
-    assert [s.device for s in stages] == ["cuda:0", "cuda:0"]
+    assert [s.device for s in stages] == [GPU, GPU]
     assert all(0 < s.gpu_bytes <= s.gpu_reserved_bytes for s in stages)
     assert all(s.kv_blocks == 0 for s in stages)
 
 
 def test_three_gpu_stages_two_cuda_ipc_edges_with_more_batches_than_slots(start_daemon, tiny_models):
     daemon = start_daemon(
-        tiny_models["qwen2"], [(0, 2), (2, 4), (4, 6)], devices=["cuda:0"] * 3, max_rows=4, max_tokens=16, inflight=2
+        tiny_models["qwen2"], [(0, 2), (2, 4), (4, 6)], devices=[GPU] * 3, max_rows=4, max_tokens=16, inflight=2
     ).wait_ready()
     assert edge_kinds(daemon) == ["cuda-ipc", "cuda-ipc"]
-    check_exact(daemon, tiny_models["qwen2"], "cuda:0", random_prompts(320, LENGTHS, seed=4))
+    check_exact(daemon, tiny_models["qwen2"], GPU, random_prompts(320, LENGTHS, seed=4))
 
 
 def test_pinned_edges_between_cpu_and_gpu_stages_match_generate(start_daemon, tiny_models):
-    daemon = start_daemon(tiny_models["llama"], [(0, 2), (2, 4), (4, 6)], devices=["cpu", "cuda:0", "cpu"]).wait_ready()
+    daemon = start_daemon(tiny_models["llama"], [(0, 2), (2, 4), (4, 6)], devices=["cpu", GPU, "cpu"]).wait_ready()
     assert edge_kinds(daemon) == ["pinned", "pinned"]
     prompts = random_prompts(320, LENGTHS, seed=5)
     got = asyncio.run(greedy(daemon.runtime_dir, prompts))
@@ -111,26 +117,79 @@ def test_pinned_edges_between_cpu_and_gpu_stages_match_generate(start_daemon, ti
 
 
 def test_explicit_shared_memory_between_gpu_stages_still_works(start_daemon, tiny_models):
-    daemon = start_daemon(
-        tiny_models["llama"], [(0, 3), (3, 6)], devices=["cuda:0", "cuda:0"], edges=["shm", None]
-    ).wait_ready()
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], devices=[GPU, GPU], edges=["shm", None]).wait_ready()
     assert edge_kinds(daemon) == ["shm"]
-    check_exact(daemon, tiny_models["llama"], "cuda:0", random_prompts(320, LENGTHS[:5], seed=6))
+    check_exact(daemon, tiny_models["llama"], GPU, random_prompts(320, LENGTHS[:5], seed=6))
 
 
 def test_bfloat16_tokens_are_near_argmax_of_the_float32_reference(start_daemon, tiny_models):
-    daemon = start_daemon(
-        tiny_models["qwen2"], [(0, 3), (3, 6)], devices=["cuda:0", "cuda:0"], dtype="bfloat16"
-    ).wait_ready()
+    daemon = start_daemon(tiny_models["qwen2"], [(0, 3), (3, 6)], devices=[GPU, GPU], dtype="bfloat16").wait_ready()
     prompts = random_prompts(320, LENGTHS, seed=7)
     got = asyncio.run(greedy(daemon.runtime_dir, prompts))
-    check_near_argmax(reference(tiny_models["qwen2"], "cuda:0"), prompts, got, BF16_MARGIN)
+    check_near_argmax(reference(tiny_models["qwen2"], GPU), prompts, got, BF16_MARGIN)
 
 
 def test_hop_over_cuda_ipc_slots():
     from kvasir.bench.hop import hop_report
 
-    report = hop_report(iterations=30, device="cuda:0")
-    assert report["kind"] == "cuda-ipc" and report["device"] == "cuda:0"
+    report = hop_report(iterations=30, device=GPU)
+    assert report["kind"] == "cuda-ipc" and report["device"] == GPU
     assert [s["tokens"] for s in report["sizes"]] == [1, 16, 128, 512]
     assert all(s["hop_us"] > 0 and s["memcpy_us"] > 0 for s in report["sizes"])
+
+
+async def kill_mid_generation(runtime_dir, prompts) -> list[str]:
+    """Start long generations, SIGKILL the last stage once the first token is out; each
+    request's terminal event ("finished" or the error's code)."""
+    async with await AsyncClient.connect(runtime_dir) as client:
+        victim = (await client.stats()).stages[-1].pid
+        streams = [await client.submit(token_ids=p, max_tokens=200, temperature=0, ignore_eos=True) for p in prompts]
+        first = aiter(streams[0])
+        while not isinstance(await anext(first), TokenOut):
+            pass
+        os.kill(victim, signal.SIGKILL)
+        ends = [[event async for event in first][-1]]
+        ends += [[event async for event in stream][-1] for stream in streams[1:]]
+    return [end.code if isinstance(end, ErrorEvent) else "finished" for end in ends]
+
+
+def serving_again(runtime_dir, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with Client(runtime_dir) as client:
+            stats = client.stats()
+        if stats.restarts == 1 and stats.state == "serving" and len(stats.stages) == 2:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the daemon did not serve again after the stage was killed")
+
+
+def gpu_free_bytes() -> int:
+    return torch.cuda.mem_get_info(torch.device(GPU))[0]
+
+
+def test_a_stage_killed_mid_generation_restarts_over_cuda_ipc_and_leaves_nothing(
+    start_daemon, tiny_models, record_property
+):
+    torch.cuda.init()
+    free_before, torch_files = gpu_free_bytes(), set(Path("/dev/shm").glob("torch_*"))
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], devices=[GPU, GPU]).wait_ready()
+    assert edge_kinds(daemon) == ["cuda-ipc"]
+    prompts = random_prompts(320, [5, 9, 17, 33], seed=8)
+    codes = asyncio.run(kill_mid_generation(daemon.runtime_dir, prompts))
+    assert codes[0] == "stage_failed" and set(codes) <= {"stage_failed", "finished"}, codes
+    serving_again(daemon.runtime_dir)
+    check_exact(daemon, tiny_models["llama"], GPU, prompts)  # the restarted ring, over fresh CUDA IPC slots
+    assert daemon.stop() == 0
+    deadline = time.monotonic() + 30  # the driver frees a dead process's memory shortly after
+    while gpu_free_bytes() < free_before - 64 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = set(Path("/dev/shm").glob("torch_*")) - torch_files
+    summary = (
+        f"ring restart over CUDA IPC: {codes.count('stage_failed')} requests told stage_failed, output equal to "
+        f"generate after the restart, GPU free {gpu_free_bytes() / 2**20:.0f} MiB against {free_before / 2**20:.0f} "
+        f"before, {len(left)} torch_* files left"
+    )
+    record_property("summary", summary)
+    assert gpu_free_bytes() >= free_before - 64 * 2**20, summary
+    assert not left, (summary, sorted(left))

@@ -1,11 +1,11 @@
-"""Shared-memory segments left behind by a killed daemon, and how the next one finds them."""
+"""Shared-memory segments left behind by a killed daemon or stage, and how the next one finds them."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 
-from kvasir.ring.shm import SEGMENT_NAME, segment_prefix, sweep_stale_segments
+from kvasir.ring.shm import STALE_NAMES, segment_prefix, sweep_stale_segments
 
 
 def _dead_pid() -> int:
@@ -17,21 +17,27 @@ def _dead_pid() -> int:
 def test_segment_names_carry_the_creators_pid():
     prefix = segment_prefix()
     for suffix in ("edge0", "edge12", "kv3", "hop"):
-        match = SEGMENT_NAME.fullmatch(f"{prefix}-{suffix}")
+        match = STALE_NAMES[0].fullmatch(f"{prefix}-{suffix}")
         assert match is not None and int(match["pid"]) == os.getpid()
     assert segment_prefix() != prefix  # two daemons of one process never share a name
 
 
 def test_only_this_users_segments_of_gone_processes_are_removed(tmp_path):
     dead = _dead_pid()
-    stale = {f"kvasir-{dead}-0a1b2c3d-edge0": 100, f"kvasir-{dead}-0a1b2c3d-kv1": 7, f"kvasir-{dead}-ffffffff-hop": 0}
+    stale = {
+        f"kvasir-{dead}-0a1b2c3d-edge0": 100,
+        f"kvasir-{dead}-0a1b2c3d-kv1": 7,
+        f"kvasir-{dead}-ffffffff-hop": 0,
+        f"torch_{dead}_3735928559_0": 12,  # PyTorch's CUDA IPC reference counter of a killed stage
+    }
     kept = [
         f"kvasir-{os.getpid()}-0a1b2c3d-edge0",  # a live daemon's
         "kvasir-1-0a1b2c3d-edge0",  # init is alive (and maybe not ours)
         f"kvasir-{dead}-notahex!-edge0",  # not a Kvasir name
         f"kvasir-{dead}-0a1b2c3d",
         f"kvasir-hop-{dead}-123",
-        f"torch_{dead}_1",
+        f"torch_{dead}_1",  # not the reference counters' name
+        f"torch_{os.getpid()}_3735928559_0",  # a live process's counter
         "kvasir-pool",
     ]
     for name, size in stale.items():
