@@ -4,7 +4,8 @@ The producer (the calling process) writes thousands of boundaries of random size
 ring of 2 slots; the consumer (a child process, this file run as a script) reads each,
 sums it on its device and returns the slot's credit. Each side's stream is held back at
 random with ``torch.cuda._sleep``: the producer's before each write, the consumer's before
-and after each read. Only the ring's events keep the bytes right under those delays: the
+and after each read; one hold in twenty is longer than a GPU time slice, so the two
+processes' kernels interleave even where the GPU time-slices between them. Only the ring's events keep the bytes right under those delays: the
 consumer's stream waits for the producer's copy ("written"), and the producer's for the
 consumer's reads ("read"; on pinned slots the consumer waits for its copy out of the slot
 before it returns the credit). Every boundary holds one value, so its sum is known
@@ -39,6 +40,12 @@ from kvasir.wire.control import EdgeHandles, EdgeSpec
 
 SLOTS, MAX_TOKENS, HIDDEN = 2, 64, 256
 MAX_SLEEP = 400_000  # GPU cycles, about 0.2 ms
+LONG_HOLD = 10_000_000  # about 5 ms: longer than a time slice, so the other process's kernels run meanwhile
+
+
+def _hold(rng: random.Random) -> int:
+    """A random hold for a stream: mostly short, one in twenty long."""
+    return LONG_HOLD if rng.random() < 0.05 else rng.randrange(MAX_SLEEP)
 
 
 class UnwaitedIpcSlots(CudaIpcSlotRing):
@@ -137,7 +144,7 @@ def _produce(ring, sock: zmq.Socket, hand_offs: int, device: str, rng: random.Ra
             _receive(sock, int)  # the credit of the slot about to be written again
         tokens = rng.randint(1, MAX_TOKENS)
         boundary = torch.full((tokens, HIDDEN), _value(i), device=device)
-        torch.cuda._sleep(rng.randrange(MAX_SLEEP))
+        torch.cuda._sleep(_hold(rng))
         ring.write(i % SLOTS, boundary)
         sock.send(msgspec.msgpack.encode((i % SLOTS, tokens)))
         expected.append(_value(i) * tokens * HIDDEN)
@@ -164,9 +171,9 @@ def consumer_main(argv: list[str]) -> None:
     try:
         for i in range(hand_offs):
             slot, tokens = msgspec.msgpack.decode(sock.recv(), type=tuple[int, int])
-            torch.cuda._sleep(rng.randrange(MAX_SLEEP))  # a pinned slot's copy to the device starts late
+            torch.cuda._sleep(_hold(rng))  # a pinned slot's copy to the device starts late
             view = ring.read(slot, tokens)
-            torch.cuda._sleep(rng.randrange(MAX_SLEEP))  # and the kernel reading the slot
+            torch.cuda._sleep(_hold(rng))  # and the kernel reading the slot
             sums[i] = view.double().sum()
             ring.release(slot)
             sock.send(msgspec.msgpack.encode(slot))
