@@ -169,7 +169,7 @@ def expandable_segments(environ) -> bool:
 
 def _ipc_event(device: torch.device) -> torch.cuda.Event:
     event = torch.cuda.Event(interprocess=True)  # interprocess events carry no timing
-    event.record(torch.cuda.current_stream(device))  # made on this device now, and complete
+    event.record(torch.cuda.current_stream(device))  # done once the stream's work so far (a zero-fill) is
     return event
 
 
