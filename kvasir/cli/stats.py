@@ -75,8 +75,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
             f"hand-offs {h['count']}, {format_bytes(h['kv_bytes'])} of KV; time p50 {h['p50_s'] * 1000:.2f} ms, "
             f"p99 {h['p99_s'] * 1000:.2f} ms; copies at {h['gibps']:.2f} GiB/s"
         )
-    if daemon.prefix_cache is not None and (daemon.prefix_cache.queries or daemon.prefix_cache.cached_blocks):
-        click.echo(daemon.prefix_cache.describe())
+    if (cache_line := daemon.prefix_cache_line()) is not None:
+        click.echo(cache_line)
     header: tuple[str, ...] = (
         "stage",
         "layers",

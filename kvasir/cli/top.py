@@ -63,8 +63,8 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
             line = f"{line:<{len(HEADER)}}  {s.device:<8} {s.gpu_bytes / GIB:6.2f} GiB"  # under the header's column
         lines.append((f"{s.pool:<9}" if pooled else "") + line)
     lines += _expert_lines(before, after, "         " if pooled else "")
-    if after.prefix_cache is not None and (after.prefix_cache.queries or after.prefix_cache.cached_blocks):
-        lines.append(after.prefix_cache.describe())
+    if (cache_line := after.prefix_cache_line()) is not None:
+        lines.append(cache_line)
     return lines
 
 

@@ -177,6 +177,11 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     metrics: RequestMetrics | None = None  # latency histograms and request counters
     prefix_cache: PrefixCacheStats | None = None  # the heads' prefix caches (None: no stage reported yet)
 
+    def prefix_cache_line(self) -> str | None:
+        """The prefix cache's line for ``kvasir stats`` and ``kvasir top``; None until it is used."""
+        cache = self.prefix_cache
+        return cache.describe() if cache is not None and (cache.queries or cache.cached_blocks) else None
+
 
 class Histogram(msgspec.Struct, frozen=True, kw_only=True):
     """Observations counted per bucket: ``counts[i]`` fell at or under ``bounds[i]`` and
