@@ -43,6 +43,7 @@ from kvasir.units import KIB, gib_per_s
 from kvasir.wire.batch import BatchDescriptor, Credit, Row
 from kvasir.wire.control import EdgeHandles, EdgeSpec
 from kvasir.wire.curve import Fabric, HostKeys, end_context
+from kvasir.wire.decoding import decode, decode_json
 from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 SIZES = (1, 16, 128, 512)  # boundary tokens
@@ -91,8 +92,8 @@ def _fabric(folder: Path, side: str, ends: tuple[str, str, str]) -> Fabric | Non
 
 def consumer_main(argv: list[str]) -> None:
     """The child: echo pings, take boundaries and return credits until told to stop."""
-    folder, edge = Path(argv[0]), msgspec.json.decode(argv[1].encode(), type=EdgeSpec)
-    ends = cast(tuple[str, str, str], tuple(msgspec.json.decode(argv[2].encode(), type=list[str])))
+    folder, edge = Path(argv[0]), decode_json(argv[1].encode(), EdgeSpec)
+    ends = cast(tuple[str, str, str], tuple(decode_json(argv[2].encode(), list[str])))
     descriptors_at, credits_at, ping_at = ends
     torch.set_num_threads(1)
     cuda = edge.kind == "cuda-ipc"
@@ -106,7 +107,7 @@ def consumer_main(argv: list[str]) -> None:
     credits = make_socket(ctx, zmq.PUSH, connect=credits_at, fabric=fabric)
     if cuda:  # the producer's half came with the arguments; ours goes back first thing
         ipc = cast(IpcRing, ring)  # a cuda-ipc edge's ring
-        ipc.attach(msgspec.json.decode(argv[3].encode(), type=EdgeHandles))
+        ipc.attach(decode_json(argv[3].encode(), EdgeHandles))
         credits.send(msgspec.msgpack.encode(ipc.local_half(1, os.getpid())))
     inbox = make_socket(ctx, zmq.PULL, bind=descriptors_at, fabric=fabric)
     descriptors: Any = (
@@ -174,7 +175,7 @@ def hop_report(iterations: int = 400, device: str = "cpu", link: HopLink = "loca
             if ipc is not None:
                 if not credits.poll(120_000):
                     raise RuntimeError("the hop consumer sent no CUDA IPC handles within 120 s")
-                ipc.attach(msgspec.msgpack.decode(credits.recv(), type=EdgeHandles))
+                ipc.attach(decode(credits.recv(), EdgeHandles))
             pings = make_socket(ctx, zmq.PUSH, connect=ping_at, fabric=fabric)
             out = make_socket(ctx, zmq.PUSH, connect=descriptors_at, fabric=fabric)
             opened += [pings, out]

@@ -6,20 +6,20 @@ import asyncio
 import os
 import signal
 
-import msgspec
 import uvloop
 import zmq.asyncio
 
 from kvasir.bridge.server import Bridge
 from kvasir.logs import setup_logging
 from kvasir.wire.control import WorkerSettings
+from kvasir.wire.decoding import decode
 
 
 def run_bridge(encoded: bytes) -> None:
     """Entry point of the bridge process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
-    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
+    settings = decode(encoded, WorkerSettings)
     log = setup_logging(settings.log_level, role="bridge", pid=os.getpid())
 
     async def main() -> None:
@@ -27,10 +27,9 @@ def run_bridge(encoded: bytes) -> None:
         bridge: Bridge | None = None
         try:
             bridge = Bridge(settings, ctx, log)
-            watch = asyncio.create_task(_watch_launcher(settings.launcher_pid, bridge, log))
+            bridge.tasks.start(_watch_launcher(settings.launcher_pid, bridge, log), "watch-launcher", may_return=True)
             log.info("bridge ready")
             await bridge.serve()
-            watch.cancel()
         finally:
             if bridge is not None:
                 bridge.sockets.end()  # its sockets, its ZAP handler, the context

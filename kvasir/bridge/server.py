@@ -27,6 +27,7 @@ from kvasir.bridge.sockets import client_router, remote_router
 from kvasir.bridge.stats import daemon_stats
 from kvasir.bridge.submissions import Submissions
 from kvasir.errors import RequestError
+from kvasir.tasks import Supervised
 from kvasir.wire import batching
 from kvasir.wire.batch import PromptScores, SampledToken
 from kvasir.wire.bridge import (
@@ -51,6 +52,7 @@ from kvasir.wire.client import (
     TokenOut,
 )
 from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.fabric import Sockets, open_fabric
 from kvasir.wire.head import CancelRequest, Enqueue
 from kvasir.wire.transport import BatchedSocket, make_socket
@@ -100,10 +102,11 @@ class Bridge:
         self.head, self.head_io = self._connect_head()
         self.stats_interval_s = settings.stats_interval_s
         self.encoder = msgspec.msgpack.Encoder()
-        self.client_decoder = msgspec.msgpack.Decoder(ClientMessage)
-        self.inbox_decoder = msgspec.msgpack.Decoder(BridgeMessage)
+        self.client_decoder: Decoder[ClientMessage] = Decoder(ClientMessage)
+        self.inbox_decoder: Decoder[BridgeMessage] = Decoder(BridgeMessage)
         self.malformed = 0  # internal messages that did not decode (dropped)
         self.clients_lost = 0
+        self.internal_errors = 0  # client messages whose handling raised (logged with their traceback)
         self.requests = Ledger()
         self.handoffs = HandoffLog()
         self.metrics = Metrics()
@@ -123,28 +126,25 @@ class Bridge:
         self.last_failure: str | None = None
         self.last_failure_at = 0.0
         self.stopped = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self.tasks = Supervised()  # every loop of the bridge: one that dies ends the process
 
     # -- serving -----------------------------------------------------------------------
     async def serve(self) -> None:
         await self.control.send(self.encoder.encode(Ready("bridge", 0, os.getpid())))
-        self._tasks = [
-            asyncio.create_task(coro)
-            for coro in (self._stages(), self._commands(), self._heartbeat(), self.outbox.run())
-        ]
-        stopped = asyncio.create_task(self.stopped.wait())
+        tasks = self.tasks
+        for name, coro in (
+            ("stages", self._stages()),
+            ("commands", self._commands()),
+            ("heartbeat", self._heartbeat()),
+            ("outbox", self.outbox.run()),
+        ):
+            tasks.start(coro, name)
+        tasks.start(self.stopped.wait(), "stopped", may_return=True)
         try:
-            while not self.stopped.is_set():
-                done, _ = await asyncio.wait([*self._tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    failure = None if task is stopped or task.cancelled() else task.exception()
-                    if failure is not None:
-                        raise failure  # a broken loop is fatal: the launcher sees us exit
+            await tasks.until_one_ends()  # "stopped", or a broken loop: fatal, the launcher sees us exit
         finally:
             self.outbox.end_turn()  # what this turn has for clients leaves before the sockets close
-            for task in [*self._tasks, stopped]:
-                task.cancel()
-            await asyncio.gather(*self._tasks, stopped, return_exceptions=True)
+            await tasks.close()
 
     async def _clients(self, io: BatchedSocket) -> None:
         while True:
@@ -166,12 +166,17 @@ class Bridge:
             await self._send(peer, ErrorEvent(code="invalid_request", message=str(exc)))
             return
         for member in members:
-            await self._client_body(peer, member)
+            try:
+                await self._client_body(peer, member)
+            except Exception as exc:  # a bug met by one message: that client is told, everyone else served
+                self.internal_errors += 1
+                self.log.exception("a client message failed", errors=self.internal_errors)
+                await self._send(peer, ErrorEvent(code="internal_error", message=f"the bridge failed on it: {exc}"))
 
     async def _client_body(self, peer: Peer, body: bytes) -> None:
         try:
             message = self.client_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Malformed as exc:
             key = self.submissions.key_of(body)
             await self._send(peer, ErrorEvent(code="invalid_request", message=f"malformed message: {exc}", key=key))
             return
@@ -234,7 +239,7 @@ class Bridge:
             for body in await self.inbox_io.recv_batch():
                 try:
                     message = self.inbox_decoder.decode(body)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                except Malformed as exc:
                     self._malformed("bridge-in", exc)
                     continue
                 await self._stage_message(message)
@@ -329,11 +334,11 @@ class Bridge:
             await self._send(record.peer, finished)
 
     async def _commands(self) -> None:
-        decoder = msgspec.msgpack.Decoder(Command)
+        decoder: Decoder[Command] = Decoder(Command)
         while True:
             try:
                 command = decoder.decode(await self.commands.recv())
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except Malformed as exc:
                 self._malformed("command-bridge", exc)
                 continue
             if command.kind == "serve":
@@ -357,13 +362,13 @@ class Bridge:
         if not self.bound:
             self.publisher.bind(self.ends.events)
             self.clients.bind(self.ends.client)
-            self._tasks.append(asyncio.create_task(self._clients(self.client_io)))
+            self.tasks.start(self._clients(self.client_io), "clients")
             if self.remote_io is not None:
                 try:
                     self.remote_io.socket.bind(self.tcp)
                 except zmq.ZMQError as exc:
                     raise RuntimeError(f"cannot bind bridge.tcp = {self.tcp}: {exc}") from None
-                self._tasks.append(asyncio.create_task(self._clients(self.remote_io)))
+                self.tasks.start(self._clients(self.remote_io), "remote-clients")
                 self.log.info("accepting remote clients", endpoint=self.tcp, curve=self.remote_curve)
             self.bound = True
         if command.message and command.message != self.last_failure:  # a bridge started after a failure

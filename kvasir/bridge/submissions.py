@@ -10,6 +10,7 @@ from kvasir.bridge.detokenizer import encode_chat, encode_text
 from kvasir.errors import RequestError
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.client import Submit
+from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling
 
 
@@ -26,7 +27,7 @@ class Submissions:
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.max_tokens = max_tokens  # bridge.max_tokens_per_request (None: no ceiling)
-        self._envelope = msgspec.msgpack.Decoder(_Envelope)
+        self._envelope: Decoder[_Envelope] = Decoder(_Envelope)
 
     def read(self, msg: Submit) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the sampling parameters; RequestError when refused."""
@@ -51,7 +52,7 @@ class Submissions:
         """The key of a submission or stats query that did not decode, when it has one."""
         try:
             envelope = self._envelope.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except Malformed:
             return None
         return envelope.key if envelope.type in ("submit", "stats") else None
 

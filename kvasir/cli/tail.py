@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import click
-import msgspec
 
 from kvasir.cli.common import RUNTIME_DIR, connect, event_json
 
@@ -20,6 +19,7 @@ def tail(request_id, as_json, count, runtime_dir) -> None:
     import zmq
 
     from kvasir.wire.client import TokenOut
+    from kvasir.wire.decoding import Decoder, Malformed
     from kvasir.wire.transport import Endpoints
 
     client = connect(runtime_dir)  # checks that a daemon answers
@@ -31,7 +31,7 @@ def tail(request_id, as_json, count, runtime_dir) -> None:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(Endpoints(rt).events)
-    decoder = msgspec.msgpack.Decoder(TokenOut)
+    decoder: Decoder[TokenOut] = Decoder(TokenOut)
     seen = 0
     try:
         while count is None or seen < count:
@@ -40,7 +40,11 @@ def tail(request_id, as_json, count, runtime_dir) -> None:
                     click.echo("error: the daemon stopped", err=True)
                     sys.exit(3)
                 continue
-            event = decoder.decode(sub.recv())
+            try:
+                event = decoder.decode(sub.recv())
+            except Malformed as exc:
+                click.echo(f"warning: skipped an event that does not decode: {exc}", err=True)
+                continue
             if request_id is not None and event.request_id != request_id:
                 continue
             seen += 1

@@ -31,6 +31,7 @@ from kvasir.logs import Logger
 from kvasir.ring.shm import segment_prefix
 from kvasir.wire.control import HostSegments, WorkerSettings
 from kvasir.wire.curve import Fabric, HostKeys
+from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.fabric import Sockets
 from kvasir.wire.hosts import ALIVE_EVERY_S, Alive, Exited, Halt, LeaderMessage, Ping, Refused, Run, Spawned
 from kvasir.wire.routes import Placement, Routes, plan_digest
@@ -138,11 +139,11 @@ class Follower:
         if link is None or not link.poll(timeout_ms):
             return []
         out = []
-        decoder = msgspec.msgpack.Decoder(LeaderMessage)
+        decoder: Decoder[LeaderMessage] = Decoder(LeaderMessage)
         for frame in waiting(link):
             try:
                 out.append(decoder.decode(frame))
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except Malformed as exc:
                 self.log.warning("dropped a malformed message from the leader", error=str(exc))
         return out
 

@@ -27,6 +27,7 @@ from kvasir.daemon.layout import Layout
 from kvasir.logs import Logger
 from kvasir.wire.control import Command, FabricSettings, HostSegments, WorkerSettings
 from kvasir.wire.curve import HostKeys
+from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.fabric import Sockets
 from kvasir.wire.hosts import (
     ALIVE_EVERY_S,
@@ -106,7 +107,7 @@ class HostLink:
     def __post_init__(self) -> None:
         self.router = self.sockets.bind(zmq.ROUTER, self.sockets.ends.hosts)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a follower that reconnects takes its name back
-        self._decoder = msgspec.msgpack.Decoder(FollowerMessage)
+        self._decoder: Decoder[FollowerMessage] = Decoder(FollowerMessage)
         self._next_ping = 0.0
         self._refused: set[tuple[str, int]] = set()
         self._strangers: set[tuple[str, str | None]] = set()  # (name given, host of the key) dropped
@@ -128,7 +129,7 @@ class HostLink:
             return
         try:
             message = self._decoder.decode(parts[1].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Malformed as exc:
             self.log.warning("dropped a malformed follower message", host=host, error=str(exc))
             return
         if isinstance(message, Alive):

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import sys
 
-import msgspec
-
 from kvasir.wire.control import WorkerSettings
+from kvasir.wire.decoding import decode
 
 
 def main() -> None:
     encoded = sys.stdin.buffer.read()
     sys.stdin.close()
-    role = msgspec.msgpack.decode(encoded, type=WorkerSettings).role
+    role = decode(encoded, WorkerSettings).role
     if role == "stage":
         from kvasir.stage.process import run_stage
 

@@ -10,7 +10,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from kvasir.http.errors import ApiError, from_validation
+from kvasir.http.errors import ApiError, from_validation, invalid
 from kvasir.http.gateway import Gateway
 from kvasir.http.generation import Generation
 from kvasir.http.metrics import CONTENT_TYPE, render
@@ -18,6 +18,7 @@ from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Planned, Served, plan_chat, plan_completion
 from kvasir.http.schema import ChatRequest, CompletionRequest, FinishReason, ModelCard, ModelList, UsageBody
 from kvasir.http.shapes import ChatShape, CompletionShape, Out, Shape, usage
+from kvasir.wire.decoding import JsonDecoder, Malformed
 
 MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids fits many times over)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -37,8 +38,8 @@ class Api:
         self.keys = frozenset(map(_digest, keys)) if keys is not None else None  # compared as digests
         self.log = log
         self.started = int(time.time())
-        self.completion_decoder = msgspec.json.Decoder(CompletionRequest)
-        self.chat_decoder = msgspec.json.Decoder(ChatRequest)
+        self.completion_decoder: JsonDecoder[CompletionRequest] = JsonDecoder(CompletionRequest)
+        self.chat_decoder: JsonDecoder[ChatRequest] = JsonDecoder(ChatRequest)
 
     def app(self) -> web.Application:
         @web.middleware
@@ -119,6 +120,8 @@ class Api:
             return decoder.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise from_validation(exc) from None
+        except Malformed as exc:
+            raise invalid(f"the body cannot be read: {exc}") from None
 
     async def _serve(
         self, request: web.Request, planned: Planned, shape: Shape, stream: bool, include_usage: bool, ids: bool

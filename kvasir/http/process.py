@@ -22,7 +22,9 @@ from kvasir.http.gateway import Gateway
 from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Served
 from kvasir.logs import setup_logging
+from kvasir.tasks import Supervised
 from kvasir.wire.control import Command, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.decoding import Decoder, Malformed, decode
 from kvasir.wire.fabric import Sockets, open_fabric
 
 SHUTDOWN_S = 5.0  # after "stop": how long open connections get to finish
@@ -32,7 +34,7 @@ def run_front(encoded: bytes) -> None:
     """Entry point of an HTTP front process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
-    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
+    settings = decode(encoded, WorkerSettings)
     log = setup_logging(settings.log_level, role="front", index=settings.index, pid=os.getpid())
     try:
         uvloop.run(Front(settings, log).serve())
@@ -63,7 +65,7 @@ class Front:
         sockets = Sockets(zmq.asyncio.Context(), ends, fabric)
         name = f"front-{settings.index}"
         runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_S)
-        tasks: list[asyncio.Task] = []
+        tasks = Supervised()
         try:
             commands = sockets.bind(zmq.PULL, ends.command(name))
             control = sockets.connect(zmq.PUSH, ends.control)
@@ -71,31 +73,24 @@ class Front:
             await web.SockSite(runner, self.listener).start()
             await control.send(msgspec.msgpack.encode(Ready("front", settings.index, os.getpid())))
             self.log.info("http front ready")
-            tasks = [asyncio.create_task(self.gateway.run()), asyncio.create_task(self._heartbeat(control))]
-            tasks.append(asyncio.create_task(self._watch_launcher()))
-            await self._until_stop(commands, tasks)
+            tasks.start(self.gateway.run(), "gateway")
+            tasks.start(self._heartbeat(control), "heartbeat")
+            tasks.start(self._watch_launcher(), "watch-launcher", may_return=True)
+            tasks.start(self._until_stop(commands), "commands", may_return=True)
+            await tasks.until_one_ends()  # "stop", a gone launcher, or a broken loop (fatal)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await tasks.close()
             await runner.cleanup()
             await self.gateway.close()
             sockets.end()
 
-    async def _until_stop(self, commands, tasks: list[asyncio.Task]) -> None:
-        """Serve until the launcher says "stop" (or a background task fails: that is fatal)."""
-        decoder = msgspec.msgpack.Decoder(Command)
+    async def _until_stop(self, commands) -> None:
+        """Read the launcher's commands until "stop"."""
+        decoder: Decoder[Command] = Decoder(Command)
         while True:
-            receive = asyncio.ensure_future(commands.recv())
-            done, _ = await asyncio.wait([receive, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            if receive not in done:
-                receive.cancel()
-                for task in done:
-                    task.result()  # raises what broke it; a task that ends by itself means stop
-                return
             try:
-                command = decoder.decode(receive.result())
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                command = decoder.decode(await commands.recv())
+            except Malformed as exc:
                 self.log.warning("dropped a malformed command", error=str(exc))
                 continue
             if command.kind == "stop":

@@ -27,6 +27,7 @@ from kvasir.ring.slots import check_slot, received
 from kvasir.wire.base import Side
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.control import EdgeSpec
+from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.transport import waiting
 
 
@@ -114,7 +115,7 @@ class FramedIntake:
     def __init__(self, sock: zmq.Socket, ring: TcpSlotRing) -> None:
         self.socket = sock
         self.ring = ring
-        self._decoder = msgspec.msgpack.Decoder(BatchDescriptor)
+        self._decoder: Decoder[BatchDescriptor] = Decoder(BatchDescriptor)
 
     def drain(self) -> list[BatchDescriptor]:
         out = []
@@ -125,7 +126,7 @@ class FramedIntake:
     def _take(self, parts: list[zmq.Frame]) -> BatchDescriptor:
         try:
             descriptor = self._decoder.decode(parts[0].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Malformed as exc:
             raise EdgeError(f"edge {self.ring.spec.name}: a descriptor that does not decode: {exc}") from None
         frames = 2 if descriptor.rows else 1
         if len(parts) != frames:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 
-import msgspec
 import torch
 import zmq
 
@@ -19,6 +18,7 @@ from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.shard.agent import ShardAgent, ShardPorts
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
+from kvasir.wire.decoding import decode
 from kvasir.wire.experts import ExpertMessage
 from kvasir.wire.fabric import Sockets, open_fabric
 from kvasir.wire.transport import PullChannel, PushChannel
@@ -56,7 +56,7 @@ def run_shard(encoded: bytes) -> None:
     """Entry point of an expert shard process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown
-    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
+    settings = decode(encoded, WorkerSettings)
     [wiring] = settings.shards
     log = setup_logging(settings.log_level, role="shard", index=settings.index, pid=os.getpid())
     slot = sockets = None

@@ -8,7 +8,6 @@ import signal
 from dataclasses import dataclass
 from typing import cast
 
-import msgspec
 import zmq
 
 from kvasir.errors import KvasirError
@@ -34,6 +33,7 @@ from kvasir.stage.upstream import UpstreamIntake
 from kvasir.wire.batch import BatchDescriptor, Credit
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.control import Command, ControlMessage, HandoffWiring, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.decoding import decode
 from kvasir.wire.experts import ExpertMessage
 from kvasir.wire.fabric import Sockets, open_fabric
 from kvasir.wire.head import HeadMessage
@@ -205,7 +205,7 @@ def run_stage(encoded: bytes) -> None:
     """Entry point of a stage worker process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
-    settings = msgspec.msgpack.decode(encoded, type=WorkerSettings)
+    settings = decode(encoded, WorkerSettings)
     log = setup_logging(settings.log_level, role="stage", index=settings.index, pid=os.getpid())
     closing: list = []
     sockets = None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvasir.wire.decoding import Decoder, Malformed
+
 MAX_BATCH = 1024  # messages in one body
 
 
@@ -20,7 +22,7 @@ class BatchError(ValueError):
 
 
 _ARRAY_MARKERS = frozenset({0xDC, 0xDD, *range(0x90, 0xA0)})  # msgpack array16, array32, fixarray
-_splitter = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_splitter: Decoder[list[msgspec.Raw]] = Decoder(list[msgspec.Raw])
 _joiner = msgspec.msgpack.Encoder()
 
 
@@ -32,7 +34,7 @@ def split(body: bytes) -> list[bytes]:
     """The members of a batch body, each still encoded."""
     try:
         members = _splitter.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except Malformed as exc:
         raise BatchError(f"malformed batch: {exc}") from None
     if not members or len(members) > MAX_BATCH:
         raise BatchError(f"a batch holds 1 to {MAX_BATCH} messages, this one {len(members)}")

@@ -18,6 +18,7 @@ import zmq
 
 from kvasir.errors import KvasirError
 from kvasir.units import MIB
+from kvasir.wire.decoding import Decoder, Malformed
 
 if TYPE_CHECKING:
     from kvasir.wire.curve import Fabric
@@ -187,7 +188,7 @@ class PullChannel(Generic[T]):
 
     def __init__(self, sock: zmq.Socket, message_type: Any, log=None) -> None:
         self.socket = sock
-        self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._decoder: Decoder[T] = Decoder(message_type)
         self.log = log
         self.dropped = 0
 
@@ -196,7 +197,7 @@ class PullChannel(Generic[T]):
         while True:
             try:
                 return self._decoder.decode(self.socket.recv())
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except Malformed as exc:
                 self.drop(f"{exc}")
 
     def drain(self) -> list[T]:
@@ -208,7 +209,7 @@ class PullChannel(Generic[T]):
         for frame in waiting(self.socket):
             try:
                 out.append(decode(frame))
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except Malformed as exc:
                 self.drop(f"{exc}")
         return out
 
@@ -219,7 +220,7 @@ class PullChannel(Generic[T]):
         for parts in waiting(self.socket, multipart=True, copy=False):
             try:
                 out.append((decode(parts[0].buffer), parts[1:]))
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except Malformed as exc:
                 self.drop(f"{exc}")
         return out
 

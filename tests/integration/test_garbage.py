@@ -64,6 +64,11 @@ frames = st.one_of(
     st.sampled_from(ENCODED).flatmap(lambda e: st.binary(min_size=1, max_size=8).map(lambda tail: e + tail)),
 )
 messages = st.lists(frames, min_size=1, max_size=3)
+NESTED = [
+    b"\x91" * 1000 + b"\xc0",  # [[[...]]]
+    b"\x93\xa1x" + b"\x91" * 5000 + b"\xc0",  # a nested member of an array-like message
+    b"\x82\xa4type\xa6submit\xa1x" + b"\x91" * 5000 + b"\xc0",  # a nested field of a map
+]
 
 
 def garbage_socket(ctx: zmq.Context, name: str):
@@ -132,6 +137,9 @@ def spray_every_socket(daemon, names: list[str]) -> None:
             sent[0] += 1
 
     try:
+        for sock in sockets.values():  # nesting deep enough for msgspec to raise RecursionError
+            for frame in NESTED:
+                sock.send(frame)
         spray()
         sockets["control.sock"].send(b"\x00" * (65 << 20))  # past the internal frame limit: that connection goes
         for name in names:

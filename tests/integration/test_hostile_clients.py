@@ -12,6 +12,7 @@ import msgspec
 import zmq
 
 from kvasir.client import AsyncClient, Client
+from kvasir.wire import batching
 from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
 from tests.support.daemon import settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
@@ -196,6 +197,42 @@ def test_oversized_lists_and_texts_are_refused_before_any_walk(tiny_models, star
     with Client(daemon.runtime_dir) as client:
         final = client.generate("hello ring", max_tokens=4, temperature=0)
         assert isinstance(final, Finished)
+        assert client.stats().restarts == 0
+
+
+NESTED = b"\x91" * 1000 + b"\xc0"  # about 1 KB of [[[...]]]: msgspec raises RecursionError on it
+
+
+def test_deeply_nested_messages_get_an_error_and_the_bridge_keeps_serving(tiny_models, start_daemon):
+    """Three ~1 KB bodies that make msgspec recurse past its limit: as a batch, as a
+    field of a submission, as a batch member. The bridge used to lose its client reader
+    to the first (and nothing noticed: every client hung); each now gets an error."""
+    source = tiny_models["llama"]
+    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64).wait_ready()
+    nested_field = b"\x83\xa4type\xa6submit\xa3key\x07\xa9token_ids" + NESTED
+    nested_member = batching.join([submit(8, [5, 6], 2), b"\x81\xa4type" + NESTED])
+    ctx = zmq.Context()
+    decoder = msgspec.msgpack.Decoder(ClientEvent)
+    try:
+        sock = dealer(ctx, daemon.runtime_dir)
+        for frame, fragment in (
+            (NESTED, "nested too deeply"),
+            (nested_field, "malformed message"),
+            (nested_member, "nested"),
+        ):
+            sock.send(frame)
+            assert sock.poll(10_000), fragment  # answered: the reader is alive
+            (reply,) = events(decoder, sock.recv())
+            assert isinstance(reply, ErrorEvent) and reply.code == "invalid_request", reply
+            assert fragment in reply.message, reply
+        sock.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+    prompts = random_prompts(320, [5, 7], seed=11)
+    finals = asyncio.run(polite(daemon.runtime_dir, prompts, 4))
+    model = reference_model(source)
+    assert [f.token_ids for f in finals] == [hf_greedy(model, ids, 4) for ids in prompts]
+    with Client(daemon.runtime_dir) as client:
         assert client.stats().restarts == 0
 
 

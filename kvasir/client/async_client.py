@@ -1,32 +1,20 @@
-"""Client library: talk to a running kvasird over its ZMQ endpoints.
-
-Submission is pipelined: ``submit`` sends and returns at once (no round trip), so one
-client can submit thousands of requests a second; a background reader routes each
-event to its request's stream. An error in the reader reaches every waiting caller.
-
-    async with await AsyncClient.connect() as client:
-        stream = await client.submit("Hello", max_tokens=16)
-        async for event in stream:
-            ...
-"""
+"""The asyncio client: pipelined submission, a reader routing events to streams, a
+watcher of the connection (kvasir/client/__init__.py says how to use it)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
-import threading
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvasir.config.keys import load_pair, load_public
+from kvasir.client.connection import CLOSE_LINGER_MS, LINK, REFUSED, NoDaemon, NotAuthorised, Remote, check_local
+from kvasir.client.stream import TERMINAL, RequestStream
 from kvasir.errors import KvasirError
 from kvasir.wire import batching
 from kvasir.wire.batching import MAX_BATCH
@@ -44,88 +32,8 @@ from kvasir.wire.client import (
     Submit,
     TokenOut,
 )
-from kvasir.wire.rundir import RuntimeDirError, check_client_dir
+from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.transport import BatchedSocket, Endpoints, default_runtime_dir
-
-__all__ = ["AsyncClient", "Client", "NoDaemon", "NotAuthorised", "Remote", "RuntimeDirError"]
-
-CLOSE_LINGER_MS = 200  # how long closing waits for messages queued just before it to leave
-TERMINAL = (Finished, Cancelled, ErrorEvent)
-REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-LINK: dict[int, str] = {  # what a connection attempt did, for NoDaemon's message
-    zmq.EVENT_CONNECT_RETRIED: "nothing accepted the connection",
-    zmq.EVENT_CONNECTED: "a connection was made, but no answer came",
-}
-
-
-class NoDaemon(KvasirError):
-    """Nothing answers at the runtime directory."""
-
-
-class NotAuthorised(KvasirError):
-    """The daemon's TCP endpoint refused this client (no key, or a key it does not allow)."""
-
-
-@dataclass(frozen=True)
-class Remote:
-    """A daemon's TCP endpoint; with CURVE, this client's key pair and the daemon's public key."""
-
-    endpoint: str  # "tcp://HOST:PORT"
-    client_key: Path | None = None  # this client's .key_secret file
-    server_key: Path | None = None  # the daemon's public key file (server.key)
-
-    def configure(self, sock) -> None:
-        if (self.client_key is None) != (self.server_key is None):
-            raise KvasirError("a CURVE connection needs both the client's key pair and the server's public key")
-        if self.client_key is not None and self.server_key is not None:
-            public, secret = load_pair(self.client_key)
-            sock.curve_publickey, sock.curve_secretkey = public, secret
-            sock.curve_serverkey = load_public(self.server_key)
-
-
-def _check_local(rt: Path, ends: Endpoints) -> None:
-    """A runtime dir that is safe to send prompts to and has a daemon's socket in it."""
-    try:
-        check_client_dir(rt)
-    except FileNotFoundError:
-        raise NoDaemon(f"no kvasird is running at runtime dir {rt} (no such directory)") from None
-    if not ends.client_path.exists():
-        raise NoDaemon(f"no kvasird is running at runtime dir {rt} (no {ends.client_path.name})")
-
-
-class RequestStream:
-    """The events of one request, in order: Accepted, TokenOut..., then one terminal event."""
-
-    def __init__(self, key: int) -> None:
-        self.key = key
-        self.request_id: int | None = None
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.ended = False
-
-    def _put(self, event: Any) -> None:
-        self._queue.put_nowait(event)
-
-    def __aiter__(self) -> AsyncIterator:
-        return self._events()
-
-    async def _events(self) -> AsyncIterator:
-        while not self.ended:
-            event = await self._queue.get()
-            if isinstance(event, BaseException):
-                self.ended = True
-                raise event
-            if isinstance(event, TERMINAL):
-                self.ended = True
-            yield event
-
-    async def result(self) -> Finished | Cancelled | ErrorEvent:
-        """Wait for the terminal event, skipping the rest."""
-        last = None
-        async for event in self:
-            last = event
-        if not isinstance(last, TERMINAL):
-            raise KvasirError(f"request {self.request_id}: the stream ended without a terminal event")
-        return last
 
 
 class AsyncClient:
@@ -135,7 +43,7 @@ class AsyncClient:
         self._sock = sock
         self._io = BatchedSocket(sock)
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(ClientEvent)
+        self._decoder: Decoder[ClientEvent] = Decoder(ClientEvent)
         self._keys = itertools.count(1)
         self._by_key: dict[int, RequestStream] = {}
         self._by_id: dict[int, RequestStream] = {}
@@ -159,7 +67,7 @@ class AsyncClient:
         where = remote.endpoint if remote is not None else f"runtime dir {rt}"
         ends = Endpoints(rt)
         if remote is None:
-            _check_local(rt, ends)
+            check_local(rt, ends)
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -278,7 +186,13 @@ class AsyncClient:
                 future.set_exception(exc)
 
     def _decode(self, body: bytes) -> list:
-        return [self._decoder.decode(member) for member in batching.members(body)]
+        """The events of one body; one that does not decode fails every caller (the
+        daemon speaks another version of the protocol, or something else answered)."""
+        try:
+            return [self._decoder.decode(member) for member in batching.members(body)]
+        except (Malformed, batching.BatchError) as exc:
+            self._fail(KvasirError(f"the daemon sent an event this client cannot read: {exc}"))
+            return []
 
     async def close(self) -> None:
         if self._sender is not None:
@@ -310,6 +224,14 @@ class AsyncClient:
             self._fail(exc)
 
     async def _watch(self) -> None:
+        try:
+            await self._watch_link()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # deliver the failure to every waiting caller
+            self._fail(exc)
+
+    async def _watch_link(self) -> None:
         """When the connection to the bridge drops (it failed or stopped), route what had
         already arrived, then end every request still open with one ``stage_failed``
         error: nobody is left to finish it. ZMQ reconnects by itself, so later requests
@@ -374,69 +296,3 @@ class AsyncClient:
             raise self._failure  # the refusal may come before the first call: say so, not "no daemon"
         if self._failure is not None:
             raise KvasirError(f"the connection to kvasird failed: {self._failure}")
-
-
-class Client:
-    """A thin synchronous wrapper: an AsyncClient on a private event-loop thread."""
-
-    def __init__(
-        self, runtime_dir: str | Path | None = None, timeout_s: float = 5.0, remote: Remote | None = None
-    ) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvasir-client", daemon=True)
-        self._thread.start()
-        try:
-            self._client = self._call(AsyncClient.connect(runtime_dir, timeout_s, remote))
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    def _call(self, coro):
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result()
-        except BaseException:  # interrupted (Ctrl-C): do not leave the coroutine running
-            future.cancel()
-            raise
-
-    def submit(self, prompt: str | None = None, **kw) -> RequestStream:
-        return self._call(self._client.submit(prompt, **kw))
-
-    def events(self, stream: RequestStream) -> Iterator:
-        """Iterate a request's events from this thread."""
-        iterator = stream.__aiter__()
-        while True:
-            try:
-                yield self._call(iterator.__anext__())
-            except StopAsyncIteration:
-                return
-
-    def generate(self, prompt: str | None = None, **kw) -> Finished | Cancelled | ErrorEvent:
-        """Submit and wait for the terminal event."""
-        stream = self.submit(prompt, **kw)
-        return self._call(stream.result())
-
-    def cancel(self, request_id: int) -> None:
-        self._call(self._client.cancel(request_id))
-
-    def stats(self, timeline: bool = False, timeout_s: float = 10.0) -> DaemonStats:
-        return self._call(self._client.stats(timeline, timeout_s))
-
-    def close(self) -> None:
-        self._call(self._client.close())
-        self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self._loop.shutdown_asyncgens(), self._loop).result(5)
-        except Exception:
-            pass  # best effort: the loop is going away either way
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

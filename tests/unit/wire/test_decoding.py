@@ -1,0 +1,74 @@
+"""Decoding hostile bytes: every failure msgspec can raise is one ``Malformed``, and no
+module of the package decodes socket bytes with msgspec's decoders directly."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvasir.wire import batching
+from kvasir.wire.bridge import BridgeMessage
+from kvasir.wire.client import ClientMessage, Submit
+from kvasir.wire.decoding import Decoder, JsonDecoder, Malformed, decode
+
+PACKAGE = Path(__file__).parents[3] / "kvasir"
+DIRECT = re.compile(r"msgspec\.(msgpack|json)\.(Decoder\s*\(|decode\s*\()")
+
+NESTED = b"\x91" * 1000 + b"\xc0"  # about 1 KB: [[[...[nil]...]]]
+NESTED_FIELD = b"\x82\xa4type\xa6submit\xa3key" + NESTED  # {"type": "submit", "key": [[[...]]]}
+NESTED_SKIPPED = b"\x82\xa4type\xa6submit\xa9__other__" + NESTED  # a field the envelope skips
+
+
+@pytest.mark.parametrize("body", [NESTED, NESTED_FIELD, NESTED_SKIPPED, b"\x91" * 100_000 + b"\xc0"])
+@pytest.mark.parametrize("message_type", [ClientMessage, BridgeMessage, list[msgspec.Raw], dict])
+def test_deep_nesting_is_malformed_not_a_recursion_error(body, message_type):
+    with pytest.raises(Malformed):
+        Decoder(message_type).decode(body)
+
+
+def test_what_msgspec_itself_raises_on_those_bodies_is_not_only_decode_errors():
+    """The reason for the wrapper: without it, a receiver catching DecodeError dies."""
+    with pytest.raises(RecursionError):
+        msgspec.msgpack.Decoder(list[msgspec.Raw]).decode(NESTED)
+
+
+def test_a_nested_batch_is_a_batch_error_and_a_good_one_still_splits():
+    with pytest.raises(batching.BatchError, match="nested too deeply"):
+        batching.members(NESTED)
+    one = msgspec.msgpack.encode(Submit(key=1, token_ids=[1, 2]))
+    assert batching.members(batching.join([one, one])) == [one, one]
+
+
+def test_a_good_message_still_decodes():
+    body = msgspec.msgpack.encode(Submit(key=7, token_ids=[1, 2]))
+    assert decode(body, Submit) == Submit(key=7, token_ids=[1, 2])
+    assert Decoder(ClientMessage).decode(body) == Submit(key=7, token_ids=[1, 2])
+
+
+class Body(msgspec.Struct):
+    x: int = 0
+
+
+def test_json_nesting_is_malformed_and_type_errors_keep_their_detail():
+    decoder = JsonDecoder(Body)
+    with pytest.raises(Malformed, match="nested too deeply"):
+        decoder.decode(b'{"unknown": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")  # skipped, yet walked
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.x"):
+        decoder.decode(b'{"x": "text"}')
+
+
+def test_no_module_decodes_with_msgspec_directly():
+    sources = sorted(PACKAGE.rglob("*.py"))
+    assert len(sources) > 20
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}"
+        for path in sources
+        if path.name != "decoding.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if DIRECT.search(line)
+    ]
+    assert not found, "\n".join(found)
+    assert DIRECT.search("x = msgspec.msgpack.Decoder(Submit)") and DIRECT.search("msgspec.json.decode(b, type=T)")
