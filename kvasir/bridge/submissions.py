@@ -8,6 +8,7 @@ import msgspec
 
 from kvasir.bridge.detokenizer import encode_chat, encode_text
 from kvasir.errors import RequestError
+from kvasir.wire.base import MAX_LOGPROBS
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.client import Submit
 from kvasir.wire.decoding import Decoder, Malformed
@@ -33,6 +34,12 @@ class Submissions:
         """The prompt's ids and the sampling parameters; RequestError when refused."""
         if self.max_tokens is not None:
             check_max_tokens(msg.max_tokens, self.max_tokens)
+        for name in ("logprobs", "prompt_logprobs"):  # -1 is the internal "none": a client says None
+            value = getattr(msg, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise RequestError(
+                    "invalid_request", f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         ids = self._prompt_ids(msg)
         sampling = SamplingParams(
             temperature=msg.temperature,

@@ -115,8 +115,6 @@ class AsyncClient:
         """Send a request and return its stream at once (no reply awaited)."""
         self._raise_if_failed()
         key = next(self._keys)
-        stream = RequestStream(key)
-        self._by_key[key] = stream
         message = Submit(
             key=key,
             prompt=prompt,
@@ -132,7 +130,10 @@ class AsyncClient:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-        await self._post(message)
+        body = self._encode(message)  # a value msgpack cannot hold fails here, before a stream exists
+        stream = RequestStream(key)
+        self._by_key[key] = stream
+        await self._post_encoded(body)
         return stream
 
     async def cancel(self, request_id: int) -> None:
@@ -156,10 +157,19 @@ class AsyncClient:
         finally:
             self._stats.pop(key, None)
 
+    def _encode(self, message: Submit | Cancel | StatsQuery) -> bytes:
+        try:
+            return self._encoder.encode(message)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise KvasirError(f"cannot send {type(message).__name__}: {exc}") from None
+
     async def _post(self, message: Submit | Cancel | StatsQuery) -> None:
+        await self._post_encoded(self._encode(message))
+
+    async def _post_encoded(self, body: bytes) -> None:
         """Queue a message for the bridge: what is queued in one turn of the event loop
         leaves as one batch when the turn ends (at most MAX_BATCH messages each)."""
-        self._outgoing.append(self._encoder.encode(message))
+        self._outgoing.append(body)
         if len(self._outgoing) >= MAX_BATCH:
             batch, self._outgoing = self._outgoing, []
             await self._io.send(batching.join(batch))

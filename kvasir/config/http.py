@@ -18,6 +18,11 @@ _LISTEN_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(?P<port>
 MAX_WORKERS = 64  # front processes sharing the port
 MAX_KEY_CHARS = 4096  # one bearer key
 MAX_KEYS = 10_000
+MAX_TIMEOUT_S = 3600.0
+MAX_CONNECTIONS = 1 << 20  # per front (the descriptor limit is raised to fit at start)
+DEFAULT_CHOICES = 16  # http.max_choices unless set (or a caller's share, when smaller)
+DEFAULT_PER_CALLER = 64  # http.max_per_caller unless set (or bridge.max_per_client, when smaller)
+MAX_FANOUT = 256  # http.max_choices at most (prompts x n of one request)
 
 
 class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -25,6 +30,18 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     api_keys: str | None = None  # a file of bearer keys, one per line (relative: from the plan's folder)
     workers: int = 1  # front processes sharing the one listening socket the launcher binds
     model_name: str | None = None  # the id in /v1/models and responses (default: from model.source)
+    # limits (README, Operations): what one connection, request or caller may hold of a front
+    max_connections: int = 1024  # open connections per front; beyond: the longest-idle one is closed
+    header_timeout_s: float = 10.0  # from a connection's opening to its first request head
+    idle_timeout_s: float = 30.0  # from a response's end to the next request head (keep-alive)
+    body_timeout_s: float = 30.0  # reading one request body
+    write_timeout_s: float = 30.0  # a response write the client does not take: the request is cancelled
+    max_choices: int | None = None  # submissions of one request, prompts x n (default: 16, within a caller's share)
+    max_per_caller: int | None = (
+        None  # in flight per caller (API key, or address) per front (default: 64, within bridge.max_per_client)
+    )
+    max_tokens: int = 4096  # ceiling of a request's max_tokens
+    allow_ignore_eos: bool = False  # ignore_eos = true runs to max_tokens whatever the model says: opt in
 
 
 def parse_listen(listen: str) -> tuple[str, int] | None:
@@ -39,8 +56,9 @@ def is_loopback(host: str) -> bool:
     return host == "localhost" or host == "::1" or re.fullmatch(r"127(\.[0-9]{1,3}){3}", host) is not None
 
 
-def check_http(http: HttpSpec) -> None:
-    """Model-independent checks of ``[http]`` (the key file is read when the plan is resolved)."""
+def check_http(http: HttpSpec, max_per_client: int) -> None:
+    """Model-independent checks of ``[http]`` (the key file is read when the plan is resolved);
+    ``max_per_client``: the bridge's share of one client, which a front is."""
     where = parse_listen(http.listen)
     if where is None:
         raise PlanError(f"http.listen = {http.listen!r} is not an address of the form HOST:PORT (port 1-65535)")
@@ -56,6 +74,36 @@ def check_http(http: HttpSpec) -> None:
         raise PlanError(
             f"http.model_name = {http.model_name!r} must be 1-256 printable characters without spaces or quotes"
         )
+    _check_limits(http, max_per_client)
+
+
+def _check_limits(http: HttpSpec, max_per_client: int) -> None:
+    for name in ("max_connections", "max_choices", "max_per_caller", "max_tokens"):
+        if getattr(http, name) is not None:
+            positive(f"http.{name}", getattr(http, name))
+    for name in ("header_timeout_s", "idle_timeout_s", "body_timeout_s", "write_timeout_s"):
+        seconds = getattr(http, name)
+        if not 0 < seconds <= MAX_TIMEOUT_S:
+            raise PlanError(f"http.{name} = {seconds!r} must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+    if http.max_connections > MAX_CONNECTIONS:
+        raise PlanError(f"http.max_connections = {http.max_connections} is more than {MAX_CONNECTIONS} per front")
+    choices, per_caller = shares(http, max_per_client)
+    if choices > MAX_FANOUT:
+        raise PlanError(f"http.max_choices = {choices} is more than {MAX_FANOUT}")
+    if not choices <= per_caller <= max_per_client:
+        raise PlanError(
+            f"http.max_choices = {choices} <= http.max_per_caller = {per_caller} <= "
+            f"bridge.max_per_client = {max_per_client} does not hold: one request may not take more than a "
+            "caller's share, nor one caller more than the front's"
+        )
+
+
+def shares(http: HttpSpec, max_per_client: int) -> tuple[int, int]:
+    """``(max_choices, max_per_caller)`` in force: each as set, or its default within the
+    share above it (a caller's within the front's, a request's within its caller's)."""
+    per_caller = http.max_per_caller if http.max_per_caller is not None else min(DEFAULT_PER_CALLER, max_per_client)
+    choices = http.max_choices if http.max_choices is not None else min(DEFAULT_CHOICES, per_caller)
+    return choices, per_caller
 
 
 def model_name_ok(name: str) -> bool:

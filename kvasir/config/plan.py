@@ -226,7 +226,7 @@ def _check_values(plan: Plan) -> None:
     _check_pools(plan)
     check_cluster(plan)
     if plan.http is not None:
-        check_http(plan.http)
+        check_http(plan.http, plan.bridge.max_per_client)
 
 
 def _check_widths(key: str, batch: BatchSpec) -> None:

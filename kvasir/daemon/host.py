@@ -8,12 +8,23 @@ import os
 from kvasir.config.cluster import worker_host
 from kvasir.config.plan import Plan
 from kvasir.errors import PlanError
+from kvasir.limits import FD_RESERVE, raise_fd_limit
 
 
 def check_host(plan: Plan, here: str | None = None) -> None:
     """Refuse (PlanError) a plan this machine cannot run: absent CPUs or CUDA devices for
-    the workers it runs (``here``: its host in a plan across hosts, default the leader)."""
+    the workers it runs (``here``: its host in a plan across hosts, default the leader), or
+    too few descriptors for its HTTP fronts' connections (the soft limit is raised first:
+    the children inherit it)."""
     import torch
+
+    descriptors = raise_fd_limit()
+    if plan.http is not None and here is None and plan.http.max_connections + FD_RESERVE > descriptors:
+        raise PlanError(
+            f"http.max_connections = {plan.http.max_connections} needs {plan.http.max_connections + FD_RESERVE} "
+            f"descriptors per front, and this process may open {descriptors}: raise the limit (LimitNOFILE, "
+            "ulimit -n) or lower http.max_connections"
+        )
 
     usable = os.sched_getaffinity(0)
     cluster = plan.cluster

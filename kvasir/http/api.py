@@ -4,12 +4,17 @@ that fails after it started ends with an error event, then ``data: [DONE]``."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
+from functools import partial
 
 import msgspec
 from aiohttp import web
 
+from kvasir.config.http import HttpSpec
+from kvasir.http.callers import Callers
+from kvasir.http.connections import Connections
 from kvasir.http.errors import ApiError, from_validation, invalid
 from kvasir.http.gateway import Gateway
 from kvasir.http.generation import Generation
@@ -23,6 +28,7 @@ from kvasir.wire.decoding import JsonDecoder, Malformed
 MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids fits many times over)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+CALLER = "kvasir.caller"  # the request's caller: whose share it counts against (kvasir/http/callers.py)
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -31,10 +37,23 @@ def _digest(key: str) -> bytes:
 
 
 class Api:
-    def __init__(self, gateway: Gateway, prompts: Prompts, served: Served, keys: frozenset[str] | None, log) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        prompts: Prompts,
+        served: Served,
+        keys: frozenset[str] | None,
+        http: HttpSpec,
+        per_caller: int,
+        log,
+    ) -> None:
         self.gateway = gateway
         self.prompts = prompts
         self.served = served
+        self.limits = http
+        self.callers = Callers(per_caller)
+        self.connections: Connections | None = None  # set by the front once it serves (marks requests)
+        self.stalled = 0  # streams cut off because their client stopped reading
         self.keys = frozenset(map(_digest, keys)) if keys is not None else None  # compared as digests
         self.log = log
         self.started = int(time.time())
@@ -60,7 +79,15 @@ class Api:
 
     # -- middleware -------------------------------------------------------------------------
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        connections, transport = self.connections, request.transport
+        if connections is not None:
+            connections.busy(transport)
         try:
+            if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+                raise ApiError(
+                    "unsupported_media_type",
+                    "compressed request bodies are not accepted (Content-Encoding): send the body as it is",
+                )
             return await handler(request)
         except ApiError as exc:
             return _error_response(exc)
@@ -69,13 +96,20 @@ class Api:
                 raise
             code = HTTP_CODES.get(exc.status, "invalid_request")
             return _error_response(ApiError(code, f"{request.method} {request.path}: {exc.reason}"))
+        finally:
+            if connections is not None:
+                connections.idle(transport)
 
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
         """Bearer keys guard /v1/ (``http.api_keys``); /health and /metrics stay open, as in vLLM."""
         if self.keys is not None and request.path.startswith("/v1/"):
             scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or _digest(key.strip()) not in self.keys:
+            digest = _digest(key.strip())
+            if scheme.lower() != "bearer" or digest not in self.keys:
                 raise ApiError("invalid_api_key", "missing or wrong API key (Authorization: Bearer KEY)")
+            request[CALLER] = "key:" + digest.hex()
+        else:
+            request[CALLER] = f"address:{request.remote}"
         return await handler(request)
 
     # -- routes -----------------------------------------------------------------------------
@@ -115,7 +149,13 @@ class Api:
 
     # -- generating -------------------------------------------------------------------------
     async def _decode(self, request: web.Request, decoder):
-        body = await request.read()
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            raise ApiError(
+                "request_timeout", f"the request body did not arrive within {self.limits.body_timeout_s:g} s"
+            ) from None
         try:
             return decoder.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -126,13 +166,14 @@ class Api:
     async def _serve(
         self, request: web.Request, planned: Planned, shape: Shape, stream: bool, include_usage: bool, ids: bool
     ) -> web.StreamResponse:
-        generation = await Generation.start(self.gateway.client(), planned.submissions, planned.stops)
-        try:
-            if stream:
-                return await self._stream(request, generation, shape, planned, include_usage)
-            return await self._whole(generation, shape, planned, ids)
-        finally:
-            await generation.close()  # whatever still runs (the client went away): cancelled
+        with self.callers.share(request[CALLER], len(planned.submissions)):
+            generation = await Generation.start(self.gateway.client(), planned.submissions, planned.stops)
+            try:
+                if stream:
+                    return await self._stream(request, generation, shape, planned, include_usage)
+                return await self._whole(generation, shape, planned, ids)
+            finally:
+                await generation.close()  # whatever still runs (the client went away, it stopped reading): cancelled
 
     async def _whole(self, generation: Generation, shape: Shape, planned: Planned, ids: bool) -> web.Response:
         count = len(planned.submissions)
@@ -161,23 +202,43 @@ class Api:
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        write = partial(self._write, request, response)
         for index in range(len(planned.submissions)):
             opening = shape.opening(index)
             if opening is not None:
-                await response.write(_event(opening))
+                await write(_event(opening))
         failed = False
         async for piece in generation.pieces():
             if piece.error is not None:
-                await response.write(_event(piece.error.body()))
+                await write(_event(piece.error.body()))
                 failed = True
                 break
             if piece.text or piece.scores or piece.finish is not None:
-                await response.write(_event(shape.chunk(piece)))
+                await write(_event(shape.chunk(piece)))
         if include_usage and not failed:
-            await response.write(_event(shape.usage_chunk(_usage(planned, generation))))
-        await response.write(DONE)
+            await write(_event(shape.usage_chunk(_usage(planned, generation))))
+        await write(DONE)
         await response.write_eof()
         return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """One chunk of a stream; a client that does not take it within http.write_timeout_s
+        loses the connection, and its request is cancelled."""
+        try:
+            async with asyncio.timeout(self.limits.write_timeout_s):
+                await response.write(data)
+        except TimeoutError:
+            self.stalled += 1
+            self.log.warning(
+                "the client stopped reading its stream: connection dropped, request cancelled",
+                write_timeout_s=self.limits.write_timeout_s,
+                stalled=self.stalled,
+            )
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(
+                f"the client took no data for {self.limits.write_timeout_s:g} s (http.write_timeout_s)"
+            ) from None
 
 
 def _usage(planned: Planned, generation: Generation) -> UsageBody:

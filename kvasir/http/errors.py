@@ -27,7 +27,10 @@ STATUS: dict[str, tuple[int, str]] = {
     "unavailable": (503, "service_unavailable"),
     "method_not_allowed": (405, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
+    "request_timeout": (408, "invalid_request_error"),
+    "unsupported_media_type": (415, "invalid_request_error"),
     "stage_failed": (500, "server_error"),
+    "internal_error": (500, "server_error"),
 }
 
 

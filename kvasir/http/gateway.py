@@ -27,6 +27,7 @@ class Gateway:
         self._client: AsyncClient | None = None
         self._stats: DaemonStats | None = None
         self._seen = 0.0
+        self._query: asyncio.Future[DaemonStats] | None = None  # the stats query /metrics scrapes share
 
     async def run(self) -> None:
         """Connect (again, after the connection failed) and keep the daemon's state fresh."""
@@ -67,13 +68,20 @@ class Gateway:
         return self._stats.state
 
     async def stats(self) -> DaemonStats:
+        """The daemon's statistics for /metrics, asked for now (a scraper reading counters
+        from several fronts must never see one go back). Scrapes that arrive while a query
+        is out share its answer: however many come, a front has one query out at a time."""
         client = self.client()
+        if self._query is None or self._query.done():
+            self._query = asyncio.ensure_future(client.stats(timeout_s=5.0))
         try:
-            return await client.stats(timeout_s=5.0)
+            return await asyncio.shield(self._query)
         except KvasirError as exc:
             raise ApiError("unavailable", f"the daemon did not answer: {exc}") from None
 
     async def close(self) -> None:
+        if self._query is not None:
+            self._query.cancel()
         if self._client is not None:
             await self._client.close()
             self._client = None

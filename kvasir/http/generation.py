@@ -21,6 +21,7 @@ from kvasir.http.schema import FinishReason
 from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, PromptLogprobs, TokenOut
 
 ANSWER_S = 5.0  # closing: how long to wait for the bridge's answer to a submission (to cancel it)
+PIECES_QUEUED = 256  # pieces waiting for the handler: a full queue holds the pumps (and the client's events)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Every choice's pieces as they come, until each has its last (or failed)."""
-        queue: asyncio.Queue[Piece] = asyncio.Queue()
+        queue: asyncio.Queue[Piece] = asyncio.Queue(max(PIECES_QUEUED, len(self.choices)))
         for choice in self.choices:  # a one-token prompt's scores are complete already
             piece = choice.prompt_piece()
             if piece is not None:
@@ -172,14 +173,16 @@ class Generation:
             async for event in choice.events:
                 piece = await self._piece(choice, event)
                 if piece is not None:
-                    queue.put_nowait(piece)
+                    await queue.put(piece)
                 if choice.ended:
                     return
+            failure = ApiError("stage_failed", "the request's events ended early")
         except KvasirError as exc:  # the connection to the bridge failed
-            queue.put_nowait(Piece(index, "", error=ApiError("stage_failed", str(exc))))
-            return
+            failure = ApiError("stage_failed", str(exc))
+        except Exception as exc:  # a bug: this request fails, the handler is not left waiting
+            failure = ApiError("internal_error", f"reading the request's events failed: {type(exc).__name__}: {exc}")
         choice.ended = True
-        queue.put_nowait(Piece(index, "", error=ApiError("stage_failed", "the request's events ended early")))
+        await queue.put(Piece(index, "", error=failure))
 
     async def _piece(self, choice: Choice, event) -> Piece | None:
         index = choice.submission.index

@@ -16,11 +16,13 @@ import zmq.asyncio
 from aiohttp import web
 
 from kvasir.bridge.detokenizer import load_tokenizer
-from kvasir.config.http import read_api_keys
+from kvasir.config.http import read_api_keys, shares
 from kvasir.http.api import Api
+from kvasir.http.connections import ConnectionLimits, Connections
 from kvasir.http.gateway import Gateway
 from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Served
+from kvasir.limits import raise_fd_limit
 from kvasir.logs import setup_logging
 from kvasir.tasks import Supervised
 from kvasir.wire.control import Command, Heartbeat, Ready, WorkerSettings
@@ -28,6 +30,7 @@ from kvasir.wire.decoding import Decoder, Malformed, decode
 from kvasir.wire.fabric import Sockets, open_fabric
 
 SHUTDOWN_S = 5.0  # after "stop": how long open connections get to finish
+BACKLOG = 1024  # connections the kernel queues for this front before it accepts them
 
 
 def run_front(encoded: bytes) -> None:
@@ -35,6 +38,7 @@ def run_front(encoded: bytes) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
     settings = decode(encoded, WorkerSettings)
+    raise_fd_limit()  # as the launcher did: room for http.max_connections (kvasir/limits.py)
     log = setup_logging(settings.log_level, role="front", index=settings.index, pid=os.getpid())
     try:
         uvloop.run(Front(settings, log).serve())
@@ -54,23 +58,34 @@ class Front:
         plan = settings.plan
         tokenizer = load_tokenizer(Path(model.folder) if model.folder is not None else None)
         keys = read_api_keys(Path(http.api_keys)) if http.api_keys is not None else None
-        served = Served(http.model_name, plan.model.max_seq_len, plan.bridge.max_tokens_per_request)
+        choices, per_caller = shares(http, plan.bridge.max_per_client)
+        served = Served.of(
+            http.model_name,
+            plan.model.max_seq_len,
+            http.max_tokens,
+            plan.bridge.max_tokens_per_request,
+            max_choices=choices,
+            allow_ignore_eos=http.allow_ignore_eos,
+        )
         self.gateway = Gateway(Path(settings.runtime_dir), log)
-        self.api = Api(self.gateway, Prompts(tokenizer, plan.model.max_seq_len), served, keys, log)
+        prompts = Prompts(tokenizer, plan.model.max_seq_len, model.vocab_size)
+        self.api = Api(self.gateway, prompts, served, keys, http, per_caller, log)
         self.listener = socket.socket(fileno=settings.listen_fd)
+        self.http = http
 
     async def serve(self) -> None:
         settings = self.settings
         ends, fabric = open_fabric(settings.runtime_dir, settings.fabric)
         sockets = Sockets(zmq.asyncio.Context(), ends, fabric)
         name = f"front-{settings.index}"
-        runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_S)
+        runner = self._runner()
         tasks = Supervised()
+        server: asyncio.Server | None = None
         try:
             commands = sockets.bind(zmq.PULL, ends.command(name))
             control = sockets.connect(zmq.PUSH, ends.control)
             await runner.setup()
-            await web.SockSite(runner, self.listener).start()
+            server = await self._listen(runner)
             await control.send(msgspec.msgpack.encode(Ready("front", settings.index, os.getpid())))
             self.log.info("http front ready")
             tasks.start(self.gateway.run(), "gateway")
@@ -80,9 +95,32 @@ class Front:
             await tasks.until_one_ends()  # "stop", a gone launcher, or a broken loop (fatal)
         finally:
             await tasks.close()
+            if server is not None:
+                server.close()  # no new connections; runner.cleanup ends the open ones
             await runner.cleanup()
             await self.gateway.close()
             sockets.end()
+
+    def _runner(self) -> web.AppRunner:
+        return web.AppRunner(
+            self.api.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_S,
+            auto_decompress=False,  # compressed bodies are refused (415), never inflated
+            keepalive_timeout=self.http.idle_timeout_s,
+        )
+
+    async def _listen(self, runner: web.AppRunner) -> asyncio.Server:
+        """Serve on the launcher's socket, every connection through ``Connections``."""
+        http = self.http
+        limits = ConnectionLimits(http.max_connections, http.header_timeout_s, http.idle_timeout_s)
+        server = runner.server
+        if server is None:
+            raise RuntimeError("the HTTP runner was not set up")
+        self.api.connections = Connections(server, limits, self.log)
+        loop = asyncio.get_running_loop()
+        return await loop.create_server(self.api.connections, sock=self.listener, backlog=BACKLOG)
 
     async def _until_stop(self, commands) -> None:
         """Read the launcher's commands until "stop"."""

@@ -25,9 +25,17 @@ class Prompt:
 class Prompts:
     """The model's tokenizer (None: token ids only) and the length it must fit."""
 
-    def __init__(self, tokenizer, max_seq_len: int) -> None:
+    def __init__(self, tokenizer, max_seq_len: int, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def count(prompt: PromptForm) -> int:
+        """How many prompts ``prompt`` holds (known before anything is tokenized)."""
+        if isinstance(prompt, str) or not prompt or all(isinstance(item, int) for item in prompt):
+            return 1
+        return len(prompt)
 
     def completion(self, prompt: PromptForm) -> list[Prompt]:
         """A string, a list of strings, a list of ids or a list of id lists."""
@@ -36,13 +44,13 @@ class Prompts:
         if not prompt:
             raise invalid("prompt is empty", "prompt")
         if all(isinstance(item, int) for item in prompt):
-            return [Prompt([int(item) for item in prompt], None)]  # type: ignore[arg-type]
+            return [self._ids(prompt)]  # type: ignore[arg-type]
         if len(prompt) > MAX_PROMPTS:
             raise invalid(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", "prompt")
         if all(isinstance(item, str) for item in prompt):
             return [self._text(item) for item in prompt]  # type: ignore[arg-type]
         if all(isinstance(item, list) for item in prompt):
-            return [Prompt(list(item), None) for item in prompt]  # type: ignore[arg-type]
+            return [self._ids(item) for item in prompt]  # type: ignore[arg-type]
         raise invalid(
             "prompt must be a string, a list of strings, a list of token ids or a list of such lists", "prompt"
         )
@@ -63,6 +71,13 @@ class Prompts:
     def decode(self, ids: list[int]) -> str:
         """A prompt's text (echo of a prompt given as ids)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def _ids(self, ids: list[int]) -> Prompt:
+        """Ids as given; each a token of the model (echo turns them into text here)."""
+        bad = next((tok for tok in ids if not 0 <= tok < self.vocab_size), None)
+        if bad is not None:
+            raise invalid(f"prompt token id {bad} is not a token of this model (0 <= id < {self.vocab_size})", "prompt")
+        return Prompt(list(ids), None)
 
     def _text(self, text: str) -> Prompt:
         self._check(text, "prompt")

@@ -13,7 +13,6 @@ from kvasir.http.schema import MAX_CHOICES, ChatRequest, CompletionRequest, _Sam
 from kvasir.wire.validation import MAX_SEED
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_SUBMISSIONS = 256  # choices of one request, all prompts together (bridge.max_per_client's default)
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,17 @@ class Served:
 
     model_name: str
     max_seq_len: int
-    max_tokens: int | None  # bridge.max_tokens_per_request (None: no ceiling)
+    max_tokens: int  # a request's max_tokens ceiling
+    max_tokens_key: str  # the plan key that sets it (named in the refusal)
+    max_choices: int = 16  # http.max_choices: prompts x n of one request
+    allow_ignore_eos: bool = False  # http.allow_ignore_eos
+
+    @classmethod
+    def of(cls, model_name: str, max_seq_len: int, http_max_tokens: int, bridge_max_tokens: int | None, **rest):
+        """The lower of ``http.max_tokens`` and ``bridge.max_tokens_per_request``."""
+        if bridge_max_tokens is not None and bridge_max_tokens < http_max_tokens:
+            return cls(model_name, max_seq_len, bridge_max_tokens, "bridge.max_tokens_per_request", **rest)
+        return cls(model_name, max_seq_len, http_max_tokens, "http.max_tokens", **rest)
 
 
 @dataclass(frozen=True)
@@ -42,10 +51,16 @@ class Planned:
 
 def plan_completion(req: CompletionRequest, prompts: Prompts, served: Served) -> Planned:
     _common(req, served)
+    count = prompts.count(req.prompt)
+    if count * req.n > served.max_choices:  # before any text is tokenized
+        raise invalid(
+            f"{count} prompts x n = {req.n} is {count * req.n} generations: at most "
+            f"{served.max_choices} in one request (http.max_choices)",
+            "n",
+        )
     given = prompts.completion(req.prompt)
-    if len(given) * req.n > MAX_SUBMISSIONS:
-        raise invalid(f"{len(given)} prompts x n = {req.n} choices is more than {MAX_SUBMISSIONS} in one request", "n")
-    max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(COMPLETION_MAX_TOKENS, served.max_tokens)
+    _check_max_tokens(max_tokens, served, "max_tokens")
     prompt_logprobs = req.logprobs if req.echo else None  # echo with logprobs scores the prompt too
     return _planned(req, given, [max_tokens] * len(given), req.logprobs, prompt_logprobs)
 
@@ -55,11 +70,15 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs = true", "top_logprobs")
     prompt = prompts.chat(req.messages)
+    if req.n > served.max_choices:
+        raise invalid(
+            f"n = {req.n} is more than {served.max_choices} generations in one request (http.max_choices)", "n"
+        )
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # the rest of the context, within the daemon's ceiling
-        max_tokens = max(1, served.max_seq_len - len(prompt.ids))
-        if served.max_tokens is not None:
-            max_tokens = min(max_tokens, served.max_tokens)
+        max_tokens = min(max(1, served.max_seq_len - len(prompt.ids)), served.max_tokens)
+    _check_max_tokens(max_tokens, served, param)
     return _planned(req, [prompt], [max_tokens], (req.top_logprobs or 0) if req.logprobs else None, None)
 
 
@@ -72,6 +91,20 @@ def _common(req: _Sampling, served: Served) -> None:
         )
     if not 1 <= req.n <= MAX_CHOICES:
         raise invalid(f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
+    if req.ignore_eos and not served.allow_ignore_eos:
+        raise invalid(
+            "ignore_eos = true is not allowed here: it runs to max_tokens whatever the model says "
+            "(a plan enables it with http.allow_ignore_eos = true)",
+            "ignore_eos",
+        )
+
+
+def _check_max_tokens(max_tokens: int, served: Served, param: str) -> None:
+    if max_tokens > served.max_tokens:
+        raise invalid(
+            f"{param} = {max_tokens} is over this server's ceiling of {served.max_tokens} ({served.max_tokens_key})",
+            param,
+        )
 
 
 def _planned(

@@ -11,20 +11,27 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvasir.wire.base import MAX_STOP_TOKEN_IDS
+from kvasir.wire.base import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from kvasir.wire.client import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS
+from kvasir.wire.validation import MAX_SEED
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # one stop string
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_MESSAGES = 4096
+MAX_INT32 = (1 << 31) - 1
 
-TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+# integers as the daemon can hold them: a value out of range is a 400 naming its field, never
+# an overflow further in (msgpack holds 64 bits, a tokenizer 32)
+Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
 # one text, or a list of: texts, token ids (one prompt), token-id lists (msgspec allows one
 # list type in a union: kvasir/http/prompts.py tells the list forms apart)
-PromptForm = Text | Annotated[list[Text | int | TokenIds], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+PromptForm = Text | Annotated[list[Text | TokenId | TokenIds], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 StopForm = (
     Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]
     | Annotated[
@@ -42,14 +49,14 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     """The fields completions and chat share."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Count | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT32)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-MAX_SEED - 1, le=MAX_SEED)] | None = None
     stop: StopForm = None
-    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    n: int = 1
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    n: int = 1  # checked in kvasir/http/requests.py (1 to 16), before anything uses it
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -66,7 +73,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     prompt: PromptForm
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = None
 
 
 class TextPart(msgspec.Struct, frozen=True):
@@ -82,9 +89,9 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 class ChatRequest(_Sampling, frozen=True, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
-    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    max_completion_tokens: Count | None = None  # the newer name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
 
 
 # -- responses ------------------------------------------------------------------------------

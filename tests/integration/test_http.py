@@ -26,7 +26,13 @@ def http_daemon(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("http")
     (root / "keys").write_text(f"# the test's key\n{KEY}\n")
     port = free_port()
-    http = {"listen": f"127.0.0.1:{port}", "api_keys": "keys", "workers": 2, "model_name": "tiny-llama"}
+    http = {
+        "listen": f"127.0.0.1:{port}",
+        "api_keys": "keys",
+        "workers": 2,
+        "model_name": "tiny-llama",
+        "allow_ignore_eos": True,
+    }
     plan = write_plan(root / "plan.toml", tiny_models["llama-tokenizer"], SPLITS, max_tokens=64, http=http)
     daemon = Daemon(plan, root / "rt", stage_count(SPLITS))
     daemon.port = port  # type: ignore[attr-defined]
@@ -227,11 +233,13 @@ def front_pids(daemon) -> list[int]:
     return [int(pid) for pid in re.findall(r"http front ready .*pid=(\d+)", daemon.log())]
 
 
-def own_front(tiny_models, start_daemon, **plan) -> tuple[Daemon, openai.OpenAI]:
-    """A daemon of the test's own (the Llama with a tokenizer, one front without keys),
-    serving once its front says so, and an SDK client for it."""
+def own_front(tiny_models, start_daemon, http: dict | None = None, **plan) -> tuple[Daemon, openai.OpenAI]:
+    """A daemon of the test's own (the Llama with a tokenizer, one front without keys,
+    ``ignore_eos`` allowed, ``http`` added to its [http]), serving once its front says so,
+    and an SDK client for it."""
     port = free_port()
-    daemon = start_daemon(tiny_models["llama-tokenizer"], SPLITS, http={"listen": f"127.0.0.1:{port}"}, **plan)
+    front = {"listen": f"127.0.0.1:{port}", "allow_ignore_eos": True, **(http or {})}
+    daemon = start_daemon(tiny_models["llama-tokenizer"], SPLITS, http=front, **plan)
     daemon.wait_ready()
     daemon.port = port
     deadline = time.monotonic() + 30
@@ -430,7 +438,8 @@ def test_plan_and_start_refuse_an_exposed_or_taken_address(tiny_models, tmp_path
 
 
 def test_a_partly_refused_request_is_one_429_and_nothing_of_it_keeps_running(tiny_models, start_daemon):
-    daemon, client = own_front(tiny_models, start_daemon, max_waiting=2)
+    limits = {"max_choices": 4, "max_per_caller": 4}  # a request the front lets through; the bridge takes 2 of it
+    daemon, client = own_front(tiny_models, start_daemon, http=limits, max_waiting=2, max_per_client=4)
     deadline = time.monotonic() + 30
     with pytest.raises(openai.RateLimitError) as refused:
         client.completions.create(

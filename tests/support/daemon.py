@@ -71,9 +71,13 @@ def _http_table(http: dict | None) -> str:
     """``[http]`` from http = {"listen": "127.0.0.1:PORT", ...} (None: no HTTP front)."""
     if http is None:
         return ""
-    return "[http]\n" + "".join(
-        f"{key} = {value!r}\n" if isinstance(value, str) else f"{key} = {value}\n" for key, value in http.items()
-    )
+    return "[http]\n" + "".join(f"{key} = {_toml(value)}\n" for key, value in http.items())
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 def _stage_keys(kw, i: int, pool: str = "") -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvasir.config.http import default_model_name, parse_listen, read_api_keys
+from kvasir.config.http import default_model_name, parse_listen, read_api_keys, shares
 from kvasir.config.plan import parse_plan
 from kvasir.daemon.resolve import resolve_http
 from kvasir.errors import PlanError
@@ -29,6 +29,12 @@ def plan(http: str):
         ('model_name = "two words"', "http.model_name"),
         ('model_name = ""', "http.model_name"),
         ("colour = 1", "http.colour: unknown key"),
+        ("max_connections = 0", "http.max_connections must be a positive integer"),
+        ("header_timeout_s = 0", r"http.header_timeout_s = 0.0 must be in \(0, 3600\]"),
+        ("write_timeout_s = nan", "http.write_timeout_s = nan"),
+        ("max_choices = 100", "http.max_choices = 100 <= http.max_per_caller = 64"),
+        ("max_per_caller = 300", "http.max_per_caller = 300 <= bridge.max_per_client = 256 does not hold"),
+        ("max_tokens = -1", "http.max_tokens must be a positive integer"),
     ],
 )
 def test_refusals_name_the_key(http, says):
@@ -42,6 +48,9 @@ def test_a_reachable_address_with_keys_and_the_defaults():
     assert (spec.listen, spec.workers, spec.api_keys, spec.model_name) == ("127.0.0.1:8000", 1, None, None)
     assert parse_plan(STAGES).http is None  # no [http], no HTTP
     assert parse_listen("[::1]:8080") == ("::1", 8080)
+    assert shares(spec, 256) == (16, 64) and shares(spec, 8) == (8, 8)  # defaults within the shares above them
+    assert shares(plan("max_choices = 4").http, 256) == (4, 64)
+    assert (spec.max_connections, spec.header_timeout_s, spec.allow_ignore_eos) == (1024, 10.0, False)
 
 
 def test_resolving_reads_the_keys_from_the_plans_folder_and_names_the_model(tmp_path):

@@ -23,8 +23,8 @@ def tiny_tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(folder)
 
 
-SERVED = Served("tiny", max_seq_len=64, max_tokens=None)
-IDS = Prompts(None, 64)  # a model without a tokenizer: token ids only
+SERVED = Served.of("tiny", 64, 4096, None)
+IDS = Prompts(None, 64, 1000)  # a model without a tokenizer: token ids only
 
 
 def completion(**body) -> CompletionRequest:
@@ -51,6 +51,9 @@ def test_prompt_forms_times_n_make_the_choices_in_openais_order():
         ({"prompt": [1], "n": 0}, "invalid_request", "n"),
         ({"prompt": [1], "n": 17}, "invalid_request", "n"),
         ({"prompt": [[1]] * 20, "n": 16}, "invalid_request", "n"),
+        ({"prompt": [[1]] * 6, "n": 3}, "invalid_request", "n"),  # 18 generations: over http.max_choices
+        ({"prompt": [1], "max_tokens": 4097}, "invalid_request", "max_tokens"),
+        ({"prompt": [1], "ignore_eos": True}, "invalid_request", "ignore_eos"),
         ({"prompt": [1], "model": "other"}, "model_not_found", "model"),
     ],
 )
@@ -62,14 +65,19 @@ def test_refusals(body, code, param):
 
 
 def test_chat_without_max_tokens_gets_the_rest_of_the_context_within_the_ceiling(tiny_tokenizer):
-    prompts = Prompts(tiny_tokenizer, 64)
+    prompts = Prompts(tiny_tokenizer, 64, len(tiny_tokenizer))
     req = msgspec.json.decode(
         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}', type=ChatRequest
     )
     [sub] = plan_chat(req, prompts, SERVED).submissions
     assert sub.options["max_tokens"] == 64 - len(sub.prompt)
-    [capped] = plan_chat(req, prompts, Served("tiny", 64, max_tokens=5)).submissions
+    [capped] = plan_chat(req, prompts, Served.of("tiny", 64, 4096, 5)).submissions
     assert capped.options["max_tokens"] == 5
+    over = msgspec.json.decode(b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 6}', type=ChatRequest)
+    with pytest.raises(ApiError, match=r"ceiling of 5 \(bridge.max_tokens_per_request\)"):
+        plan_chat(over, prompts, Served.of("tiny", 64, 4096, 5))
+    with pytest.raises(ApiError, match=r"ceiling of 5 \(http.max_tokens\)"):
+        plan_chat(over, prompts, Served.of("tiny", 64, 5, 9))
     bad = msgspec.json.decode(b'{"messages": [{"role": "wizard", "content": "x"}]}', type=ChatRequest)
     with pytest.raises(ApiError, match="role"):
         plan_chat(bad, prompts, SERVED)
