@@ -49,7 +49,7 @@ class Connections:
         self.limits = limits
         self.log = log
         self.waiting: OrderedDict[Any, asyncio.TimerHandle] = OrderedDict()  # transport -> its deadline
-        self.busy_ones: dict[Any, int] = {}  # transport -> requests it is inside
+        self.busy_ones: set[Any] = set()  # transports inside a request (aiohttp runs one at a time each)
         self.closed_idle = 0  # closed for missing a deadline
         self.evicted = 0  # closed to make room for a newer one
         self.refused = 0  # answered 503: every connection was inside a request
@@ -84,7 +84,7 @@ class Connections:
         deadline = self.waiting.pop(transport, None)
         if deadline is not None:
             deadline.cancel()
-        self.busy_ones.pop(transport, None)
+        self.busy_ones.discard(transport)
 
     def busy(self, transport) -> None:
         """A request on ``transport`` began (its head is read): no deadline while it runs."""
@@ -93,19 +93,13 @@ class Connections:
         deadline = self.waiting.pop(transport, None)
         if deadline is not None:
             deadline.cancel()
-            self.busy_ones[transport] = 1
-        elif transport in self.busy_ones:
-            self.busy_ones[transport] += 1
+            self.busy_ones.add(transport)
 
     def idle(self, transport) -> None:
         """A request on ``transport`` ended: the next head must come within the idle timeout."""
-        count = self.busy_ones.get(transport)
-        if count is None:
+        if transport not in self.busy_ones:
             return
-        if count > 1:
-            self.busy_ones[transport] = count - 1
-            return
-        del self.busy_ones[transport]
+        self.busy_ones.remove(transport)
         if not transport.is_closing():
             self._wait(transport, self.limits.idle_timeout_s)
 
