@@ -25,11 +25,11 @@ from kvasir.bridge.metrics import Metrics
 from kvasir.bridge.outbox import Outbox
 from kvasir.bridge.sockets import client_router, remote_router
 from kvasir.bridge.stats import daemon_stats
-from kvasir.bridge.submissions import Submissions
+from kvasir.bridge.streams import Streams
+from kvasir.bridge.submissions import LOCAL, Submissions
 from kvasir.errors import RequestError
 from kvasir.tasks import Supervised
 from kvasir.wire import batching
-from kvasir.wire.batch import PromptScores, SampledToken
 from kvasir.wire.bridge import (
     BatchSpan,
     BridgeMessage,
@@ -45,11 +45,9 @@ from kvasir.wire.client import (
     Cancelled,
     ClientMessage,
     ErrorEvent,
-    PromptLogprobs,
     StatsQuery,
     StatsReply,
     Submit,
-    TokenOut,
 )
 from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
 from kvasir.wire.decoding import Decoder, Malformed
@@ -75,7 +73,11 @@ class Bridge:
         self.max_per_client = plan.bridge.max_per_client
         self.tokenizer = load_tokenizer(Path(model.folder) if model.folder is not None else None)
         self.submissions = Submissions(
-            self.tokenizer, model.vocab_size, plan.model.max_seq_len, plan.bridge.max_tokens_per_request
+            self.tokenizer,
+            model.vocab_size,
+            plan.model.max_seq_len,
+            plan.bridge.max_tokens_per_request,
+            plan.pools()[0][1].kv.prefix_share,  # the pool whose head admits requests (and caches prompts)
         )
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
@@ -110,6 +112,7 @@ class Bridge:
         self.requests = Ledger()
         self.handoffs = HandoffLog()
         self.metrics = Metrics()
+        self.streams = Streams(self.requests, self.metrics, self.outbox, self.publisher_io, self.encoder)
         self.stage_stats: dict[int, StageStats] = {}
         self.shard_stats: dict[int, ShardStats] = {}
         self.timelines: dict[int, deque[BatchSpan]] = {}
@@ -146,13 +149,18 @@ class Bridge:
             self.outbox.end_turn()  # what this turn has for clients leaves before the sockets close
             await tasks.close()
 
-    async def _clients(self, io: BatchedSocket) -> None:
+    async def _clients(self, io: BatchedSocket, origin: str = LOCAL) -> None:
+        """Read one client socket. ``origin``: its clients' tenant (LOCAL), or "curve"
+        where each remote client's tenant is the key it authenticated with."""
+        keyed = origin == "curve"
         while True:
-            for frames in await io.recv_batch(multipart=True):
-                await self._client_message(io, frames)
+            for frames in await io.recv_batch(multipart=True, copy=not keyed):
+                if keyed:  # the ZAP handler's User-Id: the client's public key (z85)
+                    origin, frames = f"curve:{frames[-1].get('User-Id')}", [frame.bytes for frame in frames]
+                await self._client_message(io, frames, origin)
             await asyncio.sleep(0)  # a client that never pauses must not starve heartbeats, tokens, CURVE
 
-    async def _client_message(self, io: BatchedSocket, frames: list[bytes]) -> None:
+    async def _client_message(self, io: BatchedSocket, frames: list[bytes], origin: str) -> None:
         if len(frames) != 2:
             if frames:
                 error = ErrorEvent(code="invalid_request", message=f"expected one frame, got {len(frames) - 1}")
@@ -167,13 +175,13 @@ class Bridge:
             return
         for member in members:
             try:
-                await self._client_body(peer, member)
+                await self._client_body(peer, member, origin)
             except Exception as exc:  # a bug met by one message: that client is told, everyone else served
                 self.internal_errors += 1
                 self.log.exception("a client message failed", errors=self.internal_errors)
                 await self._send(peer, ErrorEvent(code="internal_error", message=f"the bridge failed on it: {exc}"))
 
-    async def _client_body(self, peer: Peer, body: bytes) -> None:
+    async def _client_body(self, peer: Peer, body: bytes, origin: str) -> None:
         try:
             message = self.client_decoder.decode(body)
         except Malformed as exc:
@@ -182,13 +190,13 @@ class Bridge:
             return
         match message:
             case Submit():
-                await self._submit(peer, message)
+                await self._submit(peer, message, origin)
             case Cancel(request_id=rid):
                 await self._cancel(peer, rid)
             case StatsQuery(key=key, timeline=timeline):
                 await self._send(peer, StatsReply(key=key, stats=daemon_stats(self, timeline)))
 
-    async def _submit(self, peer: Peer, msg: Submit) -> None:
+    async def _submit(self, peer: Peer, msg: Submit, origin: str) -> None:
         try:
             if self.draining:
                 raise RequestError("shutting_down", "the daemon is shutting down and takes no new requests")
@@ -203,7 +211,7 @@ class Bridge:
                 raise RequestError(
                     "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
                 )
-            ids, sampling = self.submissions.read(msg)
+            ids, sampling, root = self.submissions.read(msg, origin)
         except RequestError as exc:
             await self._send(peer, ErrorEvent(code=exc.code, message=exc.message, key=msg.key))
             return
@@ -216,7 +224,7 @@ class Bridge:
         client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
         self.outbox.after_turn(
-            partial(self._enqueue, rid, self.encoder.encode(Enqueue(rid, tuple(ids), sampling, client)))
+            partial(self._enqueue, rid, self.encoder.encode(Enqueue(rid, tuple(ids), sampling, client, root)))
         )
 
     def _enqueue(self, rid: int, body: bytes) -> None:
@@ -256,9 +264,9 @@ class Bridge:
         match message:
             case TokenEvents(tokens=tokens, prompt=prompt):
                 for scores in prompt:
-                    self._prompt_scores(scores)
+                    self.streams.prompt_scores(scores)
                 for token in tokens:
-                    await self._token(token)
+                    await self.streams.token(token)
             case RequestEnded(request_id=rid, code=code, message=text):
                 record = self.requests.end(rid)
                 if record is not None:
@@ -279,59 +287,6 @@ class Bridge:
                 self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
             case ShardStats() as stats if stats.pid in self.ring_pids:
                 self.shard_stats[stats.number] = stats
-
-    def _prompt_scores(self, scores: PromptScores) -> None:
-        record = self.requests.get(scores.request_id)
-        if record is not None:
-            top = [list(pairs) for pairs in scores.top]
-            event = PromptLogprobs(
-                request_id=scores.request_id,
-                first=scores.first,
-                token_ids=list(scores.token_ids),
-                logprobs=list(scores.logprobs),
-                top_logprobs=top,
-            )
-            self.outbox.deliver(record.peer, self.encoder.encode(event))
-
-    async def _token(self, arrived: SampledToken) -> None:
-        record = self.requests.get(arrived.request_id)
-        if record is None:
-            return
-        for token in record.in_order(arrived):
-            await self._stream(record, token)
-
-    async def _stream(self, record: Pending, token: SampledToken) -> None:
-        now = time.monotonic_ns()
-        self.metrics.token(now - record.last_ns if record.token_ids else None)
-        if not record.token_ids:
-            record.first_ns = now
-            record.scheduled_ns = token.scheduled_ns
-            record.cached_tokens = min(max(token.cached_tokens, 0), record.prompt_tokens)
-        elif len(record.token_ids) == 1:
-            record.second_ns = now
-        record.last_ns = now
-        record.token_ids.append(token.token_id)
-        text = ""
-        if record.detokenizer is not None:
-            text = record.detokenizer.push(token.token_id)
-            if token.finish is not None:
-                text += record.detokenizer.flush()
-        event = TokenOut(
-            request_id=token.request_id,
-            index=token.index,
-            token_id=token.token_id,
-            text=text,
-            logprob=token.logprob if record.logprobs else None,
-            top_logprobs=list(token.top) if record.logprobs else None,
-        )
-        encoded = self.encoder.encode(event)
-        await self.publisher_io.send(encoded)
-        self.outbox.deliver(record.peer, encoded)
-        if token.finish is not None:
-            self.requests.end(token.request_id)
-            finished = record.finished(token.request_id, token.finish)
-            self.metrics.finished(token.finish, finished.timings)
-            await self._send(record.peer, finished)
 
     async def _commands(self) -> None:
         decoder: Decoder[Command] = Decoder(Command)
@@ -368,7 +323,8 @@ class Bridge:
                     self.remote_io.socket.bind(self.tcp)
                 except zmq.ZMQError as exc:
                     raise RuntimeError(f"cannot bind bridge.tcp = {self.tcp}: {exc}") from None
-                self.tasks.start(self._clients(self.remote_io), "remote-clients")
+                origin = "curve" if self.remote_curve else "tcp"  # no keys: loopback, every local user alike
+                self.tasks.start(self._clients(self.remote_io, origin), "remote-clients")
                 self.log.info("accepting remote clients", endpoint=self.tcp, curve=self.remote_curve)
             self.bound = True
         if command.message and command.message != self.last_failure:  # a bridge started after a failure

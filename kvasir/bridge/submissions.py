@@ -1,13 +1,22 @@
-"""What the bridge makes of a client's submission: a prompt's token ids and its sampling
-parameters, or a RequestError saying what is wrong. Policy only: no sockets, no state
-beyond the tokenizer and the plan's limits (kvasir/wire/validation.py holds the checks)."""
+"""What the bridge makes of a client's submission: a prompt's token ids, its sampling
+parameters and its prefix-cache namespace, or a RequestError saying what is wrong. Policy
+only: no sockets, no state beyond the tokenizer and the plan's limits
+(kvasir/wire/validation.py holds the checks).
+
+A request's cache namespace is its tenant's: the CURVE key a remote client authenticated
+with, "local" for the daemon's own user on the local socket, or, for a local client
+serving others (the HTTP front), the ``tenant`` it names (the front names the API key).
+Only local clients may name one. ``cache_salt`` narrows any namespace further; with
+``[kv] prefix_share = "all"`` the tenant is left out and only salts separate requests."""
 
 from __future__ import annotations
 
 import msgspec
 
 from kvasir.bridge.detokenizer import encode_chat, encode_text
+from kvasir.config.plan import PrefixShare
 from kvasir.errors import RequestError
+from kvasir.sched.prefix import namespace_root
 from kvasir.wire.base import MAX_LOGPROBS
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.client import Submit
@@ -22,16 +31,38 @@ class _Envelope(msgspec.Struct):
     key: int | None = None
 
 
+LOCAL = "local"  # the origin of a client on the local socket (the daemon's user)
+
+
 class Submissions:
-    def __init__(self, tokenizer, vocab_size: int, max_seq_len: int, max_tokens: int | None) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, max_seq_len: int, max_tokens: int | None, share: PrefixShare = "tenant"
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.max_tokens = max_tokens  # bridge.max_tokens_per_request (None: no ceiling)
+        self.share = share  # kv.prefix_share
         self._envelope: Decoder[_Envelope] = Decoder(_Envelope)
 
-    def read(self, msg: Submit) -> tuple[list[int], SamplingParams]:
-        """The prompt's ids and the sampling parameters; RequestError when refused."""
+    def read(self, msg: Submit, origin: str) -> tuple[list[int], SamplingParams, bytes]:
+        """The prompt's ids, the sampling parameters and the prefix-cache root of a
+        submission from ``origin`` (LOCAL, or the remote client's "curve:KEY" or "tcp");
+        RequestError when refused."""
+        root = self.cache_root(msg, origin)
+        ids, sampling = self._read(msg)
+        return ids, sampling, root
+
+    def cache_root(self, msg: Submit, origin: str) -> bytes:
+        if msg.tenant is not None and origin != LOCAL:
+            raise RequestError(
+                "invalid_request",
+                "tenant is for local clients serving others (the HTTP front); a remote client's tenant is its key",
+            )
+        tenant = origin if msg.tenant is None else f"{LOCAL}/{msg.tenant}"
+        return namespace_root(tenant if self.share == "tenant" else "", msg.cache_salt)
+
+    def _read(self, msg: Submit) -> tuple[list[int], SamplingParams]:
         if self.max_tokens is not None:
             check_max_tokens(msg.max_tokens, self.max_tokens)
         for name in ("logprobs", "prompt_logprobs"):  # -1 is the internal "none": a client says None

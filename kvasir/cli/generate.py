@@ -18,10 +18,17 @@ from kvasir.cli.common import RUNTIME_DIR, connect, event_json, remote_options
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 means off.")
 @click.option("--seed", type=int, default=None, help="Same seed, same output.")
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
+@click.option(
+    "--cache-salt",
+    default=None,
+    help="Share prefix-cache blocks only with requests giving the same salt (your tenant's, see [kv] prefix_share).",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event line (token ids included).")
 @RUNTIME_DIR
 @remote_options
-def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_json, runtime_dir, remote) -> None:
+def generate(
+    prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, cache_salt, as_json, runtime_dir, remote
+) -> None:
     """Generate from PROMPT (or --ids) and stream the text as it arrives.
 
     Exit code: 0 finished, 1 error or cancelled, 2 bad arguments, 3 no daemon.
@@ -50,6 +57,7 @@ def generate(prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, as_
             top_p=top_p,
             top_k=top_k,
             seed=seed,
+            cache_salt=cache_salt,
         )
         for event in client.events(stream):
             if as_json:

@@ -111,8 +111,15 @@ class AsyncClient:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
-        """Send a request and return its stream at once (no reply awaited)."""
+        """Send a request and return its stream at once (no reply awaited).
+
+        ``cache_salt``: the request shares prefix-cache blocks only with requests of the
+        same tenant giving the same salt. ``tenant``: a local client serving others (as the
+        HTTP front does) names the caller whose cache namespace the request is in; the
+        daemon refuses it from remote clients, whose tenant is their CURVE key."""
         self._raise_if_failed()
         key = next(self._keys)
         message = Submit(
@@ -129,6 +136,8 @@ class AsyncClient:
             ignore_eos=ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            cache_salt=cache_salt,
+            tenant=tenant,
         )
         body = self._encode(message)  # a value msgpack cannot hold fails here, before a stream exists
         stream = RequestStream(key)

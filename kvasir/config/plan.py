@@ -23,6 +23,7 @@ from kvasir.config.shards import ShardSpec, check_shards, check_shards_fit
 from kvasir.errors import PlanError
 from kvasir.units import MIB
 
+PrefixShare = Literal["tenant", "all"]
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.*-]+):(?P<port>[0-9]{1,5})$")
 
 
@@ -46,6 +47,7 @@ class KvSpec(_Section, frozen=True):
     block_size: int = 16
     num_blocks: int = 1024
     prefix_cache: bool = True  # reuse the KV blocks of prompts' shared beginnings (kvasir/sched/prefix.py)
+    prefix_share: PrefixShare = "tenant"  # share cached blocks within one tenant, or between "all" clients
 
 
 class BridgeSpec(_Section, frozen=True):

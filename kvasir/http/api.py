@@ -29,6 +29,7 @@ MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 CALLER = "kvasir.caller"  # the request's caller: whose share it counts against (kvasir/http/callers.py)
+TENANT = "kvasir.tenant"  # whose prefix-cache namespace its prompts are in: its API key, or "open" without keys
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -107,9 +108,9 @@ class Api:
             digest = _digest(key.strip())
             if scheme.lower() != "bearer" or digest not in self.keys:
                 raise ApiError("invalid_api_key", "missing or wrong API key (Authorization: Bearer KEY)")
-            request[CALLER] = "key:" + digest.hex()
+            request[CALLER] = request[TENANT] = "key:" + digest.hex()
         else:
-            request[CALLER] = f"address:{request.remote}"
+            request[CALLER], request[TENANT] = f"address:{request.remote}", "open"
         return await handler(request)
 
     # -- routes -----------------------------------------------------------------------------
@@ -167,7 +168,9 @@ class Api:
         self, request: web.Request, planned: Planned, shape: Shape, stream: bool, include_usage: bool, ids: bool
     ) -> web.StreamResponse:
         with self.callers.share(request[CALLER], len(planned.submissions)):
-            generation = await Generation.start(self.gateway.client(), planned.submissions, planned.stops)
+            generation = await Generation.start(
+                self.gateway.client(), planned.submissions, planned.stops, request[TENANT]
+            )
             try:
                 if stream:
                     return await self._stream(request, generation, shape, planned, include_usage)

@@ -109,13 +109,16 @@ class Generation:
     choices: list[Choice] = field(default_factory=list)
 
     @classmethod
-    async def start(cls, client: AsyncClient, submissions: list[Submission], stops: list[str]) -> Generation:
-        """Submit every choice and wait until the bridge accepted them all (ApiError, with
-        the accepted ones cancelled, when it refused one)."""
+    async def start(
+        cls, client: AsyncClient, submissions: list[Submission], stops: list[str], tenant: str
+    ) -> Generation:
+        """Submit every choice for ``tenant`` (whose prefix-cache namespace it is in) and
+        wait until the bridge accepted them all (ApiError, with the accepted ones
+        cancelled, when it refused one)."""
         generation = cls(client)
         try:
             for sub in submissions:
-                stream = await client.submit(token_ids=sub.prompt, **sub.options)
+                stream = await client.submit(token_ids=sub.prompt, tenant=tenant, **sub.options)
                 generation.choices.append(Choice(sub, stream, aiter(stream), StopText(stops)))
             for choice in generation.choices:
                 first = await anext(choice.events)

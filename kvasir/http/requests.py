@@ -133,4 +133,5 @@ def _options(req: _Sampling, max_tokens: int, j: int) -> dict[str, Any]:
         "seed": seed,
         "stop_token_ids": req.stop_token_ids or [],
         "ignore_eos": req.ignore_eos,
+        "cache_salt": req.cache_salt,
     }

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvasir.wire.base import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
-from kvasir.wire.client import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS
+from kvasir.wire.client import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, Namespace
 from kvasir.wire.validation import MAX_SEED
 
 MAX_STOP_STRINGS = 16
@@ -62,6 +62,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice's output token ids (whole responses)
+    cache_salt: Namespace | None = None  # vLLM's: share cached prompt blocks only with requests giving the same salt
 
     @property
     def stops(self) -> list[str]:

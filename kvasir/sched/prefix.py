@@ -13,6 +13,11 @@ blocks for the new request: the stages read a run with one call). A block is onl
 shared whole and before the position its new holder starts writing at, so nobody
 writes into a shared block.
 
+Blocks are shared only within a *namespace*: the first block's key chains from the
+request's root (``namespace_root``: the tenant it came from and the ``cache_salt`` it
+gave), so a caller can neither hit nor time another tenant's blocks. With ``[kv]
+prefix_share = "all"`` and no salt the root is empty and every client shares one cache.
+
 With the cache off (``enabled`` False) nothing is looked up or registered, and it is
 plain allocation from the BlockAllocator.
 """
@@ -24,8 +29,21 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvasir.sched.blocks import BlockAllocator
+from kvasir.wire.head import BLOCK_KEY_BYTES as KEY_BYTES
 
-KEY_BYTES = 16
+
+def namespace_root(namespace: str, salt: str | None) -> bytes:
+    """The parent of a request's first block key: its namespace (the tenant, or "" where
+    the plan shares the cache between all) narrowed by its ``cache_salt``; empty, the
+    unsalted chain, for no namespace and no salt."""
+    if not namespace and salt is None:
+        return b""
+    digest = hashlib.blake2b(b"kvasir-prefix-namespace", digest_size=KEY_BYTES)
+    for part in (namespace, salt if salt is not None else ""):
+        encoded = part.encode()
+        digest.update(len(encoded).to_bytes(4, "little") + encoded)  # length-prefixed: parts cannot run together
+    digest.update(b"\x01" if salt is not None else b"\x00")
+    return digest.digest()
 
 
 def block_keys(tokens: Sequence[int], block_size: int, count: int, parent: bytes = b"") -> list[bytes]:

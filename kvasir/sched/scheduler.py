@@ -49,6 +49,7 @@ class RequestState:
     parked: bool = False  # holds its blocks but is not scheduled (KV being handed between pools)
     client: int = 0  # the bridge's number for the client that submitted it
     arrival: int = 0  # admission order among waiting requests
+    cache_root: bytes = b""  # the parent of its first block key: its prefix-cache namespace
     keys: list[bytes] | None = None  # chained keys of its full blocks, as far as known (prefix cache)
     registered: int = 0  # its first blocks that are in the prefix cache
     cached_tokens: int = 0  # prompt tokens it found cached instead of computing them
@@ -109,12 +110,19 @@ class Scheduler:
 
     # -- entry points -------------------------------------------------------------
     def submit(
-        self, prompt: list[int], sampling: SamplingParams, request_id: int | None = None, client: int = 0
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        request_id: int | None = None,
+        client: int = 0,
+        cache_root: bytes = b"",
     ) -> int:
         """Queue a validated request and return its id; raise RequestError if refused.
 
         ``request_id`` is the id the bridge gave the request; without one the
-        scheduler numbers requests itself.
+        scheduler numbers requests itself. ``cache_root``: its prefix-cache namespace
+        (kvasir/sched/prefix.py namespace_root); it shares blocks only with requests of
+        the same root.
         """
         ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
         check_sampling(sampling, self.vocab_size)
@@ -127,7 +135,9 @@ class Scheduler:
         elif request_id in self.running or request_id in self.waiting:
             raise RequestError("invalid_request", f"request id {request_id} is already in use")
         rid = request_id
-        self.waiting[rid] = RequestState(rid, ids, sampling, seed, need, client=client, arrival=next(self._arrivals))
+        self.waiting[rid] = RequestState(
+            rid, ids, sampling, seed, need, client=client, arrival=next(self._arrivals), cache_root=cache_root
+        )
         self.queues.setdefault(client, deque()).append(rid)
         return rid
 
@@ -253,7 +263,7 @@ class Scheduler:
         if state.keys is None:
             reusable = (state.prompt_len - 1) // self.block_size
             wanted = self.cache.enabled and state.sampling.prompt_logprobs < 0 and reusable > 0
-            state.keys = block_keys(state.prompt, self.block_size, reusable) if wanted else []
+            state.keys = block_keys(state.prompt, self.block_size, reusable, state.cache_root) if wanted else []
         return state.keys
 
     def _register(self, state: RequestState) -> None:
@@ -264,7 +274,7 @@ class Scheduler:
             return
         keys = state.keys if state.keys is not None else []
         if len(keys) < full:
-            parent = keys[-1] if keys else b""
+            parent = keys[-1] if keys else state.cache_root
             known = len(keys) * self.block_size
             keys += block_keys(
                 state.tokens(known, full * self.block_size - known), self.block_size, full - len(keys), parent

@@ -60,9 +60,9 @@ class SchedulerIntake:
         match message:
             case Enqueue(request_id=rid) if self.cancelled_early.take(rid):
                 self.bridge.send(RequestEnded(rid, "cancelled"))
-            case Enqueue(request_id=rid, token_ids=ids, sampling=sampling, client=client):
+            case Enqueue(request_id=rid, token_ids=ids, sampling=sampling, client=client, cache_root=root):
                 try:
-                    self.scheduler.submit(list(ids), sampling, request_id=rid, client=client)
+                    self.scheduler.submit(list(ids), sampling, request_id=rid, client=client, cache_root=root)
                 except RequestError as exc:
                     self.bridge.send(RequestEnded(rid, exc.code, exc.message))
             case CancelRequest(request_id=rid) if not self._known(rid):

@@ -17,6 +17,8 @@ MAX_PROMPT_TOKENS = 1 << 20  # token ids in one prompt (max_seq_len is the real 
 
 
 MAX_PROMPT_CHARS = 1 << 22  # characters of one prompt text
+MAX_NAMESPACE_CHARS = 1024  # characters of a tenant or a cache_salt
+Namespace = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAMESPACE_CHARS)]
 
 
 # -- clients ----------------------------------------------------------------------------------
@@ -38,6 +40,8 @@ class Submit(_Client, frozen=True, tag="submit"):
     ignore_eos: bool = False
     logprobs: int | None = None  # N: each token's log-probability and the N most likely tokens' (0 <= N <= 20)
     prompt_logprobs: int | None = None  # N: the same for every prompt token after the first (PromptLogprobs events)
+    cache_salt: Namespace | None = None  # share prefix-cache blocks only with requests giving the same salt
+    tenant: Namespace | None = None  # local clients serving others (the HTTP front): the caller's cache namespace
 
 
 class Cancel(_Client, frozen=True, tag="cancel"):

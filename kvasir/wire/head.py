@@ -3,8 +3,14 @@ a disaggregated plan, the KV hand-off between the pools' heads."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from kvasir.wire.base import Tagged
 from kvasir.wire.batch import SampledToken, SamplingParams
+
+BLOCK_KEY_BYTES = 16  # a prefix-cache block key (kvasir/sched/prefix.py), and a request's namespace root
 
 
 # -- the head's inbox ---------------------------------------------------------------------
@@ -13,6 +19,9 @@ class Enqueue(Tagged, frozen=True):
     token_ids: tuple[int, ...]
     sampling: SamplingParams
     client: int = 0  # the bridge's number for the submitting client (fair admission across clients)
+    cache_root: Annotated[bytes, msgspec.Meta(max_length=BLOCK_KEY_BYTES)] = (
+        b""  # prefix-cache namespace (empty: shared)
+    )
 
 
 class CancelRequest(Tagged, frozen=True):

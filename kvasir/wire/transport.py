@@ -282,14 +282,15 @@ class BatchedSocket:
             if not self._waiters:
                 loop.remove_reader(self.shadow.FD)
 
-    async def recv_batch(self, multipart: bool = False) -> list:
-        """At least one message (frames lists with ``multipart``), at most ``max_batch``."""
+    async def recv_batch(self, multipart: bool = False, copy: bool = True) -> list:
+        """At least one message (frames lists with ``multipart``), at most ``max_batch``;
+        ``copy`` False: zmq.Frame objects (their properties, e.g. "User-Id", readable)."""
         recv = self.shadow.recv_multipart if multipart else self.shadow.recv
         while True:
             out: list = []
             try:
                 while len(out) < self.max_batch:
-                    out.append(recv(NOBLOCK))
+                    out.append(recv(NOBLOCK, copy=copy))
             except zmq.Again:
                 pass
             if out:

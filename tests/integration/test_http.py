@@ -17,6 +17,7 @@ from kvasir.wire.client import Finished
 from tests.support.daemon import Daemon, free_port, stage_count, write_plan
 
 KEY = "sk-kvasir-test-key"
+OTHER_KEY = "sk-kvasir-other-tenant"
 SPLITS = [(0, 3), (3, 6)]
 
 
@@ -24,7 +25,7 @@ SPLITS = [(0, 3), (3, 6)]
 def http_daemon(tiny_models, tmp_path_factory):
     """The Llama with a tokenizer behind two front processes and a bearer key."""
     root = tmp_path_factory.mktemp("http")
-    (root / "keys").write_text(f"# the test's key\n{KEY}\n")
+    (root / "keys").write_text(f"# the test's keys\n{KEY}\n{OTHER_KEY}\n")
     port = free_port()
     http = {
         "listen": f"127.0.0.1:{port}",
@@ -65,8 +66,8 @@ def test_greedy_output_through_http_equals_the_zeromq_clients(http_daemon):
             assert http.usage.prompt_tokens == ours.usage.prompt_tokens
             details = http.usage.prompt_tokens_details
             assert details is not None and 0 <= details.cached_tokens < http.usage.prompt_tokens
-            if isinstance(prompt, list):  # its first block, cached by the ZeroMQ request just before
-                assert details.cached_tokens == 4
+            if isinstance(prompt, list):  # the ZeroMQ request just before cached its first block in
+                assert details.cached_tokens == 0  # the local tenant's namespace, not this key's
         chat = client.chat.completions.create(
             model="tiny-llama",
             messages=[{"role": "user", "content": "hello ring"}],
@@ -77,6 +78,29 @@ def test_greedy_output_through_http_equals_the_zeromq_clients(http_daemon):
         ours = zmq_client.generate("hello ring", chat=True, max_tokens=10, temperature=0, ignore_eos=True)
         assert chat.choices[0].token_ids == ours.token_ids  # type: ignore[attr-defined]
         assert chat.usage.prompt_tokens == ours.usage.prompt_tokens and chat.choices[0].message.role == "assistant"
+
+
+def test_the_prefix_cache_is_shared_within_one_api_key_and_one_salt(http_daemon):
+    prompt = [11 + 3 * i for i in range(22)]  # five full 4-token blocks before its last token
+
+    def cached(key: str, salt: str | None = None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        answer = sdk(http_daemon, key).completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
+        details = answer.usage.prompt_tokens_details
+        assert details is not None
+        return details.cached_tokens
+
+    assert cached(KEY) == 0
+    assert cached(OTHER_KEY) == 0  # another key guessing the prompt learns nothing
+    assert cached(KEY) == 20  # the same key: the hit
+    assert cached(KEY, "project-a") == 0  # a salt narrows the key's namespace
+    assert cached(KEY, "project-a") == 20
+    assert cached(OTHER_KEY, "project-a") == 0  # the same salt under another key is another namespace
+    assert cached(OTHER_KEY) == 20  # its own first request
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached(KEY, "")
 
 
 def test_streams_through_the_sdk_match_the_whole_answers(http_daemon):

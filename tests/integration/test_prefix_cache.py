@@ -4,6 +4,8 @@ says how much) and every output equals the unsplit Hugging Face model's."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import time
 
 from kvasir.client import AsyncClient
@@ -120,3 +122,30 @@ def test_multi_turn_conversations_resend_their_history_and_reuse_it(tiny_models,
         else:
             assert record.cached_tokens == 0
         history = prompt + list(record.output_ids)
+
+
+def test_shared_by_all_tenants_meet_and_only_salts_keep_requests_apart(tiny_models, start_daemon):
+    from tests.support.daemon import BIN
+
+    daemon = small(start_daemon, tiny_models["llama"], [(0, 3), (3, 6)], prefix_share="all")
+    prompt = random_prompts(VOCAB, [22], seed=41)[0]  # five full blocks before its last token
+
+    async def cached(**kw) -> int:
+        async with await AsyncClient.connect(daemon.runtime_dir) as client:
+            end = await (await client.submit(token_ids=prompt, max_tokens=2, temperature=0, **kw)).result()
+        assert isinstance(end, Finished), end
+        return end.usage.cached_tokens
+
+    assert asyncio.run(cached(tenant="front-a")) == 0
+    assert asyncio.run(cached(tenant="front-b")) == 20  # prefix_share = "all": tenants share
+    assert asyncio.run(cached(cache_salt="s")) == 0  # a salt is a namespace of its own
+    ids = ",".join(map(str, prompt))
+    run = [str(BIN / "kvasir"), "generate", "--runtime-dir", str(daemon.runtime_dir), "--ids", ids, "--json"]
+    salted = subprocess.run(
+        run + ["--max-tokens", "2", "--temperature", "0", "--cache-salt", "s"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert salted.returncode == 0, salted.stderr
+    assert json.loads(salted.stdout.splitlines()[-1])["usage"]["cached_tokens"] == 20

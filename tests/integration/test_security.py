@@ -10,7 +10,7 @@ import pytest
 
 from kvasir.client import AsyncClient, NotAuthorised, Remote
 from kvasir.config.keys import generate
-from kvasir.wire.client import Finished
+from kvasir.wire.client import ErrorEvent, Finished
 from tests.support.daemon import BIN, free_port
 from tests.support.models import hf_greedy, reference_model
 
@@ -20,6 +20,11 @@ async def greedy(runtime_dir, remote, ids, n):
         return await (await client.submit(token_ids=ids, max_tokens=n, temperature=0)).result()
 
 
+async def greedy_end(runtime_dir, remote, ids, **kw):
+    async with await AsyncClient.connect(runtime_dir, timeout_s=10.0, remote=remote) as client:
+        return await (await client.submit(token_ids=ids, max_tokens=2, temperature=0, **kw)).result()
+
+
 async def refused(runtime_dir, remote):
     with pytest.raises(NotAuthorised):  # at once, normally; the bound is for a slow machine
         await AsyncClient.connect(runtime_dir, timeout_s=30.0, remote=remote)
@@ -27,7 +32,7 @@ async def refused(runtime_dir, remote):
 
 def test_only_allow_listed_keys_are_served_over_tcp(tiny_models, start_daemon, tmp_path):
     keys, strangers = tmp_path / "keys", tmp_path / "strangers"
-    generate(keys, ["alice"])
+    generate(keys, ["alice", "bob"])
     generate(strangers, ["mallory"])  # a valid key pair, not in keys/clients
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     daemon = start_daemon(
@@ -43,6 +48,15 @@ def test_only_allow_listed_keys_are_served_over_tcp(tiny_models, start_daemon, t
     alice = Remote(endpoint, keys / "alice.key_secret", keys / "server.key")
     final = asyncio.run(greedy(elsewhere, alice, [7, 1, 7], 6))
     assert isinstance(final, Finished) and final.token_ids == reference
+
+    # each key is a tenant of the prefix cache: bob cannot confirm alice's prompt, she reuses it
+    bob = Remote(endpoint, keys / "bob.key_secret", keys / "server.key")
+    long = [7 + i % 50 for i in range(22)]  # five full 4-token blocks before its last token
+    ends = [asyncio.run(greedy_end(elsewhere, who, long)) for who in (alice, bob, alice)]
+    assert [end.usage.cached_tokens for end in ends] == [0, 0, 20]
+    assert asyncio.run(greedy_end(daemon.runtime_dir, None, long)).usage.cached_tokens == 0  # local: its own
+    named = asyncio.run(greedy_end(elsewhere, bob, long, tenant="alice"))  # only local clients name tenants
+    assert isinstance(named, ErrorEvent) and named.code == "invalid_request" and "tenant" in named.message
 
     mallory = Remote(endpoint, strangers / "mallory.key_secret", keys / "server.key")
     asyncio.run(refused(elsewhere, mallory))

@@ -52,6 +52,7 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         f"[batch]\nmax_rows = {values['max_rows']}\nmax_tokens = {values['max_tokens']}\ninflight = {values['inflight']}\n"
         f"[kv]\nblock_size = {values['block_size']}\nnum_blocks = {values['num_blocks']}\n"
         + ("prefix_cache = false\n" if kw.get("prefix_cache") is False else "")
+        + (f'prefix_share = "{kw["prefix_share"]}"\n' if "prefix_share" in kw else "")
         + f"[bridge]\nmax_waiting = {values['max_waiting']}\nmax_per_client = {values['max_per_client']}\n"
         + "".join(
             f"{key} = {kw[key]}\n"

@@ -126,3 +126,26 @@ def test_eviction_goes_on_while_that_makes_one_run_of_adjacent_blocks():
     assert c.allocator.free == 2 and c.allocator.runs == 2  # blocks 2 and 5: apart
     assert c.take([], 3) == [0, 1, 2]  # one eviction was room enough; the second made a run
     assert c.evicted == 2 and c.lookup(block_keys([3] * 4, BLOCK, 1)) == [3]
+
+
+def test_a_namespace_root_separates_tenants_and_salts_and_is_empty_only_for_none():
+    from kvasir.sched.prefix import namespace_root
+
+    assert namespace_root("", None) == b""  # prefix_share = "all", no salt: the unsalted chain
+    roots = [
+        namespace_root(namespace, salt)
+        for namespace, salt in [
+            ("key:a", None),
+            ("key:b", None),
+            ("key:a", "s"),
+            ("key:a", ""),
+            ("", "s"),
+            ("", ""),
+            ("ab", "c"),  # length-prefixed parts: these two cannot meet
+            ("a", "bc"),
+        ]
+    ]
+    assert len(set(roots)) == len(roots) and all(len(root) == 16 for root in roots)
+    assert namespace_root("key:a", "s") == namespace_root("key:a", "s")  # stable: the same tenant hits
+    keys = block_keys([1, 2, 3, 4], BLOCK, 1, parent=roots[0])
+    assert keys != block_keys([1, 2, 3, 4], BLOCK, 1, parent=roots[1])

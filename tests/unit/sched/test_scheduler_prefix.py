@@ -99,3 +99,25 @@ def test_eviction_under_pressure_still_serves_every_request():
         serve(s, prompt)
         assert serve(s, prompt)[0].start == 8  # its own prefix, just cached, is reused
     assert s.cache.evicted > 0 and s.cache.available == 8
+
+
+def test_requests_share_blocks_only_within_their_namespace_root():
+    from kvasir.sched.prefix import namespace_root
+
+    s = scheduler()
+    mine, theirs = namespace_root("key:mine", None), namespace_root("key:theirs", None)
+    question = [5 + i for i in range(10)]
+
+    def first_row(prompt: list[int], root: bytes, max_tokens: int = 1):
+        s.submit(prompt, SamplingParams(max_tokens=max_tokens), cache_root=root)
+        rows = []
+        while not s.idle:
+            rows.extend(run(s))
+        return rows[0]
+
+    assert first_row(question, mine, max_tokens=5).start == 0  # output 7 7 7 7 7, cached under "mine"
+    assert first_row(question + [60], theirs).start == 0  # another tenant's guess: nothing reused
+    assert first_row(question + [60], b"").start == 0  # nor by a request of the shared (empty) root
+    assert first_row(question + [60], mine).start == 8  # the same tenant: its two full blocks
+    assert first_row(question + [7, 7, 7, 7, 20], mine).start == 12  # its generated tokens too
+    assert first_row(question + [7, 7, 7, 7, 20], theirs).start == 8  # what "theirs" computed itself

@@ -1,0 +1,85 @@
+"""The bridge's outgoing half: the tail's sampled tokens and prompt scores turned into each
+request's events (text deltas in order, one ``Finished``), delivered to its client and
+republished to ``kvasir tail`` subscribers."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from kvasir.bridge.ledger import Ledger, Pending
+from kvasir.bridge.metrics import Metrics
+from kvasir.bridge.outbox import Outbox
+from kvasir.wire.batch import PromptScores, SampledToken
+from kvasir.wire.client import PromptLogprobs, TokenOut
+from kvasir.wire.transport import BatchedSocket
+
+
+class Streams:
+    def __init__(
+        self,
+        requests: Ledger,
+        metrics: Metrics,
+        outbox: Outbox,
+        publisher: BatchedSocket,
+        encoder: msgspec.msgpack.Encoder,
+    ) -> None:
+        self.requests = requests
+        self.metrics = metrics
+        self.outbox = outbox
+        self.publisher = publisher
+        self.encoder = encoder
+
+    def prompt_scores(self, scores: PromptScores) -> None:
+        record = self.requests.get(scores.request_id)
+        if record is not None:
+            top = [list(pairs) for pairs in scores.top]
+            event = PromptLogprobs(
+                request_id=scores.request_id,
+                first=scores.first,
+                token_ids=list(scores.token_ids),
+                logprobs=list(scores.logprobs),
+                top_logprobs=top,
+            )
+            self.outbox.deliver(record.peer, self.encoder.encode(event))
+
+    async def token(self, arrived: SampledToken) -> None:
+        record = self.requests.get(arrived.request_id)
+        if record is None:
+            return
+        for token in record.in_order(arrived):
+            await self._stream(record, token)
+
+    async def _stream(self, record: Pending, token: SampledToken) -> None:
+        now = time.monotonic_ns()
+        self.metrics.token(now - record.last_ns if record.token_ids else None)
+        if not record.token_ids:
+            record.first_ns = now
+            record.scheduled_ns = token.scheduled_ns
+            record.cached_tokens = min(max(token.cached_tokens, 0), record.prompt_tokens)
+        elif len(record.token_ids) == 1:
+            record.second_ns = now
+        record.last_ns = now
+        record.token_ids.append(token.token_id)
+        text = ""
+        if record.detokenizer is not None:
+            text = record.detokenizer.push(token.token_id)
+            if token.finish is not None:
+                text += record.detokenizer.flush()
+        event = TokenOut(
+            request_id=token.request_id,
+            index=token.index,
+            token_id=token.token_id,
+            text=text,
+            logprob=token.logprob if record.logprobs else None,
+            top_logprobs=list(token.top) if record.logprobs else None,
+        )
+        encoded = self.encoder.encode(event)
+        await self.publisher.send(encoded)
+        self.outbox.deliver(record.peer, encoded)
+        if token.finish is not None:
+            self.requests.end(token.request_id)
+            finished = record.finished(token.request_id, token.finish)
+            self.metrics.finished(token.finish, finished.timings)
+            self.outbox.deliver(record.peer, self.encoder.encode(finished))
