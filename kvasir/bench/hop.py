@@ -87,7 +87,7 @@ def _fabric(folder: Path, side: str, ends: tuple[str, str, str]) -> Fabric | Non
         return None
     descriptors_at, credits_at, ping_at = ends
     owners = {descriptors_at: "consumer", credits_at: "producer", ping_at: "consumer"}
-    return Fabric(owners, HostKeys.load(folder, side, ["producer", "consumer"]))
+    return Fabric(owners, HostKeys.load(folder, side, ["producer", "consumer"]), "producer", frozenset())
 
 
 def consumer_main(argv: list[str]) -> None:

@@ -34,7 +34,8 @@ class Pending:
     detokenizer: IncrementalDetokenizer | None
     logprobs: bool = False  # its tokens go out with their log-probabilities
     token_ids: list[int] = field(default_factory=list)
-    scheduled_ns: int = 0
+    enqueued_ns: int = 0  # when the bridge handed it to the head (the bridge's clock)
+    queued_ns: int = 0  # then how long it waited at the head (the head's clock: a duration)
     cached_tokens: int = 0  # of prompt_tokens, found in the head's prefix cache
     first_ns: int = 0
     second_ns: int = 0
@@ -62,7 +63,7 @@ class Pending:
             token_ids=self.token_ids,
             usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=n, cached_tokens=self.cached_tokens),
             timings=Timings(
-                queued_s=max(0, self.scheduled_ns - self.submitted_ns) / 1e9,
+                queued_s=(max(0, self.enqueued_ns - self.submitted_ns) + self.queued_ns) / 1e9,
                 first_token_s=(self.first_ns - self.submitted_ns) / 1e9,
                 per_token_s=(self.last_ns - self.first_ns) / 1e9 / (n - 1) if n > 1 else 0.0,
                 total_s=(self.last_ns - self.submitted_ns) / 1e9,

@@ -230,7 +230,9 @@ class Bridge:
     def _enqueue(self, rid: int, body: bytes) -> None:
         """Hand a request to the head once its Accepted has left: one whose client could
         not be told (gone, or not reading) is never enqueued, nothing runs for nobody."""
-        if self.requests.get(rid) is not None:
+        record = self.requests.get(rid)
+        if record is not None:
+            record.enqueued_ns = time.monotonic_ns()
             self.head_io.send_now([body])
 
     async def _cancel(self, peer: Peer, rid: int) -> None:

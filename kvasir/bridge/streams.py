@@ -56,7 +56,7 @@ class Streams:
         self.metrics.token(now - record.last_ns if record.token_ids else None)
         if not record.token_ids:
             record.first_ns = now
-            record.scheduled_ns = token.scheduled_ns
+            record.queued_ns = max(token.queued_ns, 0)
             record.cached_tokens = min(max(token.cached_tokens, 0), record.prompt_tokens)
         elif len(record.token_ids) == 1:
             record.second_ns = now

@@ -132,6 +132,7 @@ def join(plan_path: str, host: str, runtime_dir: str | None, key: str | None, lo
     from kvasir.daemon.host import check_host
     from kvasir.daemon.notify import ServiceNotifier
     from kvasir.daemon.resolve import resolve_plan
+    from kvasir.model.fingerprint import model_identity
 
     try:
         plan, source = resolve_plan(plan_path)
@@ -144,7 +145,8 @@ def join(plan_path: str, host: str, runtime_dir: str | None, key: str | None, lo
         check_host(plan, host)
         secret = key or str(Path(plan.cluster.keys or ".") / f"{host}.key_secret")
         log, plan, source = _ready_model(plan, source, log_level, "follower")
-        here = Local(host, Path(runtime_dir) if runtime_dir else default_runtime_dir(), secret, source.name)
+        model = model_identity(source.weights_dir, plan.model.dtype)
+        here = Local(host, Path(runtime_dir) if runtime_dir else default_runtime_dir(), secret, source.name, model)
         follower = Follower(plan, here, log, ServiceNotifier.from_environment())
     except KvasirError as exc:
         fail(exc)

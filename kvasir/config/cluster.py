@@ -20,6 +20,7 @@ import msgspec
 from kvasir.errors import PlanError
 
 DEFAULT_PORT = 7300  # a host's first port: control, then its data edges
+MIN_HOST_SILENCE_S = 1.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 _HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
@@ -29,6 +30,7 @@ _HOSTNAME_RE = re.compile(
 class ClusterSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     leader: str  # the host that runs `kvasird start`
     keys: str | None = None  # folder with each host's CURVE public key NAME.key; relative: from the plan's folder
+    host_silence_s: float = 5.0  # a host (leader or follower) silent this long is lost (its link is down)
 
 
 class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -104,6 +106,11 @@ def _check_hosts(cluster: ClusterSpec, hosts: Mapping[str, HostSpec]) -> None:
         raise PlanError(
             "cluster.keys is missing: a plan with hosts needs the folder of each host's CURVE public key "
             "(make them with `kvasir keys generate DIR --host NAME ...`)"
+        )
+    if not MIN_HOST_SILENCE_S <= cluster.host_silence_s < float("inf"):
+        raise PlanError(
+            f"cluster.host_silence_s = {cluster.host_silence_s:g}: at least {MIN_HOST_SILENCE_S:g} s "
+            "(hosts say they are alive twice a second)"
         )
     if cluster.leader not in hosts:
         raise PlanError(f"cluster.leader = {cluster.leader!r} is not one of the hosts ({host_names(hosts)})")

@@ -1,17 +1,21 @@
 """The plan's ``[http]`` section: the OpenAI-compatible HTTP front (kvasir/http/).
 
 No ``[http]``, no HTTP. An address other hosts can reach needs ``api_keys`` (bearer keys,
-one per line), as the bridge's TCP endpoint needs CURVE keys.
+one per line), as the bridge's TCP endpoint needs CURVE keys, and TLS (``tls_cert`` and
+``tls_key``) unless ``allow_plaintext`` says keys and prompts may cross the network in
+clear text.
 """
 
 from __future__ import annotations
 
 import re
+import ssl
 from pathlib import Path
 
 import msgspec
 
 from kvasir.config.placement import positive
+from kvasir.config.private import KeyFileError, check_private
 from kvasir.errors import PlanError
 
 _LISTEN_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(?P<port>[0-9]{1,5})$")
@@ -42,6 +46,9 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     )
     max_tokens: int = 4096  # ceiling of a request's max_tokens
     allow_ignore_eos: bool = False  # ignore_eos = true runs to max_tokens whatever the model says: opt in
+    tls_cert: str | None = None  # PEM certificate chain: the front serves HTTPS (relative: from the plan's folder)
+    tls_key: str | None = None  # its PEM private key (readable by its owner only)
+    allow_plaintext: bool = False  # a non-loopback listen without TLS: keys and prompts in clear text
 
 
 def parse_listen(listen: str) -> tuple[str, int] | None:
@@ -66,6 +73,13 @@ def check_http(http: HttpSpec, max_per_client: int) -> None:
         raise PlanError(
             f"http.listen = {http.listen!r} is reachable from other hosts: it needs http.api_keys (a file of "
             "bearer keys, one per line), or a loopback address"
+        )
+    if (http.tls_cert is None) != (http.tls_key is None):
+        raise PlanError("http.tls_cert and http.tls_key go together: give both (HTTPS) or neither")
+    if http.tls_cert is None and not is_loopback(where[0]) and not http.allow_plaintext:
+        raise PlanError(
+            f"http.listen = {http.listen!r} is reachable from other hosts: serve it over TLS (http.tls_cert and "
+            "http.tls_key), or set http.allow_plaintext = true to let keys and prompts cross the network in clear text"
         )
     positive("http.workers", http.workers)
     if http.workers > MAX_WORKERS:
@@ -117,8 +131,31 @@ def default_model_name(source: str) -> str:
     return name if model_name_ok(name) else "model"
 
 
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """The front's TLS server context (TLS 1.2 at least) from PEM files; PlanError naming
+    the plan key when a file is missing, open to others or does not load."""
+    try:
+        check_private(key)
+    except KeyFileError as exc:
+        raise PlanError(f"http.tls_key: {exc}") from None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        raise PlanError(f"http.tls_cert / http.tls_key: file not found: {exc.filename}") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise PlanError(f"http.tls_cert / http.tls_key: cannot load {cert} with {key}: {exc}") from None
+    return context
+
+
 def read_api_keys(path: Path) -> frozenset[str]:
-    """The bearer keys in ``path`` (one per line; blank lines and lines starting with # skipped)."""
+    """The bearer keys in ``path`` (one per line; blank lines and lines starting with #
+    skipped; the file readable by its owner only)."""
+    try:
+        check_private(path)
+    except KeyFileError as exc:
+        raise PlanError(f"http.api_keys: {exc}") from None
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -18,14 +18,10 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from kvasir.errors import KvasirError
+from kvasir.config.private import KeyFileError, check_private
 
 SERVER = "server"
 ALLOWED = "clients"
-
-
-class KeyFileError(KvasirError):
-    """A key file or folder is missing or is not a CURVE key."""
 
 
 def generate(folder: Path, clients: Sequence[str], hosts: Sequence[str] = ()) -> list[Path]:
@@ -75,10 +71,11 @@ def _load(path: str | Path) -> tuple[bytes, bytes | None]:
 
 
 def load_pair(path: str | Path) -> tuple[bytes, bytes]:
-    """(public, secret) from a ``.key_secret`` file."""
+    """(public, secret) from a ``.key_secret`` file (readable by its owner only)."""
     public, secret = _load(path)
     if secret is None:
         raise KeyFileError(f"{path} holds only a public key: give the .key_secret file")
+    check_private(path)
     return public, secret
 
 

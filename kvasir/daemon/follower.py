@@ -28,12 +28,13 @@ from kvasir.daemon.layout import Layout, make_segments
 from kvasir.daemon.notify import ServiceNotifier
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger
-from kvasir.ring.shm import segment_prefix
+from kvasir.ring.shm import check_segment_names, segment_prefix
 from kvasir.wire.control import HostSegments, WorkerSettings
 from kvasir.wire.curve import Fabric, HostKeys
 from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.fabric import Sockets
 from kvasir.wire.hosts import ALIVE_EVERY_S, Alive, Exited, Halt, LeaderMessage, Ping, Refused, Run, Spawned
+from kvasir.wire.resets import Resets
 from kvasir.wire.routes import Placement, Routes, plan_digest
 from kvasir.wire.rundir import lock_runtime_dir
 from kvasir.wire.transport import Endpoints, waiting
@@ -49,7 +50,18 @@ class Local:
     runtime_dir: Path
     secret: str  # this host's secret key file
     source: str  # the model, resolved on this host
+    model: str  # its identity (kvasir/model/fingerprint.py): the leader refuses a host whose differs
     prefix: str = field(default_factory=segment_prefix)  # this follower's shared-memory names
+
+
+def segment_names(run: Run) -> list[str]:
+    """Every shared-memory name a Run carries: the segments to make and those its workers'
+    settings name."""
+    names = run.segments.names()
+    for settings in run.workers:
+        names += [edge.name for edge in settings.edges] + [wiring.slot.name for wiring in settings.shards]
+        names += [kv.name for kv in settings.handoff.prefill] if settings.handoff is not None else []
+    return names
 
 
 def renamed(segments: HostSegments, leader_prefix: str, prefix: str) -> dict[str, str]:
@@ -93,7 +105,7 @@ class Follower:
         routes = Routes.of(Placement.of(self.plan))
         keys = HostKeys.load(self.plan.cluster.keys, self.here.host, sorted(self.plan.hosts), self.here.secret)
         self.digest = plan_digest(self.plan, routes)
-        self.timeout_s = self.plan.supervise.heartbeat_timeout_s
+        self.timeout_s = self.plan.cluster.host_silence_s
         self.sockets = Sockets(zmq.Context(), Endpoints(self.here.runtime_dir, routes), Fabric.of(routes, keys))
         self.workers: dict[str, subprocess.Popen] = {}
         self.generation = 0
@@ -103,6 +115,7 @@ class Follower:
         self._lock_fd: int | None = None
         self._link: zmq.Socket | None = None
         self._refused = ""  # the leader's last refusal
+        self._resets: Resets | None = None
 
     # -- the loop --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -113,6 +126,7 @@ class Follower:
         link.setsockopt(zmq.SNDHWM, 1000)
         self.sockets.attach(link, self.sockets.ends.hosts)
         self._link = link
+        self._resets = Resets(link, self.sockets.keep)
 
     def request_stop(self, signum: int, _frame=None) -> None:
         self.state = "stopping"
@@ -124,15 +138,26 @@ class Follower:
         while self.state != "stopping":
             now = time.monotonic()
             if now >= next_alive:
-                self._send(Alive(self.here.host, os.getpid(), self.digest))
+                self._send(Alive(self.here.host, os.getpid(), self.digest, self.here.model))
                 next_alive = now + ALIVE_EVERY_S
             for message in self._receive(100):
                 self._handle(message)
             self._reap()
-            if self.workers and self.heard and time.monotonic() - self.heard > self.timeout_s:
-                self._halt(f"the leader has been silent for {self.timeout_s:g} s")
-                self.heard = 0.0
+            self._leader_gone(time.monotonic())
             self.notifier.watchdog()
+
+    def _leader_gone(self, now: float) -> None:
+        """Stop the workers when the leader has been silent for ``cluster.host_silence_s``,
+        or since its connection dropped (its processes died) past the grace."""
+        if not (self.workers and self.heard):
+            return
+        if now - self.heard > self.timeout_s:
+            self._halt(f"the leader has been silent for {self.timeout_s:g} s")
+        elif self._resets is not None and self._resets.unanswered(self.heard, now):
+            self._halt(f"the leader's connection dropped and it has not spoken for {now - self.heard:.1f} s")
+        else:
+            return
+        self.heard = 0.0
 
     def _receive(self, timeout_ms: int) -> list:
         link = self._link
@@ -175,6 +200,7 @@ class Follower:
         self.generation = run.generation
         names = renamed(run.segments, run.prefix, self.here.prefix)
         try:
+            check_segment_names(run.prefix, segment_names(run))
             wanted = run.segments.renamed(names)
             self.layout.rings += make_segments(wanted.without(self._made))
             self._made.update(wanted.names())

@@ -143,7 +143,7 @@ class Launcher:
         except FrontError as exc:
             raise LaunchError(str(exc)) from None
         if self.cluster is not None:
-            self.spawner.hosts = self.cluster.link(self.sockets, self.plan, self.log)
+            self.spawner.hosts = self.cluster.link(self.sockets, self.plan, self.log, self.source.weights_dir)
         try:
             self.layout = lay_out(self.plan, self.source, self.spawner.prefix, self.log)
         except LayoutError as exc:

@@ -5,8 +5,9 @@ each follower: which host it is (from the CURVE key it authenticated with, never
 what it says), its pid, when it was last heard from. It hands a follower its workers
 and stops them, and turns the follower's reports into ``RemoteProcess``es, which the
 launcher supervises as it does its own children's Popen objects: an exit reported by
-the follower, or the follower gone silent (its host died, or the link is down), is a
-child that died.
+the follower, or the follower gone silent (its host died, or the link is down:
+``cluster.host_silence_s``; a connection that dropped and did not come back: a second),
+is a child that died.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvasir.config.plan import Plan
 from kvasir.daemon.children import Child, child_name
 from kvasir.daemon.layout import Layout
 from kvasir.logs import Logger
+from kvasir.model.fingerprint import model_identity
 from kvasir.wire.control import Command, FabricSettings, HostSegments, WorkerSettings
 from kvasir.wire.curve import HostKeys
 from kvasir.wire.decoding import Decoder, Malformed
@@ -41,6 +43,7 @@ from kvasir.wire.hosts import (
     Run,
     Spawned,
 )
+from kvasir.wire.resets import Resets
 from kvasir.wire.routes import Placement, Routes, plan_digest
 from kvasir.wire.transport import PushChannel, waiting
 
@@ -98,6 +101,7 @@ class HostLink:
     needed: set[str]  # the hosts, besides the leader's, that run workers
     owners: dict[bytes, str]  # each host's public key (z85) -> its name
     digest: str  # the plan's (kvasir/wire/routes.py plan_digest): a follower's must be the same
+    model: str  # the served model's identity (kvasir/model/fingerprint.py): a follower's must be the same
     timeout_s: float
     log: Logger
     followers: dict[str, FollowerState] = field(default_factory=dict)
@@ -107,6 +111,7 @@ class HostLink:
     def __post_init__(self) -> None:
         self.router = self.sockets.bind(zmq.ROUTER, self.sockets.ends.hosts)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a follower that reconnects takes its name back
+        self.resets = Resets(self.router, self.sockets.keep)
         self._decoder: Decoder[FollowerMessage] = Decoder(FollowerMessage)
         self._next_ping = 0.0
         self._refused: set[tuple[str, int]] = set()
@@ -138,10 +143,18 @@ class HostLink:
             self._report(host, message)
 
     def _alive(self, host: str, message: Alive) -> None:
+        why = None
         if message.digest != self.digest:
+            why = f"host {host}'s plan differs from the leader's (stages, hosts or ports)"
+        elif message.model != self.model:
+            why = (
+                f"host {host} serves another model than the leader: its weights or model.dtype differ "
+                f"({message.model[:40]} there, {self.model} here)"
+            )
+        if why is not None:
             if _first(self._refused, (host, message.pid)):  # said once; the answer goes with every Alive
-                self.log.error("refused a follower whose plan differs", host=host, pid=message.pid)
-            self._send(host, Refused(f"host {host}'s plan differs from the leader's (stages, hosts or ports)"))
+                self.log.error("refused a follower", host=host, pid=message.pid, why=why)
+            self._send(host, Refused(why))
             return
         now = time.monotonic()
         state = self.followers.get(host)
@@ -179,12 +192,19 @@ class HostLink:
                 self._send(host, Ping())
 
     def missing(self, now: float) -> str | None:
-        """A follower silent past the heartbeat timeout: forgotten, its workers lost; what to report."""
+        """A follower silent past ``cluster.host_silence_s``, or silent since a connection
+        to it dropped (its processes died: its kernel reset their connections) and not back
+        within the grace: forgotten, its workers lost; what to report."""
         for host, state in list(self.followers.items()):
             quiet = now - state.heard
-            if quiet > self.timeout_s:
+            reset = self.resets.unanswered(state.heard, now)
+            if quiet > self.timeout_s or reset:
                 del self.followers[host]
-                why = f"host {host} is missing: no word from its kvasird join for {quiet:.1f} s"
+                why = f"host {host} is missing: " + (
+                    f"its connection dropped and it has not spoken for {quiet:.1f} s"
+                    if reset
+                    else f"no word from its kvasird join for {quiet:.1f} s"
+                )
                 self._lose(host, why)
                 if any(p.host == host for p in self.processes.values()):
                     return why
@@ -274,8 +294,8 @@ class Cluster:
             host=host or self.keys.host, keys=self.folder, secret=self.secret, sockets=self.routes.table()
         )
 
-    def link(self, sockets: Sockets, plan: Plan, log: Logger) -> HostLink:
-        """Bind the followers' socket."""
+    def link(self, sockets: Sockets, plan: Plan, log: Logger, weights: Path | None) -> HostLink:
+        """Bind the followers' socket; ``weights``: the served model's folder."""
         placement = self.placement
         needed = {host for host in (*placement.stages, *placement.shards) if host is not None} - {placement.leader}
         return HostLink(
@@ -284,6 +304,7 @@ class Cluster:
             needed,
             {key: name for name, key in self.keys.hosts.items()},
             plan_digest(plan, self.routes),
-            plan.supervise.heartbeat_timeout_s,
+            model_identity(weights, plan.model.dtype),
+            plan.cluster.host_silence_s if plan.cluster is not None else plan.supervise.heartbeat_timeout_s,
             log,
         )

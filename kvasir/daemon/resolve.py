@@ -6,7 +6,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvasir.config.http import default_model_name, read_api_keys
+from kvasir.config.http import default_model_name, read_api_keys, tls_context
 from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_public
 from kvasir.config.plan import Plan, check_model_fit, load_plan
 from kvasir.errors import ModelSourceError, PlanError
@@ -73,5 +73,10 @@ def resolve_http(plan: Plan, base: Path) -> Plan:
     if api_keys is not None:
         read_api_keys(base / api_keys)
         api_keys = str(base / api_keys)
+    cert, key = http.tls_cert, http.tls_key
+    if cert is not None and key is not None:  # the plan check: both or neither
+        cert, key = str(base / cert), str(base / key)
+        tls_context(cert, key)
     name = http.model_name or default_model_name(plan.model.source)
-    return msgspec.structs.replace(plan, http=msgspec.structs.replace(http, api_keys=api_keys, model_name=name))
+    http = msgspec.structs.replace(http, api_keys=api_keys, model_name=name, tls_cert=cert, tls_key=key)
+    return msgspec.structs.replace(plan, http=http)

@@ -16,7 +16,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from kvasir.bridge.detokenizer import load_tokenizer
-from kvasir.config.http import read_api_keys, shares
+from kvasir.config.http import read_api_keys, shares, tls_context
 from kvasir.http.api import Api
 from kvasir.http.connections import ConnectionLimits, Connections
 from kvasir.http.gateway import Gateway
@@ -120,7 +120,16 @@ class Front:
             raise RuntimeError("the HTTP runner was not set up")
         self.api.connections = Connections(server, limits, self.log)
         loop = asyncio.get_running_loop()
-        return await loop.create_server(self.api.connections, sock=self.listener, backlog=BACKLOG)
+        tls = None
+        if http.tls_cert is not None and http.tls_key is not None:  # absolute: the plan was resolved
+            tls = tls_context(http.tls_cert, http.tls_key)
+        return await loop.create_server(
+            self.api.connections,
+            sock=self.listener,
+            backlog=BACKLOG,
+            ssl=tls,
+            ssl_handshake_timeout=http.header_timeout_s if tls is not None else None,
+        )
 
     async def _until_stop(self, commands) -> None:
         """Read the launcher's commands until "stop"."""

@@ -7,6 +7,7 @@ import mmap
 import os
 import re
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvasir.errors import KvasirError
@@ -21,6 +22,21 @@ STALE_NAMES = (
     # shared CUDA memory and was killed leaves one behind
     re.compile(r"torch_(?P<pid>[0-9]+)_[0-9]+_[0-9]+"),
 )
+
+
+PREFIX_RE = re.compile(r"kvasir-[0-9]+-[0-9a-f]{8}")  # what segment_prefix() makes
+SUFFIX_RE = re.compile(r"-[a-z]+[0-9]*")  # what follows it: "-edge3", "-kv0", "-experts1"
+
+
+def check_segment_names(prefix: str, names: Iterable[str]) -> None:
+    """Segment names another process sent (a follower's leader): ``prefix`` must be one
+    segment_prefix() makes and each name that prefix and a segment's suffix, so that no
+    name reaches outside /dev/shm or another daemon's segments. KvasirError otherwise."""
+    if PREFIX_RE.fullmatch(prefix) is None:
+        raise KvasirError(f"the leader's segment prefix {prefix[:80]!r} is not one Kvasir makes")
+    for name in names:
+        if not name.startswith(prefix) or SUFFIX_RE.fullmatch(name[len(prefix) :]) is None:
+            raise KvasirError(f"the leader sent the segment name {name[:120]!r}, which is not {prefix}-KIND[N]")
 
 
 def segment_prefix() -> str:

@@ -53,6 +53,7 @@ class RequestState:
     keys: list[bytes] | None = None  # chained keys of its full blocks, as far as known (prefix cache)
     registered: int = 0  # its first blocks that are in the prefix cache
     cached_tokens: int = 0  # prompt tokens it found cached instead of computing them
+    arrived_ns: int = field(default_factory=time.monotonic_ns)  # when the head took it
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -297,7 +298,15 @@ class Scheduler:
         if not state.announced:
             prompt = tuple(state.prompt) if state.sampling.prompt_logprobs >= 0 else ()
             new.append(
-                NewRequest(state.request_id, state.sampling, state.seed, len(state.output), prompt, state.cached_tokens)
+                NewRequest(
+                    state.request_id,
+                    state.sampling,
+                    state.seed,
+                    len(state.output),
+                    prompt,
+                    state.cached_tokens,
+                    time.monotonic_ns() - state.arrived_ns,
+                )
             )
             state.announced = True
         return Row(state.request_id, start, count, growth, emit=stop == state.length)

@@ -21,10 +21,10 @@ class RequestSampler:
     disaggregated plan the prefill pool's tail draws the first, the decode pool's the rest).
     """
 
-    def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int, scheduled_ns: int = 0) -> None:
+    def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
         self.params = new.sampling
         self.prompt = new.prompt  # only for a request whose prompt the tail scores
-        self.scheduled_ns = scheduled_ns
+        self.queued_ns = new.queued_ns
         self.cached_tokens = new.cached_tokens
         self.generator = torch.Generator(device="cpu")
         self.seed = new.seed
@@ -158,9 +158,7 @@ class Sampler:
         for rid in descriptor.release:
             self._requests.pop(rid, None)
         for new in descriptor.new_requests:
-            self._requests[new.request_id] = RequestSampler(
-                new, self.eos_ids, self.max_seq_len, descriptor.scheduled_ns
-            )
+            self._requests[new.request_id] = RequestSampler(new, self.eos_ids, self.max_seq_len)
 
     def _pick(self, descriptor: BatchDescriptor, row: Row, logits: torch.Tensor) -> SampledToken:
         state = self._requests.get(row.request_id)
@@ -176,7 +174,7 @@ class Sampler:
             token,
             state.generated - 1,
             finish,
-            state.scheduled_ns if first else 0,
+            state.queued_ns if first else 0,
             state.cached_tokens if first else 0,
         )
         if state.params.logprobs >= 0:

@@ -30,6 +30,7 @@ class NewRequest(Wire, frozen=True):
     generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
     prompt: tuple[int, ...] = ()  # the prompt's ids, for a request with prompt_logprobs only (the tail scores them)
     cached_tokens: int = 0  # prompt tokens the head found in the prefix cache (not computed)
+    queued_ns: int = 0  # from its arrival at the head to its first batch (a duration: the head's clock)
 
 
 class Row(Wire, frozen=True):
@@ -62,7 +63,7 @@ class SampledToken(Wire, frozen=True):
     token_id: int
     index: int  # position in the request's output
     finish: FinishReason | None  # None while running
-    scheduled_ns: int = 0  # on a request's first token: when its first batch was scheduled
+    queued_ns: int = 0  # on a request's first token: how long it waited at the head (a duration)
     cached_tokens: int = 0  # on a request's first token: prompt tokens found in the prefix cache
     logprob: float = (
         0.0  # with SamplingParams.logprobs >= 0: the token's log-probability (the model's, before sampling)

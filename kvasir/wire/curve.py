@@ -4,8 +4,10 @@ Every host has a key pair (``kvasir keys generate DIR --host NAME``); the plan's
 ``cluster.keys`` folder holds every host's public key, and each host keeps its own secret
 file. A socket bound on a host is a CURVE server with that host's pair and lets in only
 the plan's hosts (a ZAP handler per ZMQ context, on its own domain so that the bridge's
-client allow-list is not mixed with the hosts'); a socket connecting to another host's
-socket is a CURVE client that checks the owner's public key. No internal TCP socket is
+client allow-list is not mixed with the hosts'); the workers' and the bridge's command
+sockets, which only the leader's launcher sends to, let in the leader's key alone (a
+follower's key cannot drain or stop the bridge or another host's workers). A socket
+connecting to another host's socket is a CURVE client that checks the owner's public key. No internal TCP socket is
 ever plaintext: ``Fabric.secure`` refuses a TCP endpoint it has no keys for.
 """
 
@@ -23,6 +25,8 @@ from kvasir.errors import KvasirError
 from kvasir.wire.routes import Routes
 
 HOSTS_DOMAIN = "kvasir-hosts"  # the ZAP domain of the internal sockets
+LEADER_DOMAIN = "kvasir-leader"  # of the command sockets: the leader's key only
+COMMAND_PREFIX = "command-"  # the command sockets' names (kvasir/wire/routes.py socket_names)
 
 
 class FabricError(KvasirError):
@@ -71,15 +75,20 @@ class Fabric:
     """One process's view of the hosts: who binds each TCP endpoint it connects to, and
     the keys its TCP sockets authenticate with."""
 
-    def __init__(self, owners: Mapping[str, str], keys: HostKeys) -> None:
-        """``owners``: each TCP endpoint this process may connect to, and the host that binds it."""
+    def __init__(self, owners: Mapping[str, str], keys: HostKeys, leader: str, commands: frozenset[str]) -> None:
+        """``owners``: each TCP endpoint this process may connect to, and the host that binds
+        it; ``commands``: the endpoints only the ``leader`` host may connect to."""
         self.keys = keys
         self._owners = dict(owners)
+        self.leader = leader
+        self._commands = commands
 
     @classmethod
     def of(cls, routes: Routes, keys: HostKeys) -> Fabric:
         """The fabric of a plan's internal sockets."""
-        return cls({routes.endpoint(name): routes.owner(name) for name in routes.names()}, keys)
+        owners = {routes.endpoint(name): routes.owner(name) for name in routes.names()}
+        commands = frozenset(routes.endpoint(name) for name in routes.names() if name.startswith(COMMAND_PREFIX))
+        return cls(owners, keys, routes.owner("control"), commands)
 
     def authenticator(self, ctx: zmq.Context) -> ThreadAuthenticator:
         """Start the context's ZAP handler for the hosts' domain (stop it before the context)."""
@@ -89,15 +98,18 @@ class Fabric:
         return auth
 
     def allow(self, auth) -> None:
-        """Let the hosts' keys in on ``auth``'s hosts domain (a ZAP handler of any kind)."""
+        """Let the hosts' keys in on ``auth``'s hosts domain, and the leader's alone on its
+        commands domain (a ZAP handler of any kind)."""
         auth.configure_curve_callback(domain=HOSTS_DOMAIN, credentials_provider=AllowList(self.keys.hosts.values()))
+        leader = AllowList([self.keys.hosts[self.leader]], LEADER_DOMAIN)
+        auth.configure_curve_callback(domain=LEADER_DOMAIN, credentials_provider=leader)
 
     def secure(self, sock: zmq.Socket, *, bind: str | None = None, connect: str | None = None) -> None:
         """Set CURVE on ``sock`` for the TCP endpoint it is about to bind or connect."""
         sock.curve_publickey, sock.curve_secretkey = self.keys.public, self.keys.secret
         if bind is not None:
             sock.curve_server = True
-            sock.zap_domain = HOSTS_DOMAIN.encode()
+            sock.zap_domain = (LEADER_DOMAIN if bind in self._commands else HOSTS_DOMAIN).encode()
             return
         owner = self._owners.get(connect or "")
         if owner is None:

@@ -92,10 +92,11 @@ def test_a_ring_across_three_hosts_matches_generate(network, hosted, tiny_models
     assert [(s.index, s.host) for s in stats.stages] == [(0, "a"), (1, "b"), (2, "c")]
 
 
-def two_host_plan(network: Network, model) -> str:
+def two_host_plan(network: Network, model, heartbeat_s: float = 3.0, silence_s: float | None = None) -> str:
     """Stages 0 and 1 on the leader a, stage 2 on b (host c runs nothing)."""
     stages = '[[stages]]\nlayers = [0, 2]\n[[stages]]\nlayers = [2, 4]\n[[stages]]\nlayers = [4, 6]\nhost = "b"\n'
-    return MODEL.format(model=model) + hosts_table(network) + stages
+    model_text = MODEL.format(model=model).replace("heartbeat_timeout_s = 3.0", f"heartbeat_timeout_s = {heartbeat_s}")
+    return model_text + hosts_table(network, silence_s=silence_s) + stages
 
 
 def check_host_failure(daemon: HostedDaemon, strike, model) -> list:
@@ -116,10 +117,14 @@ def check_host_failure(daemon: HostedDaemon, strike, model) -> list:
 def test_a_follower_killed_under_load_fails_every_request_once_and_the_ring_returns_with_it(
     network, hosted, tiny_models
 ):
-    daemon = hosted(two_host_plan(network, tiny_models["llama"]), 3).wait_ready()
+    # every timeout at 30 s: what tells the clients is b's connections dropping (its kernel
+    # resets them) and b not coming back within a second
+    plan = two_host_plan(network, tiny_models["llama"], heartbeat_s=30.0, silence_s=30.0)
+    daemon = hosted(plan, 3).wait_ready()
     check_host_failure(daemon, lambda: daemon.kill_host("b"), tiny_models["llama"])
     stats = daemon.stats()
-    assert stats.state == "restarting" and stats.hosts_missing == ["b"] and "host b is missing" in stats.last_failure
+    assert stats.state == "restarting" and stats.hosts_missing == ["b"]
+    assert "host b is missing: its connection dropped" in stats.last_failure, stats.last_failure
     shown = subprocess.run(
         [str(BIN / "kvasir"), "stats", "--runtime-dir", str(daemon.runtime_dir)], capture_output=True, text=True
     )
@@ -138,9 +143,12 @@ def test_a_follower_killed_under_load_fails_every_request_once_and_the_ring_retu
 def test_a_link_down_under_load_fails_every_request_once_and_the_ring_returns_when_it_is_up(
     network, hosted, tiny_models
 ):
-    daemon = hosted(two_host_plan(network, tiny_models["llama"]), 3).wait_ready()
+    # the workers' hang timeout at 30 s: what notices is cluster.host_silence_s
+    plan = two_host_plan(network, tiny_models["llama"], heartbeat_s=30.0, silence_s=2.0)
+    daemon = hosted(plan, 3).wait_ready()
     [worker] = check_host_failure(daemon, lambda: network.link_down("b"), tiny_models["llama"])
-    assert daemon.stats().hosts_missing == ["b"]
+    stats = daemon.stats()
+    assert stats.hosts_missing == ["b"] and "no word from its kvasird join" in stats.last_failure, stats.last_failure
     network.link_up("b")
     stats = wait_serving_again(daemon.runtime_dir, 3)
     assert stats.stages[2].host == "b" and stats.stages[2].pid != worker

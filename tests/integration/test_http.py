@@ -26,6 +26,7 @@ def http_daemon(tiny_models, tmp_path_factory):
     """The Llama with a tokenizer behind two front processes and a bearer key."""
     root = tmp_path_factory.mktemp("http")
     (root / "keys").write_text(f"# the test's keys\n{KEY}\n{OTHER_KEY}\n")
+    (root / "keys").chmod(0o600)  # a file of secrets: its owner's only
     port = free_port()
     http = {
         "listen": f"127.0.0.1:{port}",
@@ -481,3 +482,47 @@ def test_a_partly_refused_request_is_one_429_and_nothing_of_it_keeps_running(tin
     assert (
         client.completions.create(model="llama-tokenizer", prompt=[5], n=2, max_tokens=2).usage.completion_tokens <= 4
     )
+
+
+def test_tls_serves_the_openai_sdk_and_nothing_in_clear_text(tiny_models, start_daemon, tmp_path):
+    import shutil
+    import ssl
+    import urllib.request
+
+    from tests.support.tls import self_signed
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, _ = self_signed(tmp_path)  # next to the plan: its tls_cert and tls_key are relative to it
+    port = free_port()
+    front = {"listen": f"127.0.0.1:{port}", "tls_cert": "cert.pem", "tls_key": "key.pem", "model_name": "tiny"}
+    daemon = start_daemon(tiny_models["llama-tokenizer"], SPLITS, http=front).wait_ready()
+    trusted = ssl.create_default_context(cafile=str(cert))
+
+    def sdk_with(context: ssl.SSLContext | None, scheme: str = "https") -> openai.OpenAI:
+        http = openai.DefaultHttpxClient(verify=context) if context is not None else openai.DefaultHttpxClient()
+        url = f"{scheme}://127.0.0.1:{port}/v1"
+        return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60, http_client=http)
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", context=trusted, timeout=5) as health:
+                if health.status == 200:
+                    break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    prompt = [5, 17, 42, 99, 3]
+    answer = sdk_with(trusted).completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    )
+    with daemon.client() as zmq_client:
+        ours = zmq_client.generate(token_ids=prompt, max_tokens=6, temperature=0)
+    assert answer.choices[0].token_ids == ours.token_ids  # type: ignore[attr-defined]
+    with pytest.raises(openai.APIConnectionError):  # a client that does not trust the certificate
+        sdk_with(None).models.list()
+    with pytest.raises(openai.APIConnectionError):  # plain HTTP gets no answer from a TLS port
+        sdk_with(None, "http").models.list()
+    with daemon.client() as zmq_client:
+        assert zmq_client.stats().restarts == 0

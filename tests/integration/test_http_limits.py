@@ -34,6 +34,7 @@ LIMITS = {
 def front(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("limits")
     (root / "keys").write_text("\n".join(KEYS) + "\n")
+    (root / "keys").chmod(0o600)  # a file of secrets: its owner's only
     port = free_port()
     http = {"listen": f"127.0.0.1:{port}", "api_keys": "keys", "model_name": "tiny", **LIMITS}
     plan = write_plan(

@@ -17,9 +17,12 @@ from kvasir.client import Client
 from tests.support.daemon import BIN
 
 
-def hosts_table(network: Network, leader: str = "a") -> str:
-    """[cluster] and [hosts.NAME] for every host of ``network`` (keys in keys/)."""
+def hosts_table(network: Network, leader: str = "a", silence_s: float | None = None) -> str:
+    """[cluster] and [hosts.NAME] for every host of ``network`` (keys in keys/);
+    ``silence_s``: cluster.host_silence_s."""
     text = f'[cluster]\nleader = "{leader}"\nkeys = "keys"\n'
+    if silence_s is not None:
+        text += f"host_silence_s = {silence_s}\n"
     return text + "".join(f'[hosts.{name}]\naddress = "{network.address(name)}"\n' for name in network.names)
 
 

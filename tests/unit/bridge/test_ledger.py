@@ -21,7 +21,10 @@ def test_ledger_counts_per_client_and_forgets_ended_requests():
 
 def test_finished_timings():
     r = record(Peer("ipc", b"a"))
-    r.token_ids, r.scheduled_ns, r.first_ns, r.last_ns = [4, 5, 6], 1_000_000_000, 2_000_000_000, 4_000_000_000
+    r.token_ids, r.first_ns, r.last_ns = [4, 5, 6], 2_000_000_000, 4_000_000_000
+    # handed to the head 0.25 s after submission (the bridge's clock), then 0.75 s waiting
+    # there: a duration the head measured on its own clock, which may be another host's
+    r.enqueued_ns, r.queued_ns = 250_000_000, 750_000_000
     done = r.finished(9, "length")
     assert done.usage.completion_tokens == 3 and done.timings.per_token_s == 1.0
     assert done.timings.queued_s == 1.0 and done.timings.first_token_s == 2.0 and done.timings.total_s == 4.0

@@ -47,6 +47,10 @@ def test_hosts_read_back_and_place_every_worker():
         (lambda t: t.replace("layers = [0, 3]\n", 'layers = [0, 3]\nedge = "shm"\n'),
          "stages[0].edge = 'shm': the edge goes from host a to host b, and only tcp crosses hosts"),
         (lambda t: t.replace("address", "adress", 1), "hosts[...].adress: unknown key"),
+        (lambda t: t.replace('keys = "keys"\n', 'keys = "keys"\nhost_silence_s = 0.5\n'),
+         "cluster.host_silence_s = 0.5: at least 1 s"),
+        (lambda t: t.replace('keys = "keys"\n', 'keys = "keys"\nhost_silence_s = nan\n'),
+         "cluster.host_silence_s = nan"),
     ],
 )  # fmt: skip
 def test_bad_clusters_are_refused_naming_the_key(change, expected):
@@ -96,7 +100,7 @@ def test_plan_check_shows_hosts_and_tcp_where_workers_are_on_two_hosts(cluster_p
     body = json.loads(CliRunner().invoke(kvasir, ["plan", "check", "--json", str(path)]).output)
     assert [(s["host"], s["edge"]) for s in body["stages"]] == [("a", ""), ("b", "tcp")]
     assert [(s["host"], s["dispatch_kind"]) for s in body["shards"]] == [("b", "tcp"), ("a", "shm")]
-    assert body["plan"]["cluster"] == {"leader": "a", "keys": str(tmp_path / "keys")}
+    assert body["plan"]["cluster"] == {"leader": "a", "keys": str(tmp_path / "keys"), "host_silence_s": 5.0}
 
 
 def test_missing_host_keys_are_named(cluster_plan, tmp_path):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from kvasir.config.http import default_model_name, parse_listen, read_api_keys, shares
 from kvasir.config.plan import parse_plan
 from kvasir.daemon.resolve import resolve_http
 from kvasir.errors import PlanError
+from tests.support.tls import self_signed
 
 STAGES = "[[stages]]\nlayers = [0, 15]\n[[stages]]\nlayers = [15, 30]\n"
 
@@ -35,6 +38,9 @@ def plan(http: str):
         ("max_choices = 100", "http.max_choices = 100 <= http.max_per_caller = 64"),
         ("max_per_caller = 300", "http.max_per_caller = 300 <= bridge.max_per_client = 256 does not hold"),
         ("max_tokens = -1", "http.max_tokens must be a positive integer"),
+        ('listen = "0.0.0.0:8000"\napi_keys = "keys"', "serve it over TLS"),
+        ('tls_cert = "cert.pem"', "http.tls_cert and http.tls_key go together"),
+        ('tls_key = "key.pem"', "http.tls_cert and http.tls_key go together"),
     ],
 )
 def test_refusals_name_the_key(http, says):
@@ -43,7 +49,10 @@ def test_refusals_name_the_key(http, says):
 
 
 def test_a_reachable_address_with_keys_and_the_defaults():
-    assert plan('listen = "0.0.0.0:8000"\napi_keys = "keys"').http.listen == "0.0.0.0:8000"
+    tls = 'tls_cert = "cert.pem"\ntls_key = "key.pem"'
+    assert plan(f'listen = "0.0.0.0:8000"\napi_keys = "keys"\n{tls}').http.listen == "0.0.0.0:8000"
+    plain = plan('listen = "0.0.0.0:8000"\napi_keys = "keys"\nallow_plaintext = true').http
+    assert plain.allow_plaintext and plain.tls_cert is None
     spec = plan("").http
     assert (spec.listen, spec.workers, spec.api_keys, spec.model_name) == ("127.0.0.1:8000", 1, None, None)
     assert parse_plan(STAGES).http is None  # no [http], no HTTP
@@ -55,10 +64,14 @@ def test_a_reachable_address_with_keys_and_the_defaults():
 
 def test_resolving_reads_the_keys_from_the_plans_folder_and_names_the_model(tmp_path):
     (tmp_path / "keys").write_text("# comment\n\nsk-one\n  sk-two  \n")
+    with pytest.raises(PlanError, match="http.api_keys: .* is open to other users .*: chmod 600"):
+        resolve_http(plan('api_keys = "keys"'), tmp_path)
+    (tmp_path / "keys").chmod(0o600)
     resolved = resolve_http(plan('api_keys = "keys"'), tmp_path)
     assert resolved.http.api_keys == str(tmp_path / "keys") and resolved.http.model_name == "smollm2-135m"
     assert read_api_keys(tmp_path / "keys") == {"sk-one", "sk-two"}
     (tmp_path / "empty").write_text("# nothing\n")
+    (tmp_path / "empty").chmod(0o600)
     with pytest.raises(PlanError, match="holds no key"):
         resolve_http(plan('api_keys = "empty"'), tmp_path)
     with pytest.raises(PlanError, match="key file not found"):
@@ -66,3 +79,19 @@ def test_resolving_reads_the_keys_from_the_plans_folder_and_names_the_model(tmp_
     named = resolve_http(plan('model_name = "mine"'), tmp_path)
     assert named.http.model_name == "mine"
     assert default_model_name("/models/Qwen2-0.5B.gguf") == "Qwen2-0.5B" and default_model_name("/m/llama/") == "llama"
+
+
+def test_tls_files_resolve_from_the_plans_folder_and_a_bad_one_is_named(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    self_signed(tmp_path)
+    resolved = resolve_http(plan('tls_cert = "cert.pem"\ntls_key = "key.pem"'), tmp_path).http
+    assert (resolved.tls_cert, resolved.tls_key) == (str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
+    (tmp_path / "key.pem").chmod(0o640)
+    with pytest.raises(PlanError, match="http.tls_key: .* is open to other users"):
+        resolve_http(plan('tls_cert = "cert.pem"\ntls_key = "key.pem"'), tmp_path)
+    (tmp_path / "key.pem").chmod(0o600)
+    with pytest.raises(PlanError, match="file not found"):
+        resolve_http(plan('tls_cert = "nothing.pem"\ntls_key = "key.pem"'), tmp_path)
+    with pytest.raises(PlanError, match="cannot load"):
+        resolve_http(plan('tls_cert = "key.pem"\ntls_key = "key.pem"'), tmp_path)  # a key is no certificate

@@ -59,3 +59,14 @@ def test_keys_generate_makes_each_hosts_pair_and_nothing_else(tmp_path):
         refused = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), *args])
         assert refused.exit_code == 2 and expected in refused.output, refused.output
     assert not (folder / "c.key").exists()
+
+
+def test_a_secret_key_open_to_others_is_refused(tmp_path):
+    from kvasir.config.keys import generate
+
+    generate(tmp_path, ["alice"])
+    secret = tmp_path / "alice.key_secret"
+    assert load_pair(secret)[0] == load_pair(secret)[0]  # 0600 as made
+    secret.chmod(0o644)
+    with pytest.raises(KeyFileError, match=r"open to other users \(mode 0644\): chmod 600"):
+        load_pair(secret)

@@ -25,6 +25,8 @@ from kvasir.wire.routes import plan_digest
 from kvasir.wire.transport import Endpoints
 from tests.support.daemon import free_port
 
+MODEL = "unconverted/float32"  # the served model's identity (kvasir/model/fingerprint.py)
+
 
 @pytest.fixture
 def leader(tmp_path, tiny_models):
@@ -41,7 +43,7 @@ def leader(tmp_path, tiny_models):
     sockets = Sockets(
         zmq.Context(), Endpoints(tmp_path / "rt", cluster.routes), Fabric.of(cluster.routes, cluster.keys)
     )
-    link = cluster.link(sockets, plan, setup_logging("warning"))
+    link = cluster.link(sockets, plan, setup_logging("warning"), None)
     followers = []
 
     def follower(key_of: str, named: str) -> zmq.Socket:
@@ -72,9 +74,9 @@ def settle(link, until, timeout_s: float = 10.0) -> None:
 def test_a_host_is_who_its_key_says(leader):
     link, follower, digest, _, _ = leader
     impostor = follower("c", "b")  # c's key (a listed host), b's name
-    send(impostor, Alive("b", 4242, digest))
+    send(impostor, Alive("b", 4242, digest, MODEL))
     honest = follower("b", "b")
-    send(honest, Alive("b", os.getpid(), digest))
+    send(honest, Alive("b", os.getpid(), digest, MODEL))
     settle(link, lambda: "b" in link.followers)
     assert link.followers["b"].pid == os.getpid()  # the impostor's word never counted
     assert link.absent == []
@@ -83,7 +85,7 @@ def test_a_host_is_who_its_key_says(leader):
 def test_reports_about_older_workers_are_ignored_and_the_bridge_alone_changes_nothing(leader):
     link, follower, digest, cluster, plan = leader
     b = follower("b", "b")
-    send(b, Alive("b", 1, digest))
+    send(b, Alive("b", 1, digest, MODEL))
     settle(link, lambda: "b" in link.followers)
     worker = WorkerSettings(
         role="stage",
@@ -114,8 +116,36 @@ def test_a_follower_whose_plan_differs_is_refused(leader):
 
     link, follower, digest, _, _ = leader
     b = follower("b", "b")
-    send(b, Alive("b", 7, "0" * 16))
+    send(b, Alive("b", 7, "0" * 16, MODEL))
     settle(link, lambda: b.poll(0))
     answer = msgspec.msgpack.decode(b.recv(), type=LeaderMessage)
     assert isinstance(answer, Refused) and "host b's plan differs from the leader's" in answer.reason
     assert "b" not in link.followers and link.absent == ["b"]
+    c = follower("c", "c")
+    send(c, Alive("c", 8, digest, "fedcba9876543210/float32"))  # the same layout, other weights
+    settle(link, lambda: c.poll(0))
+    answer = msgspec.msgpack.decode(c.recv(), type=LeaderMessage)
+    assert isinstance(answer, Refused) and "host c serves another model than the leader" in answer.reason
+    assert "c" not in link.followers
+
+
+def test_a_follower_whose_connection_drops_is_lost_after_the_grace_unless_it_speaks_again(leader):
+    from kvasir.wire.resets import RECONNECT_GRACE_S
+
+    link, follower, digest, _, _ = leader
+    b, c = follower("b", "b"), follower("c", "c")
+    send(b, Alive("b", 1, digest, MODEL))
+    send(c, Alive("c", 2, digest, MODEL))
+    settle(link, lambda: {"b", "c"} <= set(link.followers))
+    b.close(linger=0)  # b's processes died: its kernel reset the connection
+    deadline = time.monotonic() + 30
+    while link.resets.latest() == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    dropped = link.resets.latest()
+    assert dropped > 0.0  # the monitor said a connection dropped (not whose)
+    send(c, Alive("c", 2, digest, MODEL))  # c is alive and says so within the grace
+    settle(link, lambda: link.followers["c"].heard > dropped)
+    assert link.missing(dropped + RECONNECT_GRACE_S / 2) is None and "b" in link.followers  # within the grace
+    assert link.timeout_s > 2 * RECONNECT_GRACE_S  # what follows is the drop, not the silence timeout
+    link.missing(dropped + RECONNECT_GRACE_S + 0.1)
+    assert "b" not in link.followers and "c" in link.followers

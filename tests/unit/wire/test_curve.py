@@ -74,17 +74,20 @@ def hosts(tmp_path, unused_tcp_port):
     made_hosts.close()
 
 
-def connect(hosts: Hosts, fabric: Fabric | None, timeout_s: float = 60.0) -> tuple[zmq.Socket, int]:
-    """A PUSH socket to the leader's control socket, monitored from before it connects (a
-    refused plaintext peer is reported once, and not retried), and the first handshake
-    outcome it reports."""
+def connect(
+    hosts: Hosts, fabric: Fabric | None, timeout_s: float = 60.0, endpoint: str | None = None
+) -> tuple[zmq.Socket, int]:
+    """A PUSH socket to the leader's control socket (or ``endpoint``), monitored from before
+    it connects (a refused plaintext peer is reported once, and not retried), and the first
+    handshake outcome it reports."""
+    endpoint = endpoint or hosts.ends.control
     sock = hosts.socket(zmq.PUSH)
     if fabric is not None:
-        fabric.secure(sock, connect=hosts.ends.control)
+        fabric.secure(sock, connect=endpoint)
     events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     monitor = sock.get_monitor_socket(events | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
     hosts.sockets.append(monitor)
-    sock.connect(hosts.ends.control)
+    sock.connect(endpoint)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if monitor.poll(100):
@@ -127,3 +130,18 @@ def test_no_internal_tcp_socket_without_keys(hosts):
     pull = make_socket(ctx, zmq.PULL, bind=hosts.ends.control, fabric=hosts.fabrics["a"])
     hosts.sockets.append(pull)
     assert pull.curve_server and pull.zap_domain == b"kvasir-hosts"
+
+
+def test_command_sockets_let_in_the_leaders_key_alone(hosts):
+    """A follower's key reaches what its workers need (control, above), never a command
+    socket: with it a compromised follower could drain or stop the bridge."""
+    command = hosts.routes.endpoint("command-bridge")
+    inbox = make_socket(hosts.ctx, zmq.PULL, bind=command, fabric=hosts.fabrics["a"])
+    hosts.sockets.append(inbox)
+    assert inbox.zap_domain == b"kvasir-leader"
+    _, outcome = connect(hosts, hosts.fabrics["b"], endpoint=command)
+    assert outcome == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    launcher, outcome = connect(hosts, hosts.fabrics["a"], endpoint=command)
+    assert outcome == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    launcher.send(b"stop")
+    assert inbox.poll(30_000) and inbox.recv() == b"stop"
