@@ -6,7 +6,7 @@ what it says), its pid, when it was last heard from. It hands a follower its wor
 and stops them, and turns the follower's reports into ``RemoteProcess``es, which the
 launcher supervises as it does its own children's Popen objects: an exit reported by
 the follower, or the follower gone silent (its host died, or the link is down:
-``cluster.host_silence_s``; a connection that dropped and did not come back: a second),
+``cluster.host_silence_s``; a connection that dropped and did not come back: 1.2 s),
 is a child that died.
 """
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
@@ -28,8 +31,13 @@ from kvasir.wire.decoding import JsonDecoder, Malformed
 MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids fits many times over)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
-CALLER = "kvasir.caller"  # the request's caller: whose share it counts against (kvasir/http/callers.py)
-TENANT = "kvasir.tenant"  # whose prefix-cache namespace its prompts are in: its API key, or "open" without keys
+CALLER = web.RequestKey(
+    "kvasir.caller", str
+)  # the request's caller: whose share it counts against (kvasir/http/callers.py)
+TENANT = web.RequestKey(
+    "kvasir.tenant", str
+)  # whose prefix-cache namespace its prompts are in: its API key, or "open" without keys
+T = TypeVar("T")
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -60,6 +68,7 @@ class Api:
         self.started = int(time.time())
         self.completion_decoder: JsonDecoder[CompletionRequest] = JsonDecoder(CompletionRequest)
         self.chat_decoder: JsonDecoder[ChatRequest] = JsonDecoder(ChatRequest)
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def app(self) -> web.Application:
         @web.middleware
@@ -120,11 +129,7 @@ class Api:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._decode(request, self.completion_decoder)
-        planned = plan_completion(req, self.prompts, self.served)
-        echoes = None
-        if req.echo:
-            texts = [p.text if p.text is not None else self.prompts.decode(p.ids) for p in planned.prompts]
-            echoes = [texts[s.index // req.n] for s in planned.submissions]
+        planned, echoes = await self._off_loop(self._plan_completion, req)
         shape = CompletionShape(
             self.served.model_name, self.prompts.token_text, echoes, req.echo and req.logprobs is not None
         )
@@ -133,7 +138,7 @@ class Api:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await self._decode(request, self.chat_decoder)
-        planned = plan_chat(req, self.prompts, self.served)
+        planned = await self._off_loop(plan_chat, req, self.prompts, self.served)
         include = req.stream_options is not None and req.stream_options.include_usage
         shape = ChatShape(self.served.model_name, self.prompts.token_text)
         return await self._serve(request, planned, shape, req.stream, include, req.return_token_ids)
@@ -149,6 +154,21 @@ class Api:
         return web.Response(body=render(stats, self.served.model_name), headers={"Content-Type": CONTENT_TYPE})
 
     # -- generating -------------------------------------------------------------------------
+    def _plan_completion(self, req: CompletionRequest) -> tuple[Planned, list[str] | None]:
+        planned = plan_completion(req, self.prompts, self.served)
+        if not req.echo:
+            return planned, None
+        texts = [p.text if p.text is not None else self.prompts.decode(p.ids) for p in planned.prompts]
+        return planned, [texts[s.index // req.n] for s in planned.submissions]
+
+    async def _off_loop(self, work: Callable[..., T], *args) -> T:
+        """Tokenizing (up to 32 MiB of text) on the front's tokenizer thread: the loop
+        keeps serving every other connection meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, work, *args)
+
+    def close(self) -> None:
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
+
     async def _decode(self, request: web.Request, decoder):
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):

@@ -98,6 +98,7 @@ class Front:
             if server is not None:
                 server.close()  # no new connections; runner.cleanup ends the open ones
             await runner.cleanup()
+            self.api.close()
             await self.gateway.close()
             sockets.end()
 

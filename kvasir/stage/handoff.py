@@ -97,7 +97,11 @@ class KvReceiver(NoHandoff):
         wiring: HandoffWiring,
         inbox: PullChannel | KvInbox,
         head: PushChannel,
+        expiry_s: float = 60.0,
     ) -> None:
+        """``expiry_s``: a request's K/V streamed from another host and still partial this
+        long after its first chunk is given up (handoff.lease_s: by then its prefill stage
+        freed it and the request failed)."""
         self.index = index
         self.layers = layers
         self.cache = cache
@@ -118,6 +122,8 @@ class KvReceiver(NoHandoff):
             if source not in self.sources
         }
         self.assembling: dict[int, dict[int, Assembly]] = {}  # request -> source -> its chunks so far
+        self.expiry_s = expiry_s
+        self.expired = 0  # partial hand-offs given up
         self.sockets = [inbox.socket]
         self.parts: dict[int, dict[int, KvReady]] = {}
         self.placed: dict[int, tuple[int, ...]] = {}
@@ -128,6 +134,7 @@ class KvReceiver(NoHandoff):
     def receive(self) -> float:
         """Take announcements and placements; copy what is complete. Seconds spent copying."""
         started = time.perf_counter()
+        self._expire(time.monotonic())
         touched = set()
         for message in self.inbox.drain():
             match message:
@@ -212,6 +219,21 @@ class KvReceiver(NoHandoff):
         values[mine, dst] = assembly.values.to(values.device)
         return PagedKVCache.bytes_needed(hi - lo, part.num_tokens, 1, keys.shape[2], keys.shape[3], keys.dtype)
 
+    def _expire(self, now: float) -> None:
+        """Give up streamed hand-offs still partial past ``expiry_s``: later chunks of them
+        are ignored, as for a dropped request."""
+        for rid, sources in list(self.assembling.items()):
+            if any(now - assembly.started > self.expiry_s for assembly in sources.values()):
+                del self.assembling[rid]
+                self.parts.pop(rid, None)
+                self.expired += 1
+                self._dropped(rid)
+
+    def _dropped(self, rid: int) -> None:
+        self.dropped[rid] = None
+        if len(self.dropped) > DROPPED_KEPT:
+            self.dropped.popitem(last=False)
+
     def _forget(self, rid: int) -> None:
         """A dropped request: its parts, placement and table go; announcements still on
         their way are ignored when they come (request ids are never reused)."""
@@ -219,9 +241,7 @@ class KvReceiver(NoHandoff):
         self.assembling.pop(rid, None)
         self.placed.pop(rid, None)
         self.cache.release((rid,))
-        self.dropped[rid] = None
-        if len(self.dropped) > DROPPED_KEPT:
-            self.dropped.popitem(last=False)
+        self._dropped(rid)
 
     def close(self) -> None:
         for source in self.sources.values():

@@ -14,7 +14,8 @@ only come from a bug or a hostile peer (CURVE lets in only the plan's hosts): it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -78,6 +79,7 @@ class Assembly:
     keys: torch.Tensor  # [layers, tokens, kv heads, head dim], on the CPU
     values: torch.Tensor
     received: int = 0  # positions filled
+    started: float = field(default_factory=time.monotonic)  # its first chunk (a partial one expires)
 
 
 class KvInbox:
@@ -85,11 +87,14 @@ class KvInbox:
     announcements from prefill stages on this host), and chunks from other hosts, which
     it checks and assembles."""
 
-    def __init__(self, channel: PullChannel, cache: PagedKVCache) -> None:
-        """``channel``: a PullChannel of KvMessage (it drops and counts what does not decode)."""
+    def __init__(self, channel: PullChannel, cache: PagedKVCache, max_tokens: int) -> None:
+        """``channel``: a PullChannel of KvMessage (it drops and counts what does not decode);
+        ``max_tokens``: a request's positions at most (model.max_seq_len): a chunk claiming
+        more is refused before anything is allocated for it."""
         self.channel = channel
         self.socket = channel.socket
         self.cache = cache
+        self.max_tokens = max_tokens
 
     def drain(self) -> list:
         """Messages waiting: KvReady and Placement as they are, each KvChunk as
@@ -114,9 +119,9 @@ class KvInbox:
                 f"KV chunk of request {chunk.request_id}: frames of {sizes} bytes, expected two of {nbytes}"
             )
         if (
-            shape[0] <= 0
+            not 0 < shape[0] <= keys.shape[0]
             or chunk.num_tokens <= 0
-            or not 0 <= chunk.start < chunk.start + chunk.num_tokens <= chunk.total
+            or not 0 <= chunk.start < chunk.start + chunk.num_tokens <= chunk.total <= self.max_tokens
         ):
             raise EdgeError(f"KV chunk of request {chunk.request_id}: positions or layers that do not fit")
         k, v = (received(frame.buffer).view(keys.dtype).view(shape) for frame in frames)

@@ -194,10 +194,9 @@ def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
         return HandoffSender(settings.index, layers, engine.cache, targets, streams)
     if settings.pool == "decode":
         wiring = w.handoff
-        inbox = KvInbox(w.pull(KvMessage, ends.kv_in(settings.index)), engine.cache)
-        return KvReceiver(
-            settings.index, layers, engine.cache, wiring, inbox, w.push(HeadMessage, ends.stage_in(wiring.decode_head))
-        )
+        inbox = KvInbox(w.pull(KvMessage, ends.kv_in(settings.index)), engine.cache, settings.plan.model.max_seq_len)
+        head = w.push(HeadMessage, ends.stage_in(wiring.decode_head))
+        return KvReceiver(settings.index, layers, engine.cache, wiring, inbox, head, settings.plan.handoff.lease_s)
     return NoHandoff()
 
 

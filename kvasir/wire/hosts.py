@@ -3,8 +3,9 @@ across hosts: the launcher binds a ROUTER (``hosts``), each follower connects a 
 named after its host, both CURVE-authenticated with the hosts' keys.
 
 The follower says it is alive about twice a second, from the moment it starts; the launcher pings
-back as often (silence either way, for the plan's ``cluster.host_silence_s``, or for a
-second after a connection dropped (kvasir/wire/resets.py), means the other is gone). The launcher hands the follower its workers (``Run``: their settings and the
+back as often (silence either way, for the plan's ``cluster.host_silence_s``, or for
+1.2 s after a connection dropped (kvasir/wire/resets.py), means the other is gone). The
+launcher hands the follower its workers (``Run``: their settings and the
 shared memory to make for them) and stops them (``Halt``); the follower reports each
 worker it started and each that exited. A ``generation`` numbers each ``Run``, so a report
 about an older set of workers is never taken for one about the current set.

@@ -14,7 +14,8 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-RECONNECT_GRACE_S = 1.0  # a live peer reconnects (100 ms) and speaks (every 0.5 s) within this
+RECONNECT_GRACE_S = 1.2  # a live peer reconnects (100 ms) and speaks (every 0.5 s) within this
+IN_FLIGHT_S = 0.3  # a message read this soon after a drop may have been sent before it: no answer
 
 
 class Resets:
@@ -35,7 +36,8 @@ class Resets:
             self.last = time.monotonic()
 
     def unanswered(self, heard: float, now: float) -> bool:
-        """Whether a connection dropped after the peer was last ``heard`` from and the
-        grace for it to come back has passed."""
+        """Whether a connection dropped, the peer was not ``heard`` from since (a message
+        read within ``IN_FLIGHT_S`` of the drop may have left before it: a dead peer's last
+        words), and the grace for it to come back has passed."""
         reset = self.latest()
-        return reset > heard and now - reset > RECONNECT_GRACE_S
+        return reset > 0.0 and heard < reset + IN_FLIGHT_S and now - reset > RECONNECT_GRACE_S

@@ -130,7 +130,7 @@ def test_a_follower_whose_plan_differs_is_refused(leader):
 
 
 def test_a_follower_whose_connection_drops_is_lost_after_the_grace_unless_it_speaks_again(leader):
-    from kvasir.wire.resets import RECONNECT_GRACE_S
+    from kvasir.wire.resets import IN_FLIGHT_S, RECONNECT_GRACE_S
 
     link, follower, digest, _, _ = leader
     b, c = follower("b", "b"), follower("c", "c")
@@ -143,8 +143,9 @@ def test_a_follower_whose_connection_drops_is_lost_after_the_grace_unless_it_spe
         time.sleep(0.02)
     dropped = link.resets.latest()
     assert dropped > 0.0  # the monitor said a connection dropped (not whose)
+    time.sleep(max(0.0, dropped + IN_FLIGHT_S - time.monotonic()) + 0.05)
     send(c, Alive("c", 2, digest, MODEL))  # c is alive and says so within the grace
-    settle(link, lambda: link.followers["c"].heard > dropped)
+    settle(link, lambda: link.followers["c"].heard > dropped + IN_FLIGHT_S)
     assert link.missing(dropped + RECONNECT_GRACE_S / 2) is None and "b" in link.followers  # within the grace
     assert link.timeout_s > 2 * RECONNECT_GRACE_S  # what follows is the drop, not the silence timeout
     link.missing(dropped + RECONNECT_GRACE_S + 0.1)

@@ -77,7 +77,7 @@ def test_a_decode_stage_gets_streamed_and_shared_kv_alike(sockets, monkeypatch):
         kv_pull, kv_push = sockets("kv")
         head_pull, head_push = sockets("head")
         receiver = KvReceiver(
-            2, (1, 4), cache, wiring, KvInbox(PullChannel(kv_pull, KvMessage), cache), PushChannel(head_push)
+            2, (1, 4), cache, wiring, KvInbox(PullChannel(kv_pull, KvMessage), cache, 64), PushChannel(head_push)
         )
         assert set(receiver.sources) == {0} and receiver.remote == {1: (2, 4)}
         head = PullChannel(head_pull, HeadMessage)
@@ -116,6 +116,12 @@ def chunk_frames(chunk: KvChunk, nbytes: int, frames: int = 2) -> list[bytes]:
         (chunk_frames(KvChunk(1, 1, (2, 2), 0, 3, 10), 0), "positions or layers"),
         (chunk_frames(KvChunk(1, 0, (1, 3), 0, 3, 10), 2 * 3 * 2 * 4 * 4), "does not stream"),
         (chunk_frames(KvChunk(1, 1, (2, 4), 3, 3, 10), 2 * 3 * 2 * 4 * 4), "out of order"),
+        (chunk_frames(KvChunk(1, 1, (2, 4), 0, 3, 1 << 40), 2 * 3 * 2 * 4 * 4), "positions or layers"),  # no 2^40 alloc
+        (chunk_frames(KvChunk(1, 1, (2, 4), 0, 3, 65), 2 * 3 * 2 * 4 * 4), "positions or layers"),  # past max_seq_len
+        (
+            chunk_frames(KvChunk(1, 1, (0, 9), 0, 3, 10), 9 * 3 * 2 * 4 * 4),
+            "positions or layers",
+        ),  # more layers than held
     ],
 )
 def test_a_malformed_chunk_fails_the_stage(sockets, frames, why):
@@ -125,7 +131,7 @@ def test_a_malformed_chunk_fails_the_stage(sockets, frames, why):
     kv_pull, kv_push = sockets("kv")
     _, head_push = sockets("head")
     receiver = KvReceiver(
-        2, (1, 4), cache, wiring, KvInbox(PullChannel(kv_pull, KvMessage), cache), PushChannel(head_push)
+        2, (1, 4), cache, wiring, KvInbox(PullChannel(kv_pull, KvMessage), cache, 64), PushChannel(head_push)
     )
     kv_push.send_multipart(frames)
     with pytest.raises(EdgeError, match=why):
@@ -138,7 +144,7 @@ def test_an_announcement_before_its_chunks_and_garbage_are_refused(sockets):
     wiring = HandoffWiring(prefill=[far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "b"])
     kv_pull, kv_push = sockets("kv")
     _, head_push = sockets("head")
-    inbox = KvInbox(PullChannel(kv_pull, KvMessage), cache)
+    inbox = KvInbox(PullChannel(kv_pull, KvMessage), cache, 64)
     receiver = KvReceiver(1, (1, 4), cache, wiring, inbox, PushChannel(head_push))
     kv_push.send(b"\x93not a message")
     kv_push.send_multipart([msgspec.msgpack.encode(Placement(3, (1,))), b"extra"])
@@ -147,3 +153,25 @@ def test_an_announcement_before_its_chunks_and_garbage_are_refused(sockets):
     kv_push.send(msgspec.msgpack.encode(KvReady(4, 0, (2, 5), (), 10, 0)))
     with pytest.raises(KvasirError, match="announced before all its chunks"):
         receiver.receive()
+
+
+def test_a_partial_hand_off_expires_and_its_late_chunks_are_ignored(sockets):
+    import time
+
+    cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, CPU)
+    far = KvSegment(name="x", layers=(2, 5), num_blocks=6, block_size=8, kv_heads=2, head_dim=4, dtype="float32")
+    wiring = HandoffWiring(prefill=[far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "b"])
+    kv_pull, kv_push = sockets("kv")
+    _, head_push = sockets("head")
+    inbox = KvInbox(PullChannel(kv_pull, KvMessage), cache, 64)
+    receiver = KvReceiver(1, (1, 4), cache, wiring, inbox, PushChannel(head_push), expiry_s=0.05)
+    nbytes = 2 * 3 * 2 * 4 * 4
+    kv_push.send_multipart(chunk_frames(KvChunk(5, 0, (2, 4), 0, 3, 10), nbytes))  # 3 of 10 positions
+    receiver.receive()
+    assert set(receiver.assembling) == {5}
+    time.sleep(0.1)
+    receiver.receive()
+    assert receiver.assembling == {} and receiver.expired == 1
+    kv_push.send_multipart(chunk_frames(KvChunk(5, 0, (2, 4), 3, 3, 10), nbytes))  # late: ignored, no failure
+    receiver.receive()
+    assert receiver.assembling == {}
