@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvasir.wire.client import Finished
-from tests.support.daemon import Daemon, free_port, stage_count, write_plan
+from tests.support.daemon import Daemon, free_port, serving, write_plan
 
 KEY = "sk-kvasir-test-key"
 OTHER_KEY = "sk-kvasir-other-tenant"
@@ -36,12 +36,8 @@ def http_daemon(tiny_models, tmp_path_factory):
         "allow_ignore_eos": True,
     }
     plan = write_plan(root / "plan.toml", tiny_models["llama-tokenizer"], SPLITS, max_tokens=64, http=http)
-    daemon = Daemon(plan, root / "rt", stage_count(SPLITS))
-    daemon.port = port  # type: ignore[attr-defined]
-    try:
-        yield daemon.wait_ready()
-    finally:
-        assert daemon.stop() == 0, daemon.log()[-5_000:]
+    with serving(plan, root / "rt", SPLITS, port) as daemon:
+        yield daemon
 
 
 def sdk(daemon, key: str = KEY) -> openai.OpenAI:

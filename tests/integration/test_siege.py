@@ -30,7 +30,7 @@ import zmq
 from kvasir.client import AsyncClient
 from kvasir.wire import batching
 from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
-from tests.support.daemon import Daemon, free_port, settled, stage_count, write_plan
+from tests.support.daemon import free_port, serving, settled, write_plan
 
 SPLITS = [(0, 3), (3, 6)]
 NORMAL, ATTACKER = "sk-normal-caller", "sk-attacker"
@@ -56,12 +56,8 @@ def besieged(tiny_models, tmp_path_factory):
     plan = write_plan(
         root / "plan.toml", tiny_models["llama-tokenizer"], SPLITS, max_seq_len=512, num_blocks=1200, http=front
     )
-    daemon = Daemon(plan, root / "rt", stage_count(SPLITS))
-    daemon.port = port  # type: ignore[attr-defined]
-    try:
-        yield daemon.wait_ready()
-    finally:
-        assert daemon.stop() == 0, daemon.log()[-5_000:]
+    with serving(plan, root / "rt", SPLITS, port) as daemon:
+        yield daemon
 
 
 def health(port: int) -> int:

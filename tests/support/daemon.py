@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvasir.bench.daemon import stop_gracefully, wait_serving
@@ -135,6 +137,18 @@ class Daemon:
         code = stop_gracefully(self.process, timeout_s)
         self._log.close()
         return code
+
+
+@contextmanager
+def serving(plan: Path, runtime_dir: Path, splits, port: int) -> Iterator[Daemon]:
+    """A daemon for a module's tests, ready, with its HTTP front's ``port``; stopped
+    cleanly (exit 0) after them."""
+    daemon = Daemon(plan, runtime_dir, stage_count(splits))
+    daemon.port = port  # type: ignore[attr-defined]
+    try:
+        yield daemon.wait_ready()
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-5_000:]
 
 
 def alive(pid: int) -> bool:

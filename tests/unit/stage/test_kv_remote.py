@@ -138,14 +138,20 @@ def test_a_malformed_chunk_fails_the_stage(sockets, frames, why):
         receiver.receive()
 
 
-def test_an_announcement_before_its_chunks_and_garbage_are_refused(sockets):
+def streamed_to(sockets, expiry_s: float = 60.0) -> tuple[zmq.Socket, KvInbox, KvReceiver]:
+    """Decode stage 1 (host b, layers [1, 4)), fed by prefill stage 0 on host a: the socket
+    to send it chunks on, its inbox and its receiver."""
     cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, CPU)
     far = KvSegment(name="x", layers=(2, 5), num_blocks=6, block_size=8, kv_heads=2, head_dim=4, dtype="float32")
     wiring = HandoffWiring(prefill=[far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "b"])
     kv_pull, kv_push = sockets("kv")
     _, head_push = sockets("head")
     inbox = KvInbox(PullChannel(kv_pull, KvMessage), cache, 64)
-    receiver = KvReceiver(1, (1, 4), cache, wiring, inbox, PushChannel(head_push))
+    return kv_push, inbox, KvReceiver(1, (1, 4), cache, wiring, inbox, PushChannel(head_push), expiry_s=expiry_s)
+
+
+def test_an_announcement_before_its_chunks_and_garbage_are_refused(sockets):
+    kv_push, inbox, receiver = streamed_to(sockets)
     kv_push.send(b"\x93not a message")
     kv_push.send_multipart([msgspec.msgpack.encode(Placement(3, (1,))), b"extra"])
     receiver.receive()
@@ -158,13 +164,7 @@ def test_an_announcement_before_its_chunks_and_garbage_are_refused(sockets):
 def test_a_partial_hand_off_expires_and_its_late_chunks_are_ignored(sockets):
     import time
 
-    cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, CPU)
-    far = KvSegment(name="x", layers=(2, 5), num_blocks=6, block_size=8, kv_heads=2, head_dim=4, dtype="float32")
-    wiring = HandoffWiring(prefill=[far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "b"])
-    kv_pull, kv_push = sockets("kv")
-    _, head_push = sockets("head")
-    inbox = KvInbox(PullChannel(kv_pull, KvMessage), cache, 64)
-    receiver = KvReceiver(1, (1, 4), cache, wiring, inbox, PushChannel(head_push), expiry_s=0.05)
+    kv_push, _, receiver = streamed_to(sockets, expiry_s=0.05)
     nbytes = 2 * 3 * 2 * 4 * 4
     kv_push.send_multipart(chunk_frames(KvChunk(5, 0, (2, 4), 0, 3, 10), nbytes))  # 3 of 10 positions
     receiver.receive()
