@@ -123,8 +123,9 @@ def join(plan_path: str, host: str, runtime_dir: str | None, key: str | None, lo
 
     Connects to the leader (CURVE, with this host's key), waits to be handed its
     workers, starts and supervises them and reports to the leader. When the leader stops,
-    dies or cannot be reached for the plan's heartbeat timeout, the workers are stopped
-    and the follower waits for a leader again. Runs until SIGTERM or SIGINT (exit 0);
+    dies (its connection drops and it stays silent for 1.2 s) or cannot be reached for the
+    plan's cluster.host_silence_s, the workers are stopped and the follower waits for a
+    leader again. Runs until SIGTERM or SIGINT (exit 0);
     exit 2 for a plan or key that does not load here.
     """
     from kvasir.daemon.follower import Follower, Local

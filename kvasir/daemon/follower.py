@@ -6,8 +6,9 @@ settings and the shared memory to make for them); the follower makes the segment
 its own names, starts the workers with its own paths (runtime dir, model, keys) and
 reports each start and each exit. The workers talk to the leader and to each other
 directly over the plan's TCP routes. When the leader says ``Halt``, or has been silent
-for the plan's heartbeat timeout (dead, or the link is down), the follower kills its
-workers and waits for a leader to take it again; it runs until SIGTERM or SIGINT.
+for the plan's ``cluster.host_silence_s`` (the link is down) or for 1.2 s after its
+connection dropped (dead: kvasir/wire/resets.py), the follower kills its workers and
+waits for a leader to take it again; it runs until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
