@@ -7,8 +7,9 @@ the plan's hosts (a ZAP handler per ZMQ context, on its own domain so that the b
 client allow-list is not mixed with the hosts'); the workers' and the bridge's command
 sockets, which only the leader's launcher sends to, let in the leader's key alone (a
 follower's key cannot drain or stop the bridge or another host's workers). A socket
-connecting to another host's socket is a CURVE client that checks the owner's public key. No internal TCP socket is
-ever plaintext: ``Fabric.secure`` refuses a TCP endpoint it has no keys for.
+connecting to another host's socket is a CURVE client that checks the owner's public
+key. No internal TCP socket is ever plaintext: ``Fabric.secure`` refuses a TCP endpoint
+it has no keys for.
 """
 
 from __future__ import annotations
