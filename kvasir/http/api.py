@@ -31,12 +31,9 @@ from kvasir.wire.decoding import JsonDecoder, Malformed
 MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids fits many times over)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
-CALLER = web.RequestKey(
-    "kvasir.caller", str
-)  # the request's caller: whose share it counts against (kvasir/http/callers.py)
-TENANT = web.RequestKey(
-    "kvasir.tenant", str
-)  # whose prefix-cache namespace its prompts are in: its API key, or "open" without keys
+# the request's caller: whose share it counts against (kvasir/http/callers.py), and, where
+# there are API keys, whose prefix-cache namespace its prompts are in ("open" without keys)
+CALLER = web.RequestKey("kvasir.caller", str)
 T = TypeVar("T")
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
@@ -117,9 +114,9 @@ class Api:
             digest = _digest(key.strip())
             if scheme.lower() != "bearer" or digest not in self.keys:
                 raise ApiError("invalid_api_key", "missing or wrong API key (Authorization: Bearer KEY)")
-            request[CALLER] = request[TENANT] = "key:" + digest.hex()
+            request[CALLER] = "key:" + digest.hex()
         else:
-            request[CALLER], request[TENANT] = f"address:{request.remote}", "open"
+            request[CALLER] = f"address:{request.remote}"
         return await handler(request)
 
     # -- routes -----------------------------------------------------------------------------
@@ -187,10 +184,10 @@ class Api:
     async def _serve(
         self, request: web.Request, planned: Planned, shape: Shape, stream: bool, include_usage: bool, ids: bool
     ) -> web.StreamResponse:
-        with self.callers.share(request[CALLER], len(planned.submissions)):
-            generation = await Generation.start(
-                self.gateway.client(), planned.submissions, planned.stops, request[TENANT]
-            )
+        caller = request[CALLER]
+        tenant = caller if self.keys is not None else "open"  # without keys, one tenant: nobody is told apart
+        with self.callers.share(caller, len(planned.submissions)):
+            generation = await Generation.start(self.gateway.client(), planned.submissions, planned.stops, tenant)
             try:
                 if stream:
                     return await self._stream(request, generation, shape, planned, include_usage)

@@ -22,6 +22,7 @@ from kvasir.config.plan import Plan
 from kvasir.errors import KvasirError
 
 MAX_PORT = 65535
+COMMAND_PREFIX = "command-"  # the launcher's command sockets: only the leader sends to them (kvasir/wire/curve.py)
 
 
 class RouteError(KvasirError):
@@ -63,12 +64,12 @@ def socket_names(placement: Placement) -> list[tuple[str, str | None]]:
         ("control", leader),
         ("hosts", leader),  # the followers' link (kvasird join)
         ("bridge-in", leader),
-        ("command-bridge", leader),
+        (f"{COMMAND_PREFIX}bridge", leader),
     ]
     for k, host in enumerate(placement.stages):
-        names += [(f"{part}-{k}", host) for part in ("stage", "credits", "kv", "experts", "command-stage")]
+        names += [(f"{part}-{k}", host) for part in ("stage", "credits", "kv", "experts", f"{COMMAND_PREFIX}stage")]
     for n, host in enumerate(placement.shards):
-        names += [(f"shard-{n}", host), (f"command-shard-{n}", host)]
+        names += [(f"shard-{n}", host), (f"{COMMAND_PREFIX}shard-{n}", host)]
     return names
 
 
