@@ -1,4 +1,4 @@
-"""Hugging Face transformers in one process, the baselines ``kvasir bench --compare`` runs.
+"""Hugging Face transformers in one process, the baselines ``kvasir bench compare`` runs.
 
 Both run the same jobs (token-id prompts, greedy) with a given torch thread count:
 ``static`` groups the jobs into fixed batches of ``batch_size`` and calls ``generate`` on
@@ -48,7 +48,7 @@ def static_batches(model, jobs: list[Job], batch_size: int, pad_id: int) -> tupl
 
 def continuous(model, jobs: list[Job], cache=None) -> tuple[int, float]:
     """``cache``: a transformers ContinuousBatchingConfig; None keeps transformers' defaults
-    (what ``kvasir bench --compare`` runs), which size the cache to the machine's memory and
+    (what ``kvasir bench compare`` runs), which size the cache to the machine's memory and
     spend seconds filling it before the first token."""
     from transformers import GenerationConfig
 

@@ -1,4 +1,4 @@
-"""``kvasir bench --compare``: one workload on several contenders, alternating, in one run.
+"""``kvasir bench compare``: one workload on several contenders, alternating, in one run.
 
 Contenders: ``ring`` (the plan as written), ``drained`` (the same plan with
 ``batch.inflight = 1``), ``hf-static`` (transformers ``generate`` on fixed batches of
@@ -14,32 +14,21 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import msgspec
 
 from kvasir.bench.daemon import ManagedDaemon
+from kvasir.bench.options import Slo
 from kvasir.bench.runner import LoadResult, ring_report, run_load
-from kvasir.bench.workload import Job
+from kvasir.bench.workload import Job, Load
 from kvasir.client import AsyncClient
 from kvasir.config.plan import Plan, plan_toml
 from kvasir.errors import KvasirError
 
 CONTENDERS = ("ring", "drained", "hf-static", "hf-continuous")
 RING_KINDS = ("ring", "drained")
-
-
-@dataclass(frozen=True)
-class Workload:
-    jobs: list[Job]  # warm-up jobs first
-    warmup: int
-    concurrency: int
-
-    @property
-    def measured(self) -> list[Job]:
-        return self.jobs[self.warmup :]
 
 
 def contender_plans(plan: Plan, source_name: str, folder: Path) -> dict[str, Path]:
@@ -54,11 +43,9 @@ def contender_plans(plan: Plan, source_name: str, folder: Path) -> dict[str, Pat
     return paths
 
 
-async def _drive(runtime_dir: Path, workload: Workload, on_result: Callable | None) -> LoadResult:
+async def _drive(runtime_dir: Path, load: Load, on_result: Callable | None) -> LoadResult:
     async with await AsyncClient.connect(runtime_dir) as client:
-        result = await run_load(
-            client, workload.jobs, warmup=workload.warmup, concurrency=workload.concurrency, ignore_eos=True
-        )
+        result = await run_load(client, load.jobs, warmup=load.warmup, concurrency=load.concurrency, ignore_eos=True)
         if on_result is not None:
             await on_result(client, result)
         return result
@@ -93,10 +80,11 @@ class Baselines:
 
 def run_compare(
     plan_path: Path,
-    workload: Workload,
+    load: Load,
+    *,
     contenders: tuple[str, ...] = CONTENDERS,
     rounds: int = 1,
-    slo: tuple[float, float] | None = None,
+    slo: Slo | None = None,
     on_ring_result: Callable | None = None,
     say: Callable[[str], None] = lambda line: None,
 ) -> dict:
@@ -110,6 +98,9 @@ def run_compare(
     from kvasir.daemon.resolve import resolve_plan
     from kvasir.model.convert import prepare
 
+    if load.concurrency is None:
+        raise KvasirError("a compare runs a closed loop: give the load a concurrency")
+    concurrency = load.concurrency
     unknown = set(contenders) - set(CONTENDERS)
     if unknown or not contenders:
         raise KvasirError(f"contenders must be among {', '.join(CONTENDERS)}, got {', '.join(contenders) or 'none'}")
@@ -129,8 +120,8 @@ def run_compare(
                 if kind in RING_KINDS:
                     hook = partial(on_ring_result, kind) if on_ring_result is not None else None
                     with ManagedDaemon(plans[kind], Path(tmp) / kind, len(plan.all_stages)) as daemon:
-                        result = asyncio.run(_drive(daemon.runtime_dir, workload, hook))
-                    report = ring_report(result, slo)
+                        result = asyncio.run(_drive(daemon.runtime_dir, load, hook))
+                    report = ring_report(result, slo.targets if slo is not None else None)
                     entry = figures[kind]
                     entry["output_tokens_per_s"].append(report["summary"]["output_tokens_per_s"])
                     entry["requests_per_s"].append(report["summary"]["requests_per_s"])
@@ -146,12 +137,12 @@ def run_compare(
                             folder,
                             threads,
                             0 if pad is None else int(pad),
-                            workload.jobs[: workload.warmup],
-                            workload.concurrency,
+                            load.jobs[: load.warmup],
+                            concurrency,
                         )
-                    tokens, seconds = baselines.run(kind, workload.measured)
+                    tokens, seconds = baselines.run(kind, load.measured)
                     figures[kind]["output_tokens_per_s"].append(tokens / seconds)
-                    figures[kind]["requests_per_s"].append(len(workload.measured) / seconds)
+                    figures[kind]["requests_per_s"].append(len(load.measured) / seconds)
                 say(f"  {figures[kind]['output_tokens_per_s'][-1]:.1f} output tokens/s")
     for entry in figures.values():
         entry["mean_output_tokens_per_s"] = sum(entry["output_tokens_per_s"]) / rounds
@@ -166,9 +157,9 @@ def run_compare(
         "plan": str(plan_path),
         "threads": threads,
         "workload": {
-            "requests": len(workload.measured),
-            "warmup": workload.warmup,
-            "concurrency": workload.concurrency,
+            "requests": len(load.measured),
+            "warmup": load.warmup,
+            "concurrency": concurrency,
         },
         "rounds": rounds,
         "contenders": figures,

@@ -1,4 +1,4 @@
-"""``kvasir bench --doors URL``: the same workload through both doors of one daemon, the
+"""``kvasir bench doors URL``: the same workload through both doors of one daemon, the
 ZeroMQ client and the HTTP front's OpenAI API (streamed completions), alternating round
 by round, so the ratio of their throughputs is measured in one run on the same cores."""
 

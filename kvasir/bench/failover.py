@@ -1,4 +1,4 @@
-"""``kvasir bench --failover``: SIGKILL a stage under load and time the recovery.
+"""``kvasir bench failover``: SIGKILL a stage under load and time the recovery.
 
 Each round loads the daemon with ``concurrency`` requests, kills one stage once tokens
 flow (stage 0, 1, ... in turn), and measures two things from the kill: until every

@@ -1,4 +1,4 @@
-"""``kvasir bench --hop``: the cost of one stage-to-stage hand-off, next to the raw limits.
+"""``kvasir bench hop``: the cost of one stage-to-stage hand-off, next to the raw limits.
 
 A producer (this process) and a consumer (a child process) use the stage agent's own
 edge classes, ``DownstreamOutlet`` and ``UpstreamIntake``, over a one-slot ring: one

@@ -1,4 +1,4 @@
-"""``kvasir bench --compare --plan A --plan B``: two plans of one model side by side.
+"""``kvasir bench plans A B``: two plans of one model side by side.
 
 Typically a colocated plan against a disaggregated one. Both get the same jobs (exact
 output lengths: EOS ignored) on the same cores, one daemon at a time, alternating when
@@ -19,8 +19,9 @@ import msgspec
 
 from kvasir.bench.daemon import ManagedDaemon
 from kvasir.bench.metrics import attainment, handoff_figures, search_goodput
+from kvasir.bench.options import Slo
 from kvasir.bench.runner import LoadResult, run_load, stage_fractions, summary_data
-from kvasir.bench.workload import Job
+from kvasir.bench.workload import Load
 from kvasir.client import AsyncClient
 from kvasir.config.plan import plan_toml
 from kvasir.errors import KvasirError
@@ -33,15 +34,6 @@ class PlanRun:
     path: Path  # the plan as run (model source made absolute)
     stages: int
     disaggregated: bool
-
-
-@dataclass(frozen=True)
-class Load:
-    jobs: list[Job]  # warm-up jobs first
-    warmup: int
-    concurrency: int | None  # closed loop, or
-    rate: float | None  # open loop (Poisson), requests/s
-    seed: int = 0
 
 
 def prepare_plans(paths: list[Path], folder: Path) -> list[PlanRun]:
@@ -104,15 +96,16 @@ def _window_shares(stage: dict) -> Shares:
 def run_plans(
     paths: list[Path],
     load: Load,
+    *,
     rounds: int = 1,
-    slo: tuple[float, float] | None = None,
-    attain: float = 0.9,
+    slo: Slo | None = None,
     sweep: tuple[float, int] | None = None,
     say: Callable[[str], None] = lambda line: None,
 ) -> dict:
     """Run the load on each plan (``rounds`` times, alternating), or search each plan's
     goodput (``sweep`` = (first rate, bisection steps); needs ``slo``)."""
     entries: dict[str, dict] = {}
+    targets = slo.targets if slo is not None else None
     with tempfile.TemporaryDirectory(prefix="kvasir-plans-") as tmp:
         runs = prepare_plans(paths, Path(tmp))
         results: dict[str, list[LoadResult]] = {run.name: [] for run in runs}
@@ -124,17 +117,19 @@ def run_plans(
                         results[run.name].append(asyncio.run(_drive(daemon.runtime_dir, load)))
                     say(f"  {_tokens_per_s(results[run.name][-1]):.1f} output tokens/s")
             for run in runs:
-                entries[run.name] = {"disaggregated": run.disaggregated, **_figures(results[run.name], slo)}
+                entries[run.name] = {"disaggregated": run.disaggregated, **_figures(results[run.name], targets)}
+        elif slo is None:
+            raise KvasirError("a goodput sweep needs latency targets (an SLO)")
         else:
             for run in runs:
                 entries[run.name] = {
                     "disaggregated": run.disaggregated,
-                    **_sweep(run, load, slo, attain, sweep, Path(tmp), say),
+                    **_sweep(run, load, slo, sweep, Path(tmp), say),
                 }
     return {"plans": [str(p) for p in paths], "rounds": rounds, "contenders": entries, "ratios": _ratios(entries)}
 
 
-def _sweep(run: PlanRun, load: Load, slo, attain: float, sweep: tuple[float, int], folder: Path, say) -> dict:
+def _sweep(run: PlanRun, load: Load, slo: Slo, sweep: tuple[float, int], folder: Path, say) -> dict:
     start, steps = sweep
     points: dict[float, LoadResult] = {}
     with ManagedDaemon(run.path, folder / run.name, run.stages) as daemon:
@@ -142,11 +137,11 @@ def _sweep(run: PlanRun, load: Load, slo, attain: float, sweep: tuple[float, int
         def measure(rate: float) -> float:
             say(f"{run.name}: rate {rate:.3g} requests/s")
             points[rate] = asyncio.run(_drive(daemon.runtime_dir, load, rate))
-            return attainment(points[rate].records, *slo)
+            return attainment(points[rate].records, *slo.targets)
 
-        best, measured = search_goodput(measure, attain, start, steps)
+        best, measured = search_goodput(measure, slo.attain, start, steps)
     shown = max((rate for rate in points if rate <= best), default=min(points))
-    figures = _figures([points[shown]], slo)
+    figures = _figures([points[shown]], slo.targets)
     return {
         **figures,
         "goodput": best,

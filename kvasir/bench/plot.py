@@ -1,4 +1,4 @@
-"""``kvasir bench --plot DIR``: PNG pictures of a run (matplotlib, drawn off-screen).
+"""``kvasir bench load|sweep|compare --plot DIR``: PNG pictures of a run (matplotlib, drawn off-screen).
 
 - ``timeline.png``: one lane per stage, one box per batch, coloured by its prefill
   share, for a few seconds of each ring run (in-flight and drained side by side);

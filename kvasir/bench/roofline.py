@@ -1,4 +1,4 @@
-"""``kvasir bench --roofline``: the most this machine can do, to set every speed figure against.
+"""``kvasir bench roofline``: the most this machine can do, to set every speed figure against.
 
 Memory bandwidth as STREAM measures it (copy: b = a; triad: a = b + s * c; bytes read
 plus written, over arrays far larger than the caches) and float32 matrix-product

@@ -23,7 +23,7 @@ class LengthSpec:
     or a heavy tail like chat traffic's ("lognormal:96:0.9:8:1024": log-normal with median
     96 and sigma 0.9, rounded and kept within 8..1024). For prompts, "shared:N+SPEC" puts
     the same N tokens (one system prompt) before every prompt's own SPEC tokens. ``turns``
-    (``kvasir bench --turns``) groups the prompts into conversations: each later turn's
+    (``kvasir bench load --turns``) groups the prompts into conversations: each later turn's
     SPEC tokens follow the whole history (earlier prompts and replies), resent."""
 
     low: int
@@ -173,14 +173,23 @@ def file_jobs(path: Path, count: int, output_len: LengthSpec, seed: int) -> list
 
 @dataclass(frozen=True)
 class Workload:
-    """A run's jobs as the command line gives them: how many, their lengths or file, the seed."""
+    """What every load-running ``kvasir bench`` mode submits, as its options give it: how
+    many requests (after how many warm-up ones), their lengths or prompt file, the seed."""
 
     count: int  # measured requests
     warmup: int
-    lengths: tuple[LengthSpec, LengthSpec]  # prompt, output
-    prompts_file: str | None
-    seed: int
-    ignore_eos: bool
+    lengths: tuple[LengthSpec, LengthSpec]  # prompt (with its shared prefix and turns), output
+    prompts_file: str | None = None
+    seed: int = 0
+    ignore_eos: bool = False
+
+    def jobs(self, vocab_size: int) -> list[Job]:
+        """The warm-up jobs, then the measured ones: random ids below ``vocab_size``, or the file's prompts."""
+        prompts, outputs = self.lengths
+        total = self.count + self.warmup
+        if self.prompts_file:
+            return file_jobs(Path(self.prompts_file), total, outputs, self.seed)
+        return synthetic_jobs(total, prompts, outputs, vocab_size, self.seed)
 
     def report(self) -> dict:
         return {
@@ -190,3 +199,19 @@ class Workload:
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
         }
+
+
+@dataclass(frozen=True)
+class Load:
+    """A workload's jobs for one model, and how they arrive: a closed loop of
+    ``concurrency`` requests in flight, or an open loop of ``rate`` requests/s (Poisson)."""
+
+    jobs: list[Job]  # warm-up jobs first
+    warmup: int
+    concurrency: int | None = None
+    rate: float | None = None
+    seed: int = 0
+
+    @property
+    def measured(self) -> list[Job]:
+        return self.jobs[self.warmup :]

@@ -27,7 +27,7 @@ from kvasir.cli.common import RUNTIME_DIR, connect, event_json, remote_options
 @RUNTIME_DIR
 @remote_options
 def generate(
-    prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, cache_salt, as_json, runtime_dir, remote
+    *, prompt, ids, max_tokens, temperature, top_p, top_k, seed, chat, cache_salt, as_json, runtime_dir, remote
 ) -> None:
     """Generate from PROMPT (or --ids) and stream the text as it arrives.
 

@@ -62,6 +62,7 @@ def kvasird() -> None:
 @KEY
 @LOG_LEVEL
 def start(
+    *,
     plan_path: str | None,
     runtime_dir: str | None,
     ready_timeout: float,
@@ -118,7 +119,7 @@ def start(
 @RUNTIME_DIR
 @KEY
 @LOG_LEVEL
-def join(plan_path: str, host: str, runtime_dir: str | None, key: str | None, log_level: str) -> None:
+def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None, log_level: str) -> None:
     """Run this host's workers of a plan across hosts, for its leader (`kvasird start`).
 
     Connects to the leader (CURVE, with this host's key), waits to be handed its

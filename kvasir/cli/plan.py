@@ -49,6 +49,7 @@ def plan() -> None:
 )
 @RUNTIME_DIR
 def plan_check(
+    *,
     path: str,
     as_json: bool,
     link_gibps: float,

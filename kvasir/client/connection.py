@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 
 from kvasir.config.keys import load_pair, load_public
 from kvasir.errors import KvasirError

@@ -15,7 +15,6 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-import zmq
 import zmq.auth
 
 from kvasir.config.private import KeyFileError, check_private

@@ -48,6 +48,7 @@ class Api:
         gateway: Gateway,
         prompts: Prompts,
         served: Served,
+        *,
         keys: frozenset[str] | None,
         http: HttpSpec,
         per_caller: int,

@@ -69,7 +69,7 @@ class Front:
         )
         self.gateway = Gateway(Path(settings.runtime_dir), log)
         prompts = Prompts(tokenizer, plan.model.max_seq_len, model.vocab_size)
-        self.api = Api(self.gateway, prompts, served, keys, http, per_caller, log)
+        self.api = Api(self.gateway, prompts, served, keys=keys, http=http, per_caller=per_caller, log=log)
         self.listener = socket.socket(fileno=settings.listen_fd)
         self.http = http
 

@@ -87,6 +87,7 @@ def paged_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    *,
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
@@ -105,7 +106,7 @@ def paged_attention(
     caches[0].index_copy_(0, kvasir.write_slots, key[0].transpose(0, 1))
     caches[1].index_copy_(0, kvasir.write_slots, value[0].transpose(0, 1))
     if kvasir.in_place:
-        out = attend_rows(kvasir.rows, query[0], key[0], value[0], caches, sliding_window, scaling)
+        out = attend_rows(kvasir.rows, query[0], key[0], value[0], caches, window=sliding_window, scale=scaling)
     else:
         out = attend_gathered(kvasir.gathered, query[0], caches, sliding_window, scaling, key.shape[1])
     return out.unsqueeze(0), None

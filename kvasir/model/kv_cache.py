@@ -21,6 +21,7 @@ class PagedKVCache:
         block_size: int,
         kv_heads: int,
         head_dim: int,
+        *,
         dtype: torch.dtype,
         device: torch.device,
         storage: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -117,6 +117,7 @@ def attend_rows(
     key: torch.Tensor,
     value: torch.Tensor,
     caches: tuple[torch.Tensor, torch.Tensor],
+    *,
     window: int | None,
     scale: float | None,
 ) -> torch.Tensor:

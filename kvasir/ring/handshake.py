@@ -77,6 +77,7 @@ def exchange_handles(
     index: int,
     control,
     commands,
+    *,
     launcher_pid: int,
     timeout_s: float,
     poll_ms: int = 50,

@@ -52,6 +52,7 @@ class ShardAgent:
         bank: dict[int, LocalExperts],
         slot: DispatchSegment,
         ports: ShardPorts,
+        *,
         weights_dtype: torch.dtype,
         log,
     ) -> None:

@@ -49,7 +49,7 @@ def build_agent(settings: WorkerSettings, sockets: Sockets, log) -> tuple[ShardA
         bridge=push(BridgeMessage, ends.bridge_in),
         control=push(ControlMessage, ends.control),
     )
-    return ShardAgent(settings, wiring, bank, slot, ports, weights_dtype, log), slot
+    return ShardAgent(settings, wiring, bank, slot, ports, weights_dtype=weights_dtype, log=log), slot
 
 
 def run_shard(encoded: bytes) -> None:

@@ -50,6 +50,7 @@ class StageAgent:
         engine: StageEngine,
         intake: Intake,
         outlet: Outlet,
+        *,
         commands: PullChannel,
         bridge: PushChannel,
         control: PushChannel,

@@ -97,6 +97,7 @@ class KvReceiver(NoHandoff):
         wiring: HandoffWiring,
         inbox: PullChannel | KvInbox,
         head: PushChannel,
+        *,
         expiry_s: float = 60.0,
     ) -> None:
         """``expiry_s``: a request's K/V streamed from another host and still partial this

@@ -129,8 +129,10 @@ def build_agent(settings: WorkerSettings, sockets: Sockets, log) -> tuple[StageA
     handoff = _handoff(w, engine)
     closing.append(handoff)
     ipc = [cast(IpcRing, ring) for ring in rings if ring.spec.kind == "cuda-ipc"]  # CudaIpcSlotRing
-    exchange_handles(ipc, index, control, commands, settings.launcher_pid, HANDSHAKE_TIMEOUT_S)
-    return StageAgent(settings, engine, intake, outlet, commands, bridge, control, log, handoff), closing
+    exchange_handles(ipc, index, control, commands, launcher_pid=settings.launcher_pid, timeout_s=HANDSHAKE_TIMEOUT_S)
+    return StageAgent(
+        settings, engine, intake, outlet, commands=commands, bridge=bridge, control=control, log=log, handoff=handoff
+    ), closing
 
 
 def _descriptors_in(w: Wiring, ring: SlotRing):
@@ -196,7 +198,9 @@ def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
         wiring = w.handoff
         inbox = KvInbox(w.pull(KvMessage, ends.kv_in(settings.index)), engine.cache, settings.plan.model.max_seq_len)
         head = w.push(HeadMessage, ends.stage_in(wiring.decode_head))
-        return KvReceiver(settings.index, layers, engine.cache, wiring, inbox, head, settings.plan.handoff.lease_s)
+        return KvReceiver(
+            settings.index, layers, engine.cache, wiring, inbox, head, expiry_s=settings.plan.handoff.lease_s
+        )
     return NoHandoff()
 
 

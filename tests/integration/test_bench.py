@@ -9,9 +9,9 @@ from pathlib import Path
 from tests.support.daemon import BIN, write_plan
 
 
-def bench(runtime_dir, *args):
+def bench(runtime_dir, mode, *args):
     return subprocess.run(
-        [str(BIN / "kvasir"), "bench", *args, "--runtime-dir", str(runtime_dir)],
+        [str(BIN / "kvasir"), "bench", mode, *args, "--runtime-dir", str(runtime_dir)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -22,6 +22,7 @@ def test_bench_closed_and_open_loop_report(shared_daemon, tmp_path):
     daemon = shared_daemon  # two stages, max_rows 8, max_tokens 64
     closed = bench(
         daemon.runtime_dir,
+        "load",
         "--requests",
         "24",
         "--warmup",
@@ -54,17 +55,21 @@ def test_bench_closed_and_open_loop_report(shared_daemon, tmp_path):
     assert all(0 <= s["busy"] <= 1 and s["batches_per_s"] > 0 for s in report["stages"])
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"token_ids": [5, 6, 7]}\n{"token_ids": [9, 10], "max_tokens": 3}\n')
-    opened = bench(daemon.runtime_dir, "--requests", "10", "--warmup", "0", "--rate", "50", "--prompts", str(prompts))
+    opened = bench(
+        daemon.runtime_dir, "load", "--requests", "10", "--warmup", "0", "--rate", "50", "--prompts", str(prompts)
+    )
     assert opened.returncode == 0, opened.stderr
     assert "requests 10 ok, 0 failed" in opened.stdout and "stage 1" in opened.stdout
-    bad = bench(daemon.runtime_dir, "--rate", "5", "--concurrency", "3")
-    assert bad.returncode == 2
-    assert bench(tmp_path / "nobody", "--requests", "1").returncode == 3
+    bad = bench(daemon.runtime_dir, "load", "--rate", "5", "--concurrency", "3")
+    assert bad.returncode == 2 and "not both" in bad.stderr
+    assert bench(tmp_path / "nobody", "load", "--requests", "1").returncode == 3
+    moved = subprocess.run([str(BIN / "kvasir"), "bench", "--submit-only"], capture_output=True, text=True, timeout=60)
+    assert moved.returncode == 2 and "kvasir bench submit" in moved.stderr  # the old flags say where they went
 
 
 def test_multi_turn_conversations_resend_their_history_and_report_the_hits(shared_daemon, tmp_path):
     args = ("--concurrency", "2", "--prompt-len", "shared:12+5", "--output-len", "4", "--ignore-eos", "--json")
-    run = bench(shared_daemon.runtime_dir, "--turns", "3", "--requests", "6", "--warmup", "3", *args)
+    run = bench(shared_daemon.runtime_dir, "load", "--turns", "3", "--requests", "6", "--warmup", "3", *args)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["workload"]["turns"] == 3 and report["workload"]["prompt_len"] == "shared:12+5"
@@ -75,14 +80,11 @@ def test_multi_turn_conversations_resend_their_history_and_report_the_hits(share
     # the turn before wrote in full (20, then 28 tokens; 4-token blocks)
     assert (s["prompt_tokens"], s["cached_tokens"]) == (2 * (17 + 26 + 35), 2 * (12 + 20 + 28))
     for wrong in (
-        ("--turns", "3", "--requests", "5"),  # not whole conversations
-        ("--turns", "3", "--requests", "6", "--warmup", "2"),
-        (
-            "--turns",
-            "0",
-        ),
-        ("--turns", "2", "--compare"),  # the transformers baselines hold no conversations
-        ("--turns", "2", "--submit-only"),
+        ("load", "--turns", "3", "--requests", "5"),  # not whole conversations
+        ("load", "--turns", "3", "--requests", "6", "--warmup", "2"),
+        ("load", "--turns", "0"),
+        ("compare", "--turns", "2", "--warmup", "2"),  # the transformers baselines hold no conversations
+        ("submit", "--turns", "2"),
     ):
         bad = bench(tmp_path / "nobody", *wrong)
         assert bad.returncode == 2 and "--turns" in bad.stderr, (wrong, bad.stderr)
@@ -92,7 +94,7 @@ def test_submit_only_counts_every_reply_and_respects_the_queue_bound(tiny_models
     # 6000 submissions, up to 2000 in the daemon: several thousand events queue for one
     # client, more than ZMQ's default queue of 1000 (which a ROUTER would silently drop)
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_waiting=2000).wait_ready()
-    run = bench(daemon.runtime_dir, "--submit-only", "--requests", "6000", "--json")
+    run = bench(daemon.runtime_dir, "submit", "--requests", "6000", "--json")
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)["submit_only"]
     assert result["submitted"] == 6000 and result["lost"] == 0
@@ -119,7 +121,7 @@ def test_compare_runs_every_contender_with_exact_lengths_and_plots(tiny_models, 
         [
             str(BIN / "kvasir"),
             "bench",
-            "--compare",
+            "compare",
             "--plan",
             str(plan),
             "--requests",
@@ -200,12 +202,12 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
         [
             str(BIN / "kvasir"),
             "bench",
+            "sweep",
             "--plan",
             str(plan),
-            "--rate-sweep",
             "--rate",
             "20",
-            "--sweep-steps",
+            "--steps",
             "1",
             "--requests",
             "6",
@@ -231,7 +233,7 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     assert rates == [20 * 2**i for i in range(len(rates))] and len(rates) == 9  # never fails: 8 doublings
     assert report["goodput"] == rates[-1]
     assert all(point["attainment"] == 1.0 and point["summary"]["requests"] == 6 for point in report["sweep"])
-    hop = subprocess.run([str(BIN / "kvasir"), "bench", "--hop", "--json"], capture_output=True, text=True, timeout=300)
+    hop = subprocess.run([str(BIN / "kvasir"), "bench", "hop", "--json"], capture_output=True, text=True, timeout=300)
     assert hop.returncode == 0, hop.stderr
     report = json.loads(hop.stdout)
     sizes = report["sizes"]
@@ -240,7 +242,7 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 and s["memcpy_gibps"] > 0 for s in sizes)
     assert not list(Path("/dev/shm").glob("kvasir-*-hop"))
     tcp = subprocess.run(
-        [str(BIN / "kvasir"), "bench", "--hop", "--hop-link", "tcp", "--json"],
+        [str(BIN / "kvasir"), "bench", "hop", "--link", "tcp", "--json"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -255,13 +257,13 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     ]
     assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 for s in report["sizes"])
     refused = subprocess.run(
-        [str(BIN / "kvasir"), "bench", "--hop", "--hop-link", "tcp", "--hop-device", "cuda:0"],
+        [str(BIN / "kvasir"), "bench", "hop", "--link", "tcp", "--device", "cuda:0"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert refused.returncode == 2 and "--hop-link tcp measures a cpu edge" in refused.stderr
+    assert refused.returncode == 2 and "--link tcp measures a cpu edge" in refused.stderr
     for device, why in (("gpu", "is not 'cpu' or 'cuda:N'"), ("cuda:99", "cuda:99: ")):  # cuda:99 is never here
         bad = subprocess.run(
-            [str(BIN / "kvasir"), "bench", "--hop", "--hop-device", device], capture_output=True, text=True, timeout=120
+            [str(BIN / "kvasir"), "bench", "hop", "--device", device], capture_output=True, text=True, timeout=120
         )
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
 
@@ -271,7 +273,7 @@ def test_failover_kills_each_stage_in_turn_and_times_the_recovery(tiny_models, s
     before = set(daemon.child_pids())
     run = bench(
         daemon.runtime_dir,
-        "--failover",
+        "failover",
         "--rounds",
         "2",
         "--concurrency",
@@ -314,10 +316,8 @@ def test_compare_two_plans_colocated_and_disaggregated(tiny_models, tmp_path):
         [
             str(BIN / "kvasir"),
             "bench",
-            "--compare",
-            "--plan",
+            "plans",
             str(colocated),
-            "--plan",
             str(disagg),
             "--requests",
             "12",

@@ -389,8 +389,8 @@ def test_bench_drives_both_doors_with_the_same_jobs(http_daemon):
 
     run = subprocess.run(
         [
-            str(BIN / "kvasir"), "bench", "--runtime-dir", str(http_daemon.runtime_dir),
-            "--doors", f"http://127.0.0.1:{http_daemon.port}", "--api-key", KEY,
+            str(BIN / "kvasir"), "bench", "doors", "--runtime-dir", str(http_daemon.runtime_dir),
+            f"http://127.0.0.1:{http_daemon.port}", "--api-key", KEY,
             "--requests", "8", "--warmup", "2", "--concurrency", "4", "--prompt-len", "6", "--output-len", "5",
             "--ignore-eos", "--json",
         ],
@@ -404,10 +404,10 @@ def test_bench_drives_both_doors_with_the_same_jobs(http_daemon):
         assert summary["requests"] == 8 and summary["errors"] == 0 and summary["output_tokens"] == 40
     assert report["http_over_zeromq"]["output_tokens_per_s"] > 0
     wrong = subprocess.run(
-        [str(BIN / "kvasir"), "bench", "--runtime-dir", str(http_daemon.runtime_dir), "--doors", "127.0.0.1:1"],
+        [str(BIN / "kvasir"), "bench", "doors", "--runtime-dir", str(http_daemon.runtime_dir), "127.0.0.1:1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert wrong.returncode == 2 and "--doors" in wrong.stderr
+    assert wrong.returncode == 2 and "give the front's URL" in wrong.stderr
 
 
 def test_hostile_bodies_get_openai_errors_and_the_front_keeps_serving(http_daemon):

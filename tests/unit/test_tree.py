@@ -5,12 +5,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 MAX_LINES = 450
+MAX_TEST_LINES = 600  # a test module holds one unit's or one feature's tests
+
+
+def _oversized(folder: Path, limit: int) -> dict[str, int]:
+    sizes = {path: len(path.read_text().splitlines()) for path in folder.rglob("*.py")}
+    return {str(path.relative_to(ROOT)): n for path, n in sizes.items() if n > limit}
 
 
 def test_no_module_is_over_the_size_limit():
-    sizes = {path: len(path.read_text().splitlines()) for path in (ROOT / "kvasir").rglob("*.py")}
-    big = {str(path.relative_to(ROOT)): n for path, n in sizes.items() if n > MAX_LINES}
+    big = _oversized(ROOT / "kvasir", MAX_LINES)
     assert not big, f"split these along their jobs (at most {MAX_LINES} lines): {big}"
+
+
+def test_no_test_module_is_over_the_size_limit():
+    big = _oversized(ROOT / "tests", MAX_TEST_LINES)
+    assert not big, f"split these by the unit or feature they test (at most {MAX_TEST_LINES} lines): {big}"
 
 
 def test_comments_cite_files_in_the_repository():

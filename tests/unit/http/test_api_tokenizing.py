@@ -42,7 +42,9 @@ async def test_prompts_are_tokenized_off_the_loop(tiny_models, tmp_path):
     tokenizer = Watched(load_tokenizer(Path(tiny_models["llama-tokenizer"])))
     log = setup_logging("warning")
     served = Served.of("tiny", 64, 64, None, max_choices=4, allow_ignore_eos=False)
-    api = Api(Gateway(tmp_path, log), Prompts(tokenizer, 64, 320), served, None, HttpSpec(), 4, log)
+    api = Api(
+        Gateway(tmp_path, log), Prompts(tokenizer, 64, 320), served, keys=None, http=HttpSpec(), per_caller=4, log=log
+    )
     async with TestClient(TestServer(api.app())) as client:
         loop = threading.get_ident()
         # tokenized (and echoed: decoded), then refused "starting": this front has no bridge

@@ -33,7 +33,7 @@ def rows_and_tables(rng: random.Random) -> tuple[tuple[Row, ...], dict[int, list
 
 def test_batch_indices_are_each_tokens_position_slot_and_row():
     rows, tables = rows_and_tables(random.Random(5))
-    cache = PagedKVCache(2, 64, BLOCK, 1, 2, torch.float32, CPU)
+    cache = PagedKVCache(2, 64, BLOCK, 1, 2, dtype=torch.float32, device=CPU)
     batch = build_batch(cache, 0, rows, scored={3})
     slot = [
         tables[r.request_id][p // BLOCK] * BLOCK + p % BLOCK

@@ -252,7 +252,7 @@ def test_a_middle_stage_gets_both_its_edges_through_the_launcher(wires):
     thread = threading.Thread(target=launcher)
     thread.start()
     rings = [StandInRing("e0", "consumer", 1), StandInRing("e1", "producer", 1)]
-    exchange_handles(rings, 1, stage_out, stage_in, os.getppid(), timeout_s=30)
+    exchange_handles(rings, 1, stage_out, stage_in, launcher_pid=os.getppid(), timeout_s=30)
     thread.join(10)
     assert rings[0].peer == upstream and rings[1].peer == downstream
 
@@ -261,16 +261,22 @@ def test_the_wait_ends_on_stop_on_timeout_and_without_the_launcher(wires):
     launcher_in, launcher_out, stage_out, stage_in = wires
     launcher_out.send(Command("stop"))
     with pytest.raises(HandshakeError, match="stopped"):
-        exchange_handles([StandInRing("e0", "consumer", 1)], 1, stage_out, stage_in, os.getppid(), timeout_s=30)
+        exchange_handles(
+            [StandInRing("e0", "consumer", 1)], 1, stage_out, stage_in, launcher_pid=os.getppid(), timeout_s=30
+        )
     started = time.monotonic()
     with pytest.raises(HandshakeError, match="no CUDA IPC handles for e0 within 0.2 s"):
-        exchange_handles([StandInRing("e0", "consumer", 1)], 1, stage_out, stage_in, os.getppid(), timeout_s=0.2)
+        exchange_handles(
+            [StandInRing("e0", "consumer", 1)], 1, stage_out, stage_in, launcher_pid=os.getppid(), timeout_s=0.2
+        )
     assert time.monotonic() - started < 10
     with pytest.raises(HandshakeError, match="launcher is gone"):
         exchange_handles([StandInRing("e0", "consumer", 1)], 1, stage_out, stage_in, launcher_pid=1, timeout_s=30)
     launcher_out.send(Command("attach", handles=(half("e7", "producer", 0),)))
     with pytest.raises(HandshakeError, match="not for this stage"):
-        exchange_handles([StandInRing("e0", "consumer", 1)], 1, stage_out, stage_in, os.getppid(), timeout_s=30)
+        exchange_handles(
+            [StandInRing("e0", "consumer", 1)], 1, stage_out, stage_in, launcher_pid=os.getppid(), timeout_s=30
+        )
     sent = [launcher_in.recv() for _ in range(4)]
     assert all(h.edge == "e0" and h.side == "consumer" and h.pid == os.getpid() for h in sent)
 

@@ -189,7 +189,7 @@ def test_a_decode_stage_copies_its_layers_out_of_differently_split_prefill_stage
         for k, m in enumerate(maps):
             m.keys.copy_(torch.randn(m.keys.shape, generator=torch.Generator().manual_seed(k)))
             m.values.copy_(torch.randn(m.values.shape, generator=torch.Generator().manual_seed(10 + k)))
-        cache = PagedKVCache(3, 10, 4, 2, 4, torch.float32, torch.device("cpu"))
+        cache = PagedKVCache(3, 10, 4, 2, 4, dtype=torch.float32, device=torch.device("cpu"))
         inbox = PullChannel(ctx.socket(zmq.PULL), KvMessage)
         inbox.socket.bind("inproc://kv")
         head = PullChannel(ctx.socket(zmq.PULL), HeadMessage)

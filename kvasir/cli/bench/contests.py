@@ -1,0 +1,88 @@
+"""``kvasir bench compare | plans``: the same jobs on several contenders, alternating,
+with ratios (each contender's daemon started for its run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvasir.cli.bench.options import positive, reporting, slo_options, target_options, workload_options
+from kvasir.cli.bench.output import PLOT, finish
+
+
+@click.command()
+@click.option("--concurrency", type=int, default=32, show_default=True, help="Requests kept in flight.")
+@click.option(
+    "--contenders",
+    default="ring,drained,hf-static,hf-continuous",
+    show_default=True,
+    help="Which contenders, comma-separated.",
+)
+@click.option("--rounds", type=int, default=1, show_default=True, help="Alternating rounds.")
+@PLOT
+@slo_options()
+@workload_options()
+@target_options()
+@reporting
+def compare(*, target, workload, slo, concurrency, contenders, rounds, plot_dir):
+    """Run the workload on the ring (--plan, else the default plan), the drained ring
+    (inflight = 1), transformers generate (static batches) and generate_batch, alternating,
+    with exact output lengths and the same threads; print the ratios.
+
+    Exit code: 0 done, 1 a daemon it started failed, 2 bad arguments.
+    """
+    from kvasir.bench.compare import RING_KINDS
+    from kvasir.bench.modes import compare_mode
+
+    positive("--concurrency", concurrency)
+    positive("--rounds", rounds)
+    names = tuple(name.strip() for name in contenders.split(",") if name.strip())
+    if workload.lengths[0].turns > 1 and not set(names) <= set(RING_KINDS):
+        raise click.UsageError(
+            "--turns compares rings only: give --contenders ring,drained (the transformers baselines do "
+            "not hold conversations)"
+        )
+    report, pictures = compare_mode(
+        target, workload, concurrency=concurrency, contenders=names, rounds=rounds, slo=slo, plot=bool(plot_dir)
+    )
+    finish(target, report, pictures, plot_dir)
+
+
+@click.command()
+@click.argument("plans", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--concurrency", type=int, default=None, help="Closed loop: requests kept in flight (default 32).")
+@click.option("--rate", type=float, default=None, help="Open loop: requests per second; with --sweep the first rate.")
+@click.option(
+    "--sweep", "steps", type=int, default=None, help="Search each plan's goodput with this many bisection steps."
+)
+@click.option("--rounds", type=int, default=1, show_default=True, help="Alternating rounds (not with --sweep).")
+@slo_options()
+@workload_options()
+@target_options(plan=False)
+@reporting
+def plans(*, target, workload, slo, plans, concurrency, rate, steps, rounds):
+    """Run PLANS (two or more plans of one model, e.g. colocated and disaggregated) on the
+    same jobs and cores, one daemon at a time, with exact output lengths; report TTFT,
+    ITL, SLO attainment (goodput with --sweep), pool use and hand-off cost, and the second
+    plan's figures over the first's.
+
+    Exit code: 0 done, 1 a daemon it started failed, 2 bad arguments.
+    """
+    from kvasir.bench.modes import plans_mode
+
+    if len(plans) < 2:
+        raise click.UsageError("give two plans or more to set side by side")
+    if concurrency is not None and (rate is not None or steps is not None):
+        raise click.UsageError("give --concurrency (closed loop) or --rate / --sweep (open loop), not both")
+    positive("--concurrency", concurrency)
+    positive("--rate", rate)
+    positive("--rounds", rounds)
+    if steps is not None and (steps < 0 or slo is None):
+        raise click.UsageError("--sweep takes steps >= 0 and needs --slo-ttft and --slo-tpot")
+    load = {"rate": rate} if rate is not None and steps is None else {"concurrency": concurrency or 32}
+    sweep = (rate or 1.0, steps) if steps is not None else None
+    report = plans_mode(
+        [Path(p) for p in plans], workload, {} if sweep else load, rounds=rounds, slo=slo, sweep=sweep, say=target.say
+    )
+    finish(target, report)
