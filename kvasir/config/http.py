@@ -34,7 +34,7 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     api_keys: str | None = None  # a file of bearer keys, one per line (relative: from the plan's folder)
     workers: int = 1  # front processes sharing the one listening socket the launcher binds
     model_name: str | None = None  # the id in /v1/models and responses (default: from model.source)
-    # limits (README, Operations): what one connection, request or caller may hold of a front
+    # limits (docs/operations.md): what one connection, request or caller may hold of a front
     max_connections: int = 1024  # open connections per front; beyond: the longest-idle one is closed
     header_timeout_s: float = 10.0  # from a connection's opening to its first request head
     idle_timeout_s: float = 30.0  # from a response's end to the next request head (keep-alive)

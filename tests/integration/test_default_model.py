@@ -18,7 +18,8 @@ from tests.support.daemon import Daemon
 
 pytestmark = pytest.mark.e2e
 
-PLANS = Path(__file__).parents[2] / "plans"
+ROOT = Path(__file__).parents[2]
+PLANS = ROOT / "plans"
 CHATS = ["What is the capital of France?", "Name a colour of the sky."]
 PLAIN = ["The quick brown fox", "Pipelines are useful because"]
 NEW_TOKENS = 24
@@ -56,55 +57,98 @@ async def ask_all(runtime_dir):
         return dict(zip(keys, [await s.result() for s in streams]))
 
 
-STAGES = {"smollm2-2stage.toml": 2, "smollm2-3stage.toml": 3, "smollm2-disagg.toml": 4}
+STAGES = {"smollm2-3stage.toml": 3, "smollm2-disagg.toml": 4}
+
+
+@pytest.fixture(scope="module")
+def default_daemon(tmp_path_factory):
+    """The default plan's daemon, shared by the tests that only ask it things."""
+    daemon = Daemon(PLANS / "smollm2-2stage.toml", tmp_path_factory.mktemp("default") / "rt", 2)
+    try:
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        assert daemon.stop() == 0
+
+
+def check_against_hf(results: dict, expected: dict, disaggregated: bool) -> None:
+    for key, final in results.items():
+        prompt_len, tokens, text = expected[key]
+        assert isinstance(final, Finished), (key, final)
+        assert final.usage.prompt_tokens == prompt_len
+        assert final.token_ids == tokens, key
+        assert (final.handoff is not None and final.handoff.kv_bytes > 0) == disaggregated, key
+    assert "Paris" in expected[(CHATS[0], True)][2]
+
+
+def test_the_default_plan_matches_hf_generate(default_daemon, expected):
+    check_against_hf(asyncio.run(ask_all(default_daemon.runtime_dir)), expected, disaggregated=False)
 
 
 @pytest.mark.parametrize("plan", list(STAGES))
 def test_default_model_through_the_ring_matches_hf_generate(smollm2, expected, tmp_path, plan):
-    """Colocated rings and the disaggregated plan (prefill and decode pools split
-    differently) all give Hugging Face's greedy tokens, hence each other's."""
+    """A three-stage ring and the disaggregated plan (prefill and decode pools split
+    differently) give Hugging Face's greedy tokens too, hence the same as each other."""
     daemon = Daemon(PLANS / plan, tmp_path / "rt", STAGES[plan])
     try:
         daemon.wait_ready()
         results = asyncio.run(ask_all(daemon.runtime_dir))
     finally:
         assert daemon.stop() == 0
-    for key, final in results.items():
-        prompt_len, tokens, text = expected[key]
-        assert isinstance(final, Finished), (key, final)
-        assert final.usage.prompt_tokens == prompt_len
-        assert final.token_ids == tokens, key
-        assert (final.handoff is not None and final.handoff.kv_bytes > 0) == ("disagg" in plan), key
-    assert "Paris" in expected[(CHATS[0], True)][2]
+    check_against_hf(results, expected, disaggregated="disagg" in plan)
 
 
-def readme_http_commands() -> list[str]:
-    """The command lines of the README's HTTP example (indented, between its heading and
-    the plan table), less starting and stopping the daemon, which the test does."""
-    text = (PLANS.parent / "README.md").read_text()
-    section = text.split("## HTTP: the OpenAI API and Prometheus metrics", 1)[1].split("```toml", 1)[0]
-    lines = [line.strip() for line in section.splitlines() if line.startswith("    ")]
-    assert lines[0] == ".venv/bin/kvasird start --plan plans/smollm2-http.toml &" and lines[-1] == "kill %1"
-    return lines[1:-1]
+def shown_block(page: Path, start: str) -> list[str]:
+    """The command lines of the indented block on ``page`` that begins with ``start`` (a
+    daemon's start), less that start and the ``kill %1`` ending it: the test starts and
+    stops the daemon."""
+    lines, inside = [], False
+    for line in page.read_text().splitlines():
+        if line.strip() == start:
+            inside = True
+        elif inside and line.strip() == "kill %1":
+            return lines
+        elif inside:
+            assert line.startswith("    "), f"{page.name}: the block after {start!r} ends without kill %1"
+            lines.append(line.strip())
+    raise AssertionError(f"{page.name} shows no block starting with {start!r}")
 
 
-def test_the_readmes_http_example_runs_as_written(smollm2, expected, tmp_path):
-    """plans/smollm2-http.toml as shipped (127.0.0.1:8000), the README's curl and openai
-    lines as written, and the HTTP door's greedy tokens equal Hugging Face's."""
+def run_as_written(lines: list[str], runtime_dir: Path) -> list[str]:
+    import os
     import subprocess
 
+    env = {**os.environ, "KVASIR_RUNTIME_DIR": str(runtime_dir)}
+    outputs = []
+    for line in lines:
+        run = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (line, run.stderr)
+        outputs.append(run.stdout)
+    return outputs
+
+
+def test_the_readmes_tour_runs_as_written(default_daemon, tmp_path):
+    """The README's five-minute tour: the default plan, a question, stats, a bench load,
+    and the plan check it shows."""
+    outputs = run_as_written(shown_block(ROOT / "README.md", ".venv/bin/kvasird start &"), default_daemon.runtime_dir)
+    _, answer, load, stats = outputs
+    assert "Paris" in answer and "requests 16 ok, 0 failed" in load and "stage" in stats
+    check = run_as_written([".venv/bin/kvasir plan check plans/smollm2-disagg.toml"], tmp_path)[0]
+    assert "prefill" in check and "decode" in check
+
+
+def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
+    """plans/smollm2-http.toml as shipped (127.0.0.1:8000), the curl and openai lines of
+    docs/http.md and the README's tour as written, and the HTTP door's greedy tokens equal
+    Hugging Face's."""
     import openai
 
-    root = PLANS.parent
+    start = ".venv/bin/kvasird start --plan plans/smollm2-http.toml &"
     daemon = Daemon(PLANS / "smollm2-http.toml", tmp_path / "rt", 2)
     try:
         daemon.wait_ready()
-        env = {**__import__("os").environ, "KVASIR_RUNTIME_DIR": str(daemon.runtime_dir)}
-        outputs = []
-        for line in readme_http_commands():
-            run = subprocess.run(["bash", "-c", line], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-            assert run.returncode == 0, (line, run.stderr)
-            outputs.append(run.stdout)
+        outputs = run_as_written(shown_block(ROOT / "docs" / "http.md", start), daemon.runtime_dir)
+        tour = run_as_written(shown_block(ROOT / "README.md", start), daemon.runtime_dir)
         client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none", max_retries=0)
         chat = client.chat.completions.create(
             model="smollm2-135m",
@@ -116,6 +160,7 @@ def test_the_readmes_http_example_runs_as_written(smollm2, expected, tmp_path):
     finally:
         assert daemon.stop() == 0
     chat_answer, stream, health, metrics, sdk_answer = outputs[1:]
+    assert "Paris" in tour[1]  # the README's curl
     assert "Paris" in chat_answer and stream.rstrip().endswith("data: [DONE]")
     assert '"serving"' in health and metrics.startswith('kvasir:generation_tokens_total{model_name="smollm2-135m"}')
     assert sdk_answer.strip()

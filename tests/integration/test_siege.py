@@ -4,7 +4,7 @@ concurrent gzip bombs, 1,100 half-open connections, a stream nobody reads with t
 log-probabilities, a fan-out request at the limit; meanwhile normal callers (HTTP and
 ZeroMQ) get exactly the greedy tokens they get in peace, /health answers 200 within 5 s
 every time it is asked, the front's and the bridge's resident memory stay under the bound
-README's Operations states, nothing restarts, and afterwards the front's descriptors and
+docs/operations.md states, nothing restarts, and afterwards the front's descriptors and
 the daemon's queues are back to idle. Bounded: every attack has a count, every wait a
 deadline."""
 
@@ -34,7 +34,7 @@ from tests.support.daemon import free_port, serving, settled, write_plan
 
 SPLITS = [(0, 3), (3, 6)]
 NORMAL, ATTACKER = "sk-normal-caller", "sk-attacker"
-RSS_BOUND_MIB = 512  # README, Operations: the front's and the bridge's resident memory under siege
+RSS_BOUND_MIB = 512  # docs/operations.md: the front's and the bridge's resident memory under siege
 HALF_OPEN, BOMBS = 1100, 40
 PROMPTS = [[5, 17, 42, 99, 3], [7, 1, 7], [250, 11, 12, 13, 14, 15, 16, 17], [300, 2]]
 
