@@ -39,12 +39,12 @@ from kvasir.ring.slots import ShmSlotRing, SlotRing
 from kvasir.ring.tcp_slots import FramedDescriptors, FramedIntake, TcpSlotRing
 from kvasir.stage.outlets import DownstreamOutlet
 from kvasir.stage.upstream import UpstreamIntake
+from kvasir.transport.channels import PullChannel, PushChannel, make_socket
+from kvasir.transport.curve import Fabric, HostKeys, end_context
 from kvasir.units import KIB, gib_per_s
 from kvasir.wire.batch import BatchDescriptor, Credit, Row
 from kvasir.wire.control import EdgeHandles, EdgeSpec
-from kvasir.wire.curve import Fabric, HostKeys, end_context
 from kvasir.wire.decoding import decode, decode_json
-from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 SIZES = (1, 16, 128, 512)  # boundary tokens
 HIDDEN = 576  # SmolLM2-135M's hidden size

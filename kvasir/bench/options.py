@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvasir.wire.transport import default_runtime_dir
+from kvasir.transport.channels import default_runtime_dir
 
 
 @dataclass(frozen=True)

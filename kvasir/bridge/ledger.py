@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer
+from kvasir.transport.channels import BatchedSocket
 from kvasir.units import gib_per_s
 from kvasir.wire.base import FinishReason
 from kvasir.wire.batch import SampledToken
 from kvasir.wire.client import Finished, HandoffSummary, HandoffTimings, Timings, Usage
-from kvasir.wire.transport import BatchedSocket
 
 RECENT_HANDOFFS = 4096  # hand-offs the percentiles are taken over
 

@@ -11,7 +11,7 @@ message for it again its events are dropped at once instead of queued.
 Events for one client that arise in the same turn of the event loop (the answers to a
 batch of submissions, the tokens of one batch) leave as one ZMQ message, a batch of up
 to MAX_BATCH events and BATCH_BYTES (an event larger than that goes alone), so ZMQ's
-queue of ZMQ_QUEUE messages stays as small as before (kvasir/wire/batching.py); the
+queue of ZMQ_QUEUE messages stays as small as before (kvasir/transport/envelopes.py); the
 bounds here count events all the same.
 """
 
@@ -25,7 +25,7 @@ import zmq
 
 from kvasir.bridge.ledger import Peer
 from kvasir.recent import Recent
-from kvasir.wire.batching import MAX_BATCH, join
+from kvasir.transport.envelopes import MAX_BATCH, join
 
 ZMQ_QUEUE = 64  # messages ZMQ holds per client before the backlog here takes over
 RETRY_S = 0.002  # how often a backlog is offered to ZMQ again while clients are behind

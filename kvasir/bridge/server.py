@@ -29,7 +29,9 @@ from kvasir.bridge.streams import Streams
 from kvasir.bridge.submissions import LOCAL, Submissions
 from kvasir.errors import RequestError
 from kvasir.tasks import Supervised
-from kvasir.wire import batching
+from kvasir.transport import envelopes
+from kvasir.transport.channels import BatchedSocket, make_socket
+from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.bridge import (
     BatchSpan,
     BridgeMessage,
@@ -51,9 +53,7 @@ from kvasir.wire.client import (
 )
 from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
 from kvasir.wire.decoding import Decoder, Malformed
-from kvasir.wire.fabric import Sockets, open_fabric
 from kvasir.wire.head import CancelRequest, Enqueue
-from kvasir.wire.transport import BatchedSocket, make_socket
 
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
@@ -169,8 +169,8 @@ class Bridge:
         identity, body = frames
         peer = Peer(io, identity)
         try:
-            members = batching.members(body)
-        except batching.BatchError as exc:
+            members = envelopes.members(body)
+        except envelopes.BatchError as exc:
             await self._send(peer, ErrorEvent(code="invalid_request", message=str(exc)))
             return
         for member in members:

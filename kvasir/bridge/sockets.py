@@ -10,9 +10,9 @@ from zmq.auth.certs import load_certificates
 from kvasir.bridge.outbox import ZMQ_QUEUE
 from kvasir.config.keys import load_pair
 from kvasir.config.plan import BridgeSpec
+from kvasir.transport.channels import BatchedSocket, make_socket
+from kvasir.transport.curve import AllowList
 from kvasir.units import MIB
-from kvasir.wire.curve import AllowList
-from kvasir.wire.transport import BatchedSocket, make_socket
 
 MAX_CLIENT_MESSAGE = 16 * MIB  # a client sending more is disconnected by ZMQ
 

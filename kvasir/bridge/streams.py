@@ -11,9 +11,9 @@ import msgspec
 from kvasir.bridge.ledger import Ledger, Pending
 from kvasir.bridge.metrics import Metrics
 from kvasir.bridge.outbox import Outbox
+from kvasir.transport.channels import BatchedSocket
 from kvasir.wire.batch import PromptScores, SampledToken
 from kvasir.wire.client import PromptLogprobs, TokenOut
-from kvasir.wire.transport import BatchedSocket
 
 
 class Streams:

@@ -1,7 +1,7 @@
 """What the bridge makes of a client's submission: a prompt's token ids, its sampling
 parameters and its prefix-cache namespace, or a RequestError saying what is wrong. Policy
 only: no sockets, no state beyond the tokenizer and the plan's limits
-(kvasir/wire/validation.py holds the checks).
+(kvasir/sched/validation.py holds the checks).
 
 A request's cache namespace is its tenant's: the CURVE key a remote client authenticated
 with, "local" for the daemon's own user on the local socket, or, for a local client
@@ -17,11 +17,11 @@ from kvasir.bridge.detokenizer import encode_chat, encode_text
 from kvasir.config.plan import PrefixShare
 from kvasir.errors import RequestError
 from kvasir.sched.prefix import namespace_root
+from kvasir.sched.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling
 from kvasir.wire.base import MAX_LOGPROBS
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.client import Submit
 from kvasir.wire.decoding import Decoder, Malformed
-from kvasir.wire.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling
 
 
 class _Envelope(msgspec.Struct):

@@ -13,7 +13,7 @@ from kvasir import __version__
 from kvasir.cli.common import RUNTIME_DIR, fail
 from kvasir.config.plan import default_plan_path
 from kvasir.errors import KvasirError
-from kvasir.wire.transport import default_runtime_dir
+from kvasir.transport.channels import default_runtime_dir
 
 KEY = click.option(
     "--key",

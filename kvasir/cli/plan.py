@@ -238,7 +238,7 @@ def _print_shards(shards) -> None:
 
 def _print_cluster(plan) -> None:
     """The leader, the keys, and each host's address with the ports its processes bind."""
-    from kvasir.wire.routes import Placement, Routes
+    from kvasir.transport.routes import Placement, Routes
 
     placement = Placement.of(plan)
     routes = Routes.of(placement) if placement.spans_hosts else None

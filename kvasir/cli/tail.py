@@ -18,9 +18,9 @@ def tail(request_id, as_json, count, runtime_dir) -> None:
     """Print token events live as they leave the tail, until interrupted."""
     import zmq
 
+    from kvasir.transport.channels import Endpoints
     from kvasir.wire.client import TokenOut
     from kvasir.wire.decoding import Decoder, Malformed
-    from kvasir.wire.transport import Endpoints
 
     client = connect(runtime_dir)  # checks that a daemon answers
     rt = client._client.runtime_dir

@@ -14,6 +14,6 @@ from kvasir.client.async_client import AsyncClient
 from kvasir.client.connection import NoDaemon, NotAuthorised, Remote
 from kvasir.client.stream import RequestStream
 from kvasir.client.sync import Client
-from kvasir.wire.rundir import RuntimeDirError
+from kvasir.transport.rundir import RuntimeDirError
 
 __all__ = ["AsyncClient", "Client", "NoDaemon", "NotAuthorised", "Remote", "RequestStream", "RuntimeDirError"]

@@ -16,8 +16,9 @@ from zmq.utils.monitor import parse_monitor_message
 from kvasir.client.connection import CLOSE_LINGER_MS, LINK, REFUSED, NoDaemon, NotAuthorised, Remote, check_local
 from kvasir.client.stream import TERMINAL, RequestStream
 from kvasir.errors import KvasirError
-from kvasir.wire import batching
-from kvasir.wire.batching import MAX_BATCH
+from kvasir.transport import envelopes
+from kvasir.transport.channels import BatchedSocket, Endpoints, default_runtime_dir
+from kvasir.transport.envelopes import MAX_BATCH
 from kvasir.wire.client import (
     Accepted,
     Cancel,
@@ -33,7 +34,6 @@ from kvasir.wire.client import (
     TokenOut,
 )
 from kvasir.wire.decoding import Decoder, Malformed
-from kvasir.wire.transport import BatchedSocket, Endpoints, default_runtime_dir
 
 
 class AsyncClient:
@@ -48,7 +48,7 @@ class AsyncClient:
         self._by_key: dict[int, RequestStream] = {}
         self._by_id: dict[int, RequestStream] = {}
         self._stats: dict[int, asyncio.Future] = {}
-        self._outgoing: list[bytes] = []  # messages of this turn, sent together (kvasir/wire/batching.py)
+        self._outgoing: list[bytes] = []  # messages of this turn, sent together (kvasir/transport/envelopes.py)
         self._sender: asyncio.Task | None = None
         self._reader = asyncio.create_task(self._read())
         self._failure: BaseException | None = None
@@ -181,7 +181,7 @@ class AsyncClient:
         self._outgoing.append(body)
         if len(self._outgoing) >= MAX_BATCH:
             batch, self._outgoing = self._outgoing, []
-            await self._io.send(batching.join(batch))
+            await self._io.send(envelopes.join(batch))
         elif self._sender is None:
             self._sender = asyncio.create_task(self._send_turn())
 
@@ -192,7 +192,7 @@ class AsyncClient:
         if not batch:
             return
         try:
-            await self._io.send(batching.join(batch))
+            await self._io.send(envelopes.join(batch))
         except Exception as exc:  # the socket is gone: every caller hears of it
             self._fail(exc)
 
@@ -208,8 +208,8 @@ class AsyncClient:
         """The events of one body; one that does not decode fails every caller (the
         daemon speaks another version of the protocol, or something else answered)."""
         try:
-            return [self._decoder.decode(member) for member in batching.members(body)]
-        except (Malformed, batching.BatchError) as exc:
+            return [self._decoder.decode(member) for member in envelopes.members(body)]
+        except (Malformed, envelopes.BatchError) as exc:
             self._fail(KvasirError(f"the daemon sent an event this client cannot read: {exc}"))
             return []
 
@@ -219,7 +219,7 @@ class AsyncClient:
         linger = 0
         if self._outgoing:  # queued this turn (a cancel just before closing): it still leaves
             with contextlib.suppress(zmq.ZMQError):
-                self._io.send_now([batching.join(self._outgoing)])
+                self._io.send_now([envelopes.join(self._outgoing)])
                 linger = CLOSE_LINGER_MS
             self._outgoing = []
         for task in (self._reader, self._watcher):

@@ -10,8 +10,8 @@ import zmq
 
 from kvasir.config.keys import load_pair, load_public
 from kvasir.errors import KvasirError
-from kvasir.wire.rundir import check_client_dir
-from kvasir.wire.transport import Endpoints
+from kvasir.transport.channels import Endpoints
+from kvasir.transport.rundir import check_client_dir
 
 CLOSE_LINGER_MS = 200  # how long closing waits for messages queued just before it to leave
 REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvasir.config.placement import positive
 from kvasir.config.private import KeyFileError, check_private
+from kvasir.config.resources import positive
 from kvasir.errors import PlanError
 
 _LISTEN_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(?P<port>[0-9]{1,5})$")

@@ -17,9 +17,9 @@ import msgspec
 
 from kvasir.config.cluster import ClusterSpec, HostSpec, check_cluster
 from kvasir.config.devices import DTYPES, check_edge_request
+from kvasir.config.experts import ShardSpec, check_shards, check_shards_fit
 from kvasir.config.http import HttpSpec, check_http, is_loopback
-from kvasir.config.placement import check_placement, positive
-from kvasir.config.shards import ShardSpec, check_shards, check_shards_fit
+from kvasir.config.resources import check_placement, positive
 from kvasir.errors import PlanError
 from kvasir.units import MIB
 

@@ -15,9 +15,9 @@ import msgspec
 import zmq
 
 from kvasir.config.plan import Plan, Pool
+from kvasir.transport.channels import PushChannel
+from kvasir.transport.fabric import Sockets
 from kvasir.wire.control import Command, EdgeSpec, ShardWiring, WorkerSettings
-from kvasir.wire.fabric import Sockets
-from kvasir.wire.transport import PushChannel
 
 
 class Process(Protocol):

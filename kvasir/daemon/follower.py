@@ -7,7 +7,7 @@ its own names, starts the workers with its own paths (runtime dir, model, keys) 
 reports each start and each exit. The workers talk to the leader and to each other
 directly over the plan's TCP routes. When the leader says ``Halt``, or has been silent
 for the plan's ``cluster.host_silence_s`` (the link is down) or for 1.2 s after its
-connection dropped (dead: kvasir/wire/resets.py), the follower kills its workers and
+connection dropped (dead: kvasir/transport/resets.py), the follower kills its workers and
 waits for a leader to take it again; it runs until SIGTERM or SIGINT.
 """
 
@@ -30,15 +30,15 @@ from kvasir.daemon.notify import ServiceNotifier
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger
 from kvasir.ring.shm import check_segment_names, segment_prefix
+from kvasir.transport.channels import Endpoints, waiting
+from kvasir.transport.curve import Fabric, HostKeys
+from kvasir.transport.fabric import Sockets
+from kvasir.transport.resets import Resets
+from kvasir.transport.routes import Placement, Routes, plan_digest
+from kvasir.transport.rundir import lock_runtime_dir
 from kvasir.wire.control import HostSegments, WorkerSettings
-from kvasir.wire.curve import Fabric, HostKeys
 from kvasir.wire.decoding import Decoder, Malformed
-from kvasir.wire.fabric import Sockets
 from kvasir.wire.hosts import ALIVE_EVERY_S, Alive, Exited, Halt, LeaderMessage, Ping, Refused, Run, Spawned
-from kvasir.wire.resets import Resets
-from kvasir.wire.routes import Placement, Routes, plan_digest
-from kvasir.wire.rundir import lock_runtime_dir
-from kvasir.wire.transport import Endpoints, waiting
 
 FollowerState = Literal["waiting", "running", "stopping"]
 

@@ -17,8 +17,8 @@ from kvasir.config.http import HttpSpec, parse_listen
 from kvasir.daemon.children import Child, ending, join_children, spawn_child
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
 from kvasir.errors import KvasirError
+from kvasir.transport.fabric import Sockets
 from kvasir.wire.control import Command, Heartbeat, Ready, WorkerSettings
-from kvasir.wire.fabric import Sockets
 
 BACKLOG = 1024  # connections waiting to be accepted (while a front restarts, say)
 

@@ -27,6 +27,10 @@ from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
 from kvasir.ring.handshake import HandleExchange, HandshakeError
 from kvasir.ring.shm import sweep_stale_segments
+from kvasir.transport.channels import Endpoints, PullChannel
+from kvasir.transport.curve import Fabric
+from kvasir.transport.fabric import Sockets
+from kvasir.transport.rundir import RuntimeDirError, lock_runtime_dir
 from kvasir.wire.base import Role
 from kvasir.wire.control import (
     Command,
@@ -36,10 +40,6 @@ from kvasir.wire.control import (
     Heartbeat,
     Ready,
 )
-from kvasir.wire.curve import Fabric
-from kvasir.wire.fabric import Sockets
-from kvasir.wire.rundir import RuntimeDirError, lock_runtime_dir
-from kvasir.wire.transport import Endpoints, PullChannel
 
 DaemonPhase = Literal["starting", "running", "draining", "stopping", "stopped"]
 RingState = Literal["up", "down", "starting"]  # the children, while the daemon runs

@@ -22,9 +22,9 @@ from kvasir.ring.edges import pool_edges, torch_peer_access
 from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.slots import ShmSlotRing
 from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.transport.routes import Placement
 from kvasir.wire.base import Role
 from kvasir.wire.control import DispatchSlot, EdgeSpec, HandoffWiring, HostSegments, KvSegment, ShardWiring
-from kvasir.wire.routes import Placement
 
 
 class LayoutError(KvasirError):

@@ -27,10 +27,13 @@ from kvasir.daemon.children import Child, child_name
 from kvasir.daemon.layout import Layout
 from kvasir.logs import Logger
 from kvasir.model.fingerprint import model_identity
+from kvasir.transport.channels import PushChannel, waiting
+from kvasir.transport.curve import HostKeys
+from kvasir.transport.fabric import Sockets
+from kvasir.transport.resets import Resets
+from kvasir.transport.routes import Placement, Routes, plan_digest
 from kvasir.wire.control import Command, FabricSettings, HostSegments, WorkerSettings
-from kvasir.wire.curve import HostKeys
 from kvasir.wire.decoding import Decoder, Malformed
-from kvasir.wire.fabric import Sockets
 from kvasir.wire.hosts import (
     ALIVE_EVERY_S,
     PING_EVERY_S,
@@ -43,9 +46,6 @@ from kvasir.wire.hosts import (
     Run,
     Spawned,
 )
-from kvasir.wire.resets import Resets
-from kvasir.wire.routes import Placement, Routes, plan_digest
-from kvasir.wire.transport import PushChannel, waiting
 
 
 @dataclass
@@ -100,7 +100,7 @@ class HostLink:
     leader: str
     needed: set[str]  # the hosts, besides the leader's, that run workers
     owners: dict[bytes, str]  # each host's public key (z85) -> its name
-    digest: str  # the plan's (kvasir/wire/routes.py plan_digest): a follower's must be the same
+    digest: str  # the plan's (kvasir/transport/routes.py plan_digest): a follower's must be the same
     model: str  # the served model's identity (kvasir/model/fingerprint.py): a follower's must be the same
     timeout_s: float
     log: Logger

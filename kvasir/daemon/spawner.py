@@ -15,9 +15,9 @@ from kvasir.daemon.remote import Cluster, HostLink
 from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
 from kvasir.ring.shm import segment_prefix
+from kvasir.transport.fabric import Sockets
 from kvasir.wire.base import Role
 from kvasir.wire.control import ModelFacts, WorkerSettings
-from kvasir.wire.fabric import Sockets
 
 
 @dataclass

@@ -25,9 +25,9 @@ from kvasir.http.requests import Served
 from kvasir.limits import raise_fd_limit
 from kvasir.logs import setup_logging
 from kvasir.tasks import Supervised
+from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.control import Command, Heartbeat, Ready, WorkerSettings
 from kvasir.wire.decoding import Decoder, Malformed, decode
-from kvasir.wire.fabric import Sockets, open_fabric
 
 SHUTDOWN_S = 5.0  # after "stop": how long open connections get to finish
 BACKLOG = 1024  # connections the kernel queues for this front before it accepts them

@@ -11,7 +11,7 @@ from kvasir.bridge.detokenizer import encode_chat, encode_text
 from kvasir.errors import RequestError
 from kvasir.http.errors import ApiError, invalid
 from kvasir.http.schema import MAX_PROMPTS, ChatMessage, PromptForm
-from kvasir.wire.validation import check_prompt_text
+from kvasir.sched.validation import check_prompt_text
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 

@@ -10,7 +10,7 @@ from kvasir.http.errors import ApiError, invalid
 from kvasir.http.generation import Submission
 from kvasir.http.prompts import Prompt, Prompts
 from kvasir.http.schema import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
-from kvasir.wire.validation import MAX_SEED
+from kvasir.sched.validation import MAX_SEED
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvasir.sched.validation import MAX_SEED
 from kvasir.wire.base import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from kvasir.wire.client import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, Namespace
-from kvasir.wire.validation import MAX_SEED
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # one stop string

@@ -24,11 +24,11 @@ import zmq
 from kvasir.config.devices import cuda_ordinal, torch_dtype
 from kvasir.errors import KvasirError
 from kvasir.ring.slots import check_slot, received
+from kvasir.transport.channels import waiting
 from kvasir.wire.base import Side
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.control import EdgeSpec
 from kvasir.wire.decoding import Decoder, Malformed
-from kvasir.wire.transport import waiting
 
 
 class EdgeError(KvasirError):

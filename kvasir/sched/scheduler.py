@@ -26,9 +26,9 @@ from kvasir.config.plan import Plan
 from kvasir.errors import BatchError, RequestError
 from kvasir.sched.blocks import BlockAllocator
 from kvasir.sched.prefix import PrefixCache, block_keys
+from kvasir.sched.validation import MAX_SEED, check_prompt, check_sampling
 from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SamplingParams
 from kvasir.wire.head import BatchResult
-from kvasir.wire.validation import MAX_SEED, check_prompt, check_sampling
 
 
 @dataclass

@@ -12,16 +12,16 @@ import zmq
 from kvasir.config.devices import cuda_ordinal, torch_dtype
 from kvasir.logs import setup_logging
 from kvasir.model.loader import load_experts
-from kvasir.model.placement import pin_process
+from kvasir.model.pinning import pin_process
 from kvasir.model.source import resolve_source
 from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.shard.agent import ShardAgent, ShardPorts
+from kvasir.transport.channels import PullChannel, PushChannel
+from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
 from kvasir.wire.decoding import decode
 from kvasir.wire.experts import ExpertMessage
-from kvasir.wire.fabric import Sockets, open_fabric
-from kvasir.wire.transport import PullChannel, PushChannel
 
 
 def build_agent(settings: WorkerSettings, sockets: Sockets, log) -> tuple[ShardAgent, DispatchSegment]:

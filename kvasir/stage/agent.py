@@ -18,11 +18,11 @@ import zmq
 from kvasir.stage.engine import StageEngine
 from kvasir.stage.handoff import NoHandoff
 from kvasir.stage.ports import HandoffRole, Intake, Outlet
+from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import BatchSpan, StageStats
 from kvasir.wire.control import Heartbeat, WorkerSettings
 from kvasir.wire.shares import imbalance
-from kvasir.wire.transport import PullChannel, PushChannel
 
 POLL_MS = 50
 SPANS_PER_REPORT = 2048  # batch spans a stage keeps between two stats reports

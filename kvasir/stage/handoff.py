@@ -20,11 +20,11 @@ from kvasir.model.kv_cache import PagedKVCache, flat_slots
 from kvasir.ring.tcp_slots import EdgeError
 from kvasir.stage.kv_remote import Assembly, KvInbox, KvStream, assemble, check_complete
 from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.control import HandoffWiring
 from kvasir.wire.head import KvHeld
 from kvasir.wire.kv import KvChunk, KvReady, Placement
-from kvasir.wire.transport import PullChannel, PushChannel
 
 DROPPED_KEPT = 65536  # ids of dropped requests a decode stage remembers (their late announcements are ignored)
 

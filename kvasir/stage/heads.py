@@ -25,11 +25,11 @@ import torch
 from kvasir.errors import BatchError, RequestError
 from kvasir.recent import Recent
 from kvasir.sched.scheduler import Emitted, Scheduler
+from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import HandoffReport, RequestEnded
 from kvasir.wire.head import Adopted, BatchResult, CancelRequest, Enqueue, Handoff, KvDrop, KvHeld, KvPlaced
 from kvasir.wire.kv import Placement
-from kvasir.wire.transport import PullChannel, PushChannel
 
 Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
 

@@ -26,9 +26,9 @@ from kvasir.errors import KvasirError
 from kvasir.model.kv_cache import PagedKVCache, flat_slots
 from kvasir.ring.slots import received
 from kvasir.ring.tcp_slots import EdgeError
+from kvasir.transport.channels import PullChannel
 from kvasir.units import MIB
 from kvasir.wire.kv import KvChunk, KvReady
-from kvasir.wire.transport import PullChannel
 
 CHUNK_BYTES = 1 * MIB  # keys and values of one chunk, about
 WINDOW = 8  # chunks queued for one decode stage before a send waits

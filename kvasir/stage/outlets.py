@@ -14,10 +14,10 @@ import zmq
 from kvasir.ring.slots import SlotCredits, SlotError, SlotRing
 from kvasir.stage.heads import Work
 from kvasir.stage.sampling import Sampler
+from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import TokenEvents
 from kvasir.wire.head import BatchResult, Handoff
-from kvasir.wire.transport import PullChannel, PushChannel
 
 
 # -- outputs -------------------------------------------------------------------------------

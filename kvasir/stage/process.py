@@ -12,7 +12,7 @@ import zmq
 
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger, setup_logging
-from kvasir.model.placement import pin_process
+from kvasir.model.pinning import pin_process
 from kvasir.model.source import resolve_source
 from kvasir.ring.attach import attach_ring
 from kvasir.ring.handshake import IpcRing, exchange_handles
@@ -28,17 +28,17 @@ from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.stage.outlets import DownstreamOutlet, PrefillTailOutlet, TailOutlet
 from kvasir.stage.ports import HandoffRole, Intake, Outlet
 from kvasir.stage.sampling import Sampler
-from kvasir.stage.shards import Pulse, connect_shards
+from kvasir.stage.shard_links import Pulse, connect_shards
 from kvasir.stage.upstream import UpstreamIntake
+from kvasir.transport.channels import Endpoints, PullChannel, PushChannel
+from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.batch import BatchDescriptor, Credit
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.control import Command, ControlMessage, HandoffWiring, Heartbeat, Ready, WorkerSettings
 from kvasir.wire.decoding import decode
 from kvasir.wire.experts import ExpertMessage
-from kvasir.wire.fabric import Sockets, open_fabric
 from kvasir.wire.head import HeadMessage
 from kvasir.wire.kv import KvMessage
-from kvasir.wire.transport import Endpoints, PullChannel, PushChannel
 
 HANDSHAKE_TIMEOUT_S = 300.0  # as the launcher's start-up wait: it gives up on a stage no sooner
 

@@ -8,8 +8,8 @@ from collections import deque
 
 from kvasir.ring.slots import SlotRing
 from kvasir.stage.heads import Work
+from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor, Credit
-from kvasir.wire.transport import PullChannel, PushChannel
 
 
 # -- every other stage: batches come from upstream ----------------------------------------

@@ -29,6 +29,8 @@ decode pool's. Their heads and stages add:
 
 Modules: base (struct bases, limits), batch (descriptors, rows, credits), head (the
 head's inbox), kv (KV hand-off to decode stages), bridge (stages to the bridge), client
-(clients), control (the launcher and its children), experts (a stage and its expert shards); transport (sockets and framing),
-validation (request checks against the plan), rundir (the runtime directory).
+(clients), control (the launcher and its children), experts (a stage and its expert
+shards), hosts (the launcher and each follower); decoding (the strict decoders every
+receiver uses); shares (busy / starved / blocked from the stages' statistics). How they
+travel (sockets, CURVE, routes, the runtime dir) is kvasir/transport/.
 """

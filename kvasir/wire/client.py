@@ -12,7 +12,7 @@ from kvasir.wire.bridge import BatchSpan, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
 # length before its items, so an oversized list is refused without being walked). The
-# model's own limits (max_seq_len, vocabulary) are checked after, in kvasir/wire/validation.py.
+# model's own limits (max_seq_len, vocabulary) are checked after, in kvasir/sched/validation.py.
 MAX_PROMPT_TOKENS = 1 << 20  # token ids in one prompt (max_seq_len is the real bound)
 
 

@@ -8,8 +8,8 @@ from typing import Literal
 import msgspec
 
 from kvasir.config.devices import DispatchKind, EdgeKind
+from kvasir.config.experts import ShardSpec
 from kvasir.config.plan import Plan, Pool
-from kvasir.config.shards import ShardSpec
 from kvasir.wire.base import Role, Side, Tagged, Wire
 
 
@@ -143,7 +143,7 @@ class ModelFacts(msgspec.Struct, frozen=True):
 
 class FabricSettings(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's place among the hosts of a plan that spans several: every internal
-    socket's TCP endpoint and owner (kvasir/wire/routes.py), and the keys to reach them."""
+    socket's TCP endpoint and owner (kvasir/transport/routes.py), and the keys to reach them."""
 
     host: str  # where the worker runs
     keys: str  # the folder of every host's public key (absolute)

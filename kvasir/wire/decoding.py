@@ -6,7 +6,7 @@ before any type is checked, even where the nesting sits in a field that is skipp
 a body that claims a huge container can raise ``MemoryError``. A receiver that catches
 only the first two lets such a message kill the task reading the socket. Every decode of
 a socket's bytes (and of the settings a worker reads on stdin) goes through ``Decoder``
-here, which turns any failure into ``Malformed``; tests/unit/wire/test_decoding.py checks
+here, which turns any failure into ``Malformed``; tests/unit/transport/test_envelopes.py checks
 that no module of the package builds msgspec's decoders directly.
 """
 

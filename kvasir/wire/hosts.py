@@ -4,7 +4,7 @@ named after its host, both CURVE-authenticated with the hosts' keys.
 
 The follower says it is alive about twice a second, from the moment it starts; the launcher pings
 back as often (silence either way, for the plan's ``cluster.host_silence_s``, or for
-1.2 s after a connection dropped (kvasir/wire/resets.py), means the other is gone). The
+1.2 s after a connection dropped (kvasir/transport/resets.py), means the other is gone). The
 launcher hands the follower its workers (``Run``: their settings and the
 shared memory to make for them) and stops them (``Halt``); the follower reports each
 worker it started and each that exited. A ``generation`` numbers each ``Run``, so a report
@@ -23,7 +23,7 @@ PING_EVERY_S = 0.5  # how often the launcher pings each follower
 # -- follower -> launcher --------------------------------------------------------------
 class Alive(Tagged, frozen=True):
     """A follower's hello and heartbeat: its host, pid and the digest of its plan's layout
-    (kvasir/wire/routes.py ``plan_digest``), which must be the leader's."""
+    (kvasir/transport/routes.py ``plan_digest``), which must be the leader's."""
 
     host: str
     pid: int

@@ -12,7 +12,7 @@ import msgspec
 import zmq
 
 from kvasir.client import AsyncClient, Client
-from kvasir.wire import batching
+from kvasir.transport import envelopes
 from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
 from tests.support.daemon import settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
@@ -210,7 +210,7 @@ def test_deeply_nested_messages_get_an_error_and_the_bridge_keeps_serving(tiny_m
     source = tiny_models["llama"]
     daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64).wait_ready()
     nested_field = b"\x83\xa4type\xa6submit\xa3key\x07\xa9token_ids" + NESTED
-    nested_member = batching.join([submit(8, [5, 6], 2), b"\x81\xa4type" + NESTED])
+    nested_member = envelopes.join([submit(8, [5, 6], 2), b"\x81\xa4type" + NESTED])
     ctx = zmq.Context()
     decoder = msgspec.msgpack.Decoder(ClientEvent)
     try:

@@ -22,9 +22,9 @@ SIDE = """
 import sys, zmq
 from kvasir.config.plan import load_plan
 from kvasir.wire.control import ControlMessage, Heartbeat
-from kvasir.wire.curve import Fabric, HostKeys, end_context
-from kvasir.wire.routes import Placement, Routes
-from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
+from kvasir.transport.curve import Fabric, HostKeys, end_context
+from kvasir.transport.routes import Placement, Routes
+from kvasir.transport.channels import Endpoints, PullChannel, PushChannel, make_socket
 
 plan_path, host, role = sys.argv[1:4]
 plan = load_plan(plan_path)

@@ -12,8 +12,8 @@ import zmq
 import zmq.asyncio
 
 from kvasir.client import AsyncClient
+from kvasir.transport.channels import Endpoints
 from kvasir.wire.client import Accepted, Cancelled, ClientEvent, ErrorEvent, Finished, TokenOut
-from kvasir.wire.transport import Endpoints
 from tests.support.daemon import BIN, alive, write_plan
 from tests.support.models import hf_greedy, reference_model
 from tests.support.wire import events

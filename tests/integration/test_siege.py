@@ -28,7 +28,7 @@ import pytest
 import zmq
 
 from kvasir.client import AsyncClient
-from kvasir.wire import batching
+from kvasir.transport import envelopes
 from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
 from tests.support.daemon import free_port, serving, settled, write_plan
 
@@ -109,7 +109,7 @@ def nested_messages(runtime_dir) -> list[ClientEvent]:
         answers: list[ClientEvent] = []
         while len(answers) < 2:
             assert sock.poll(30_000), "the bridge did not answer a nested message"
-            answers += [msgspec.msgpack.decode(body, type=ClientEvent) for body in batching.members(sock.recv())]
+            answers += [msgspec.msgpack.decode(body, type=ClientEvent) for body in envelopes.members(sock.recv())]
         return answers
     finally:
         sock.close(linger=0)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvasir.wire import batching
+from kvasir.transport import envelopes
 
 
 def events(decoder, body: bytes) -> list:
-    """The events of one reply body: one, or a batch of them (kvasir/wire/batching.py)."""
-    return [decoder.decode(member) for member in batching.members(body)]
+    """The events of one reply body: one, or a batch of them (kvasir/transport/envelopes.py)."""
+    return [decoder.decode(member) for member in envelopes.members(body)]

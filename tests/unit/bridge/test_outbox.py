@@ -11,8 +11,8 @@ import zmq.asyncio
 
 from kvasir.bridge.ledger import Peer
 from kvasir.bridge.outbox import BATCH_BYTES, ZMQ_QUEUE, Outbox
-from kvasir.wire import batching
-from kvasir.wire.transport import BatchedSocket
+from kvasir.transport import envelopes
+from kvasir.transport.channels import BatchedSocket
 
 
 async def pair(ctx, endpoint: str, reading_hwm: int = 4):
@@ -93,7 +93,7 @@ async def read_slowly(outbox, dealer, peer, lost):
     while len(got) < len(events):
         body = await asyncio.wait_for(dealer.recv(), 10)
         assert len(body) <= BATCH_BYTES + 16
-        got.extend(batching.split(body))
+        got.extend(envelopes.split(body))
         messages += 1
         if messages % 10 == 0:
             await asyncio.sleep(0.001)  # a reader slower than the writer

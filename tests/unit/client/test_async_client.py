@@ -34,7 +34,7 @@ def test_messages_queued_just_before_closing_still_leave(tmp_path):
     import zmq
 
     from kvasir.client import AsyncClient
-    from kvasir.wire import batching
+    from kvasir.transport import envelopes
     from kvasir.wire.client import Cancel, ClientMessage, DaemonStats, StatsQuery, StatsReply
 
     ctx = zmq.Context()
@@ -48,7 +48,7 @@ def test_messages_queued_just_before_closing_still_leave(tmp_path):
     def bridge() -> None:
         while router.poll(5_000):
             identity, body = router.recv_multipart()
-            for member in batching.members(body):
+            for member in envelopes.members(body):
                 message = decoder.decode(member)
                 got.append(message)
                 if isinstance(message, StatsQuery):

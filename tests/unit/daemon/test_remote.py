@@ -17,12 +17,12 @@ from kvasir.daemon.layout import Layout
 from kvasir.daemon.remote import Cluster, RemoteProcess
 from kvasir.daemon.resolve import resolve_plan
 from kvasir.logs import setup_logging
+from kvasir.transport.channels import Endpoints
+from kvasir.transport.curve import Fabric
+from kvasir.transport.fabric import Sockets
+from kvasir.transport.routes import plan_digest
 from kvasir.wire.control import WorkerSettings
-from kvasir.wire.curve import Fabric
-from kvasir.wire.fabric import Sockets
 from kvasir.wire.hosts import Alive, Exited, Spawned
-from kvasir.wire.routes import plan_digest
-from kvasir.wire.transport import Endpoints
 from tests.support.daemon import free_port
 
 MODEL = "unconverted/float32"  # the served model's identity (kvasir/model/fingerprint.py)
@@ -130,7 +130,7 @@ def test_a_follower_whose_plan_differs_is_refused(leader):
 
 
 def test_a_follower_whose_connection_drops_is_lost_after_the_grace_unless_it_speaks_again(leader):
-    from kvasir.wire.resets import IN_FLIGHT_S, RECONNECT_GRACE_S
+    from kvasir.transport.resets import IN_FLIGHT_S, RECONNECT_GRACE_S
 
     link, follower, digest, _, _ = leader
     b, c = follower("b", "b"), follower("c", "c")

@@ -21,8 +21,8 @@ from kvasir.ring.edges import EdgeChoice, choose_edge, pool_edges
 from kvasir.ring.handshake import HandleExchange, HandshakeError, exchange_handles
 from kvasir.ring.shm import SHM_DIR
 from kvasir.ring.slots import SlotError
+from kvasir.transport.channels import PullChannel, PushChannel, make_socket
 from kvasir.wire.control import Command, ControlMessage, CudaMemoryHandle, EdgeHandles, EdgeSpec, WorkerSettings
-from kvasir.wire.transport import PullChannel, PushChannel, make_socket
 
 
 def stages_text(*stages: str) -> str:

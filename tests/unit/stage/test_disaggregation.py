@@ -173,10 +173,10 @@ def test_a_decode_stage_copies_its_layers_out_of_differently_split_prefill_stage
     from kvasir.model.kv_cache import PagedKVCache
     from kvasir.stage.handoff import KvReceiver
     from kvasir.stage.kv_segment import KvSegmentMap
+    from kvasir.transport.channels import PullChannel, PushChannel
     from kvasir.wire.control import HandoffWiring, KvSegment
     from kvasir.wire.head import HeadMessage
     from kvasir.wire.kv import KvMessage, KvReady, Placement
-    from kvasir.wire.transport import PullChannel, PushChannel
 
     tag = f"kvasir-test-{os.getpid()}-{secrets.token_hex(3)}"
     segments = [

@@ -8,10 +8,10 @@ import zmq
 
 from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.heads import SchedulerIntake
+from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.bridge import BridgeMessage, RequestEnded
 from kvasir.wire.head import BatchResult, CancelRequest, Enqueue, HeadMessage
-from kvasir.wire.transport import PullChannel, PushChannel
 from tests.support.models import make_plan
 
 

@@ -20,10 +20,10 @@ from kvasir.stage import kv_remote
 from kvasir.stage.handoff import KvReceiver
 from kvasir.stage.kv_remote import KvInbox, KvStream
 from kvasir.stage.kv_segment import KvSegmentMap
+from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.control import HandoffWiring, KvSegment
 from kvasir.wire.head import HeadMessage
 from kvasir.wire.kv import KvChunk, KvMessage, KvReady, Placement
-from kvasir.wire.transport import PullChannel, PushChannel
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvasir.config.keys import KeyFileError, load_pair, load_public
 from kvasir.errors import KvasirError
-from kvasir.wire.routes import COMMAND_PREFIX, Routes
+from kvasir.transport.routes import COMMAND_PREFIX, Routes
 
 HOSTS_DOMAIN = "kvasir-hosts"  # the ZAP domain of the internal sockets
 LEADER_DOMAIN = "kvasir-leader"  # of the command sockets: the leader's key only

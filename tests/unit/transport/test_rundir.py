@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from kvasir.client import Client, NoDaemon
-from kvasir.wire.rundir import RuntimeDirError, check_client_dir, is_ours, make_runtime_dir
-from kvasir.wire.transport import Endpoints
+from kvasir.transport.channels import Endpoints
+from kvasir.transport.rundir import RuntimeDirError, check_client_dir, is_ours, make_runtime_dir
 
 STRANGER = 12345  # a uid nobody on this machine has
 NOBODY = 65534

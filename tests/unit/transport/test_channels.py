@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvasir.wire.transport import BatchedSocket
+from kvasir.transport.channels import BatchedSocket
 
 
 def echo(ctx: zmq.Context, endpoint: str, stop: threading.Event) -> None:

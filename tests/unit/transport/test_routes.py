@@ -1,12 +1,12 @@
-"""Where the internal sockets are when a plan's workers span hosts (kvasir/wire/routes.py)."""
+"""Where the internal sockets are when a plan's workers span hosts (kvasir/transport/routes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvasir.config.plan import parse_plan
-from kvasir.wire.routes import Placement, RouteError, Routes, socket_names
-from kvasir.wire.transport import Endpoints
+from kvasir.transport.channels import Endpoints
+from kvasir.transport.routes import Placement, RouteError, Routes, socket_names
 from tests.support.plans import CLUSTER_STAGES, cluster_hosts
 
 HOSTS = cluster_hosts(b_address="fd00::2", b_port=9000)

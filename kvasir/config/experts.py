@@ -13,7 +13,7 @@ from collections.abc import Collection
 
 import msgspec
 
-from kvasir.config.placement import check_placement
+from kvasir.config.resources import check_placement
 from kvasir.errors import PlanError
 
 

@@ -1,4 +1,4 @@
-"""CURVE between hosts on real sockets over loopback TCP (kvasir/wire/curve.py): a listed
+"""CURVE between hosts on real sockets over loopback TCP (kvasir/transport/curve.py): a listed
 host gets through, an unlisted key or a plaintext peer is refused at the handshake."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from zmq.utils.monitor import recv_monitor_message
 from kvasir.cli.main import kvasir
 from kvasir.config.plan import parse_plan
 from kvasir.errors import KvasirError
+from kvasir.transport.channels import Endpoints, PullChannel, PushChannel, make_socket
+from kvasir.transport.curve import Fabric, FabricError, HostKeys
+from kvasir.transport.routes import Placement, Routes
 from kvasir.wire.control import Heartbeat
-from kvasir.wire.curve import Fabric, FabricError, HostKeys
-from kvasir.wire.routes import Placement, Routes
-from kvasir.wire.transport import Endpoints, PullChannel, PushChannel, make_socket
 
 PLAN = """
 [cluster]

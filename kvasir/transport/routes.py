@@ -22,7 +22,7 @@ from kvasir.config.plan import Plan
 from kvasir.errors import KvasirError
 
 MAX_PORT = 65535
-COMMAND_PREFIX = "command-"  # the launcher's command sockets: only the leader sends to them (kvasir/wire/curve.py)
+COMMAND_PREFIX = "command-"  # the launcher's command sockets: only the leader sends to them (kvasir/transport/curve.py)
 
 
 class RouteError(KvasirError):

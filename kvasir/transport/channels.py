@@ -21,8 +21,8 @@ from kvasir.units import MIB
 from kvasir.wire.decoding import Decoder, Malformed
 
 if TYPE_CHECKING:
-    from kvasir.wire.curve import Fabric
-    from kvasir.wire.routes import Routes
+    from kvasir.transport.curve import Fabric
+    from kvasir.transport.routes import Routes
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ def default_runtime_dir() -> Path:
 
 class Endpoints:
     """The daemon's socket paths under one runtime directory; with ``routes`` (a plan
-    whose workers span hosts, kvasir/wire/routes.py) the internal sockets are TCP
+    whose workers span hosts, kvasir/transport/routes.py) the internal sockets are TCP
     endpoints instead, and only the clients' sockets stay files."""
 
     def __init__(self, runtime_dir: str | Path, routes: Routes | None = None) -> None:
@@ -99,7 +99,7 @@ class Endpoints:
 
     def socket_files(self) -> list[Path]:
         """The daemon's own socket files in the runtime dir (never another program's)."""
-        from kvasir.wire.rundir import is_ours
+        from kvasir.transport.rundir import is_ours
 
         return sorted(path for path in self.dir.glob("*.sock") if is_ours(path.name))
 

@@ -8,7 +8,7 @@ import re
 import msgspec
 import pytest
 
-from kvasir.wire import batching
+from kvasir.transport import envelopes
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.client import ClientMessage, Submit
 from kvasir.wire.decoding import Decoder, JsonDecoder, Malformed, decode
@@ -35,10 +35,10 @@ def test_what_msgspec_itself_raises_on_those_bodies_is_not_only_decode_errors():
 
 
 def test_a_nested_batch_is_a_batch_error_and_a_good_one_still_splits():
-    with pytest.raises(batching.BatchError, match="nested too deeply"):
-        batching.members(NESTED)
+    with pytest.raises(envelopes.BatchError, match="nested too deeply"):
+        envelopes.members(NESTED)
     one = msgspec.msgpack.encode(Submit(key=1, token_ids=[1, 2]))
-    assert batching.members(batching.join([one, one])) == [one, one]
+    assert envelopes.members(envelopes.join([one, one])) == [one, one]
 
 
 def test_a_good_message_still_decodes():

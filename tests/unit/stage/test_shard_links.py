@@ -7,9 +7,9 @@ import msgspec
 import pytest
 import zmq
 
-from kvasir.stage.shards import ShardLost, ShardResults
+from kvasir.stage.shard_links import ShardLost, ShardResults
+from kvasir.transport.channels import PullChannel
 from kvasir.wire.experts import ExpertDone, ExpertMessage, ExpertWork
-from kvasir.wire.transport import PullChannel
 
 
 @pytest.fixture

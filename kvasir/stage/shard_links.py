@@ -17,9 +17,9 @@ from kvasir.errors import KvasirError
 from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.shm import SlotError
 from kvasir.ring.tcp_slots import EdgeError
+from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.control import Heartbeat, ShardWiring
 from kvasir.wire.experts import ExpertDone, ExpertWork
-from kvasir.wire.transport import PullChannel, PushChannel
 
 WAIT_POLL_MS = 100
 

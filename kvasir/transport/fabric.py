@@ -1,5 +1,5 @@
 """A process's internal sockets, made one way whatever the plan: ``ipc://`` files in the
-runtime directory on one machine, TCP with CURVE (kvasir/wire/curve.py) when the plan
+runtime directory on one machine, TCP with CURVE (kvasir/transport/curve.py) when the plan
 spans hosts and the worker's settings carry the routes (``FabricSettings``).
 
 ``Sockets`` makes every internal socket of a process on one context, starts the
@@ -14,10 +14,10 @@ from typing import Any
 
 import zmq
 
+from kvasir.transport.channels import Endpoints, make_socket
+from kvasir.transport.curve import Fabric, HostKeys, end_context
+from kvasir.transport.routes import Routes
 from kvasir.wire.control import FabricSettings
-from kvasir.wire.curve import Fabric, HostKeys, end_context
-from kvasir.wire.routes import Routes
-from kvasir.wire.transport import Endpoints, make_socket
 
 
 def open_fabric(runtime_dir: str | Path, settings: FabricSettings | None) -> tuple[Endpoints, Fabric | None]:
