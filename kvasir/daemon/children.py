@@ -17,6 +17,7 @@ import zmq
 from kvasir.config.plan import Plan, Pool
 from kvasir.transport.channels import PushChannel
 from kvasir.transport.fabric import Sockets
+from kvasir.wire.base import Role
 from kvasir.wire.control import Command, EdgeSpec, ShardWiring, WorkerSettings
 
 
@@ -36,12 +37,42 @@ class Process(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
+@dataclass(frozen=True)
+class ChildId:
+    """Which child of the launcher: its role, its index among that role's children (a
+    stage's index is global across pools), the pool it serves (a disaggregated plan's
+    stages and shards; derived from the index, so not compared) and its instance of the
+    pool (0: one ring per pool)."""
+
+    role: Role
+    index: int = 0
+    pool: Pool = field(default="", compare=False)
+    instance: int = 0
+
+    @property
+    def name(self) -> str:
+        """Its name in logs, on the followers' link and in its command socket's file."""
+        return "bridge" if self.role == "bridge" else f"{self.role}-{self.index}"
+
+    @classmethod
+    def of(cls, settings: WorkerSettings) -> ChildId:
+        pool = settings.pool if settings.role in ("stage", "shard") else ""
+        return cls(settings.role, settings.index if settings.role != "bridge" else 0, pool)
+
+
+BRIDGE = ChildId("bridge")
+
+
 @dataclass
 class Child:
-    name: str  # "stage-0", ..., "shard-0", ..., "bridge", "front-0", ...
+    id: ChildId
     process: Process
     command: PushChannel
     ready: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.id.name
 
 
 @dataclass
@@ -58,10 +89,6 @@ class StagePlace:
 def ending(code: int) -> str:
     """How a child whose return code is ``code`` ended, in words."""
     return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-
-
-def child_name(settings: WorkerSettings) -> str:
-    return "bridge" if settings.role == "bridge" else f"{settings.role}-{settings.index}"
 
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
@@ -101,9 +128,9 @@ def start_worker(settings: WorkerSettings, pass_fds: tuple[int, ...] = ()) -> su
 
 def spawn_child(settings: WorkerSettings, sockets: Sockets, pass_fds: tuple[int, ...] = ()) -> Child:
     """Start a child here and connect to its command socket."""
-    name = child_name(settings)
+    child = ChildId.of(settings)
     process = start_worker(settings, pass_fds)
-    return Child(name, process, PushChannel[Command](sockets.connect(zmq.PUSH, sockets.ends.command(name))))
+    return Child(child, process, PushChannel[Command](sockets.connect(zmq.PUSH, sockets.ends.command(child.name))))
 
 
 def join_children(log, children: list[Child], timeout_s: float) -> None:

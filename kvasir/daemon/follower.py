@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from kvasir.config.plan import Plan
-from kvasir.daemon.children import child_name, start_worker
+from kvasir.daemon.children import ChildId, start_worker
 from kvasir.daemon.layout import Layout, make_segments
 from kvasir.daemon.notify import ServiceNotifier
 from kvasir.errors import KvasirError
@@ -79,7 +79,7 @@ def localize(settings: WorkerSettings, here: Local, names: dict[str, str]) -> Wo
         handoff = replace(handoff, prefill=[replace(kv, name=names.get(kv.name, kv.name)) for kv in handoff.prefill])
     fabric = settings.fabric
     if fabric is None or fabric.host != here.host:
-        raise KvasirError(f"the leader sent {child_name(settings)}, which is not a worker of host {here.host}")
+        raise KvasirError(f"the leader sent {ChildId.of(settings).name}, which is not a worker of host {here.host}")
     return replace(
         settings,
         plan=plan,
@@ -209,10 +209,10 @@ class Follower:
         except KvasirError as exc:
             self.log.error("cannot run the leader's workers", error=str(exc))
             for settings in run.workers:
-                self._send(Exited(run.generation, child_name(settings), 0, 1, f"host {self.here.host}: {exc}"))
+                self._send(Exited(run.generation, ChildId.of(settings).name, 0, 1, f"host {self.here.host}: {exc}"))
             return
         for settings in workers:
-            name = child_name(settings)
+            name = ChildId.of(settings).name
             process = start_worker(settings)
             self.workers[name] = process
             self._send(Spawned(run.generation, name, process.pid))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvasir.config.devices import dispatch_kind
 from kvasir.config.plan import Plan
-from kvasir.daemon.children import StagePlace
+from kvasir.daemon.children import ChildId, StagePlace
 from kvasir.errors import KvasirError
 from kvasir.model.source import ModelSource
 from kvasir.ring.attach import SHARED_MEMORY_KINDS, create_ring
@@ -53,6 +53,12 @@ class Layout:
             shard = self.shards[index]
             return self.places[shard.stage], [shard]
         return StagePlace("", plan, 0, []), []
+
+    def ring_ids(self) -> list[ChildId]:
+        """The ring's children: every stage (in ring order), then every expert shard."""
+        stages = [ChildId("stage", k, place.pool) for k, place in enumerate(self.places)]
+        shards = [ChildId("shard", k, self.places[shard.stage].pool) for k, shard in enumerate(self.shards)]
+        return stages + shards
 
     def close(self) -> None:
         """Unmap and remove every shared-memory file made here."""

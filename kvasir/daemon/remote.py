@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from kvasir.config.plan import Plan
-from kvasir.daemon.children import Child, child_name
+from kvasir.daemon.children import Child, ChildId
 from kvasir.daemon.layout import Layout
 from kvasir.logs import Logger
 from kvasir.model.fingerprint import model_identity
@@ -230,8 +230,8 @@ class HostLink:
         return sorted(self.needed - set(self.followers))
 
     # -- what goes out ---------------------------------------------------------------------
-    def start(self, wanted: Iterable[WorkerSettings], layout: Layout, prefix: str) -> dict[str, Child]:
-        """Hand each follower its workers; their Child entries, by name."""
+    def start(self, wanted: Iterable[WorkerSettings], layout: Layout, prefix: str) -> dict[ChildId, Child]:
+        """Hand each follower its workers; their Child entries."""
         by_host: dict[str, list[WorkerSettings]] = {}
         for settings in wanted:
             if settings.fabric is not None:
@@ -245,11 +245,11 @@ class HostLink:
             segments = layout.hosted.get(host, HostSegments())
             self._send(host, Run(self.generation, prefix, segments, workers))
             for settings in workers:
-                name = child_name(settings)
-                process = RemoteProcess(self, host, name, self.generation)
-                self.processes[name] = process
-                command = PushChannel[Command](self.sockets.connect(zmq.PUSH, self.sockets.ends.command(name)))
-                children[name] = Child(name, process, command)
+                child = ChildId.of(settings)
+                process = RemoteProcess(self, host, child.name, self.generation)
+                self.processes[child.name] = process
+                command = PushChannel[Command](self.sockets.connect(zmq.PUSH, self.sockets.ends.command(child.name)))
+                children[child] = Child(child, process, command)
         return children
 
     def halt(self, host: str, reason: str) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvasir.config.plan import Plan
-from kvasir.daemon.children import Child, child_name, spawn_child
+from kvasir.daemon.children import Child, ChildId, spawn_child
 from kvasir.daemon.layout import Layout
 from kvasir.daemon.remote import Cluster, HostLink
 from kvasir.logs import Logger
@@ -33,17 +33,17 @@ class Spawner:
     hosts: HostLink | None = None  # the followers, once the launcher bound their socket
     prefix: str = field(default_factory=segment_prefix)  # the shared-memory names' start
 
-    def start(self, layout: Layout, wanted: list[tuple[Role, int]]) -> list[Child]:
+    def start(self, layout: Layout, wanted: list[ChildId]) -> list[Child]:
         """Spawn the leader's children here, hand the others to their followers."""
-        settings = [self.settings(layout, role, index) for role, index in wanted]
+        settings = [self.settings(layout, child.role, child.index) for child in wanted]
         leader = self.cluster.keys.host if self.cluster is not None else None
         here = [s for s in settings if s.fabric is None or s.fabric.host == leader]
-        children = {child.name: child for child in (spawn_child(s, self.sockets) for s in here)}
+        children = {child.id: child for child in (spawn_child(s, self.sockets) for s in here)}
         if self.hosts is not None:
             children.update(self.hosts.start([s for s in settings if s not in here], layout, self.prefix))
         for child in children.values():
             self.log.info("spawned", child=child.name, pid=child.process.pid)
-        return [children[child_name(s)] for s in settings]
+        return [children[child] for child in wanted]
 
     def settings(self, layout: Layout, role: Role, index: int) -> WorkerSettings:
         place, shards = layout.place_of(role, index, self.plan)

@@ -59,13 +59,13 @@ def test_a_sigterm_as_start_up_ends_drains_instead_of_being_forgotten(tiny_model
         runtime_dir=tmp_path / "rt",
         log=setup_logging("warning", role="launcher", pid=os.getpid()),
     )
-    opened = launcher._open
+    opened = launcher.open
 
     def open_then_signalled(*args, **kw):
         opened(*args, **kw)
         launcher.request_stop(signal.SIGTERM)  # as the signal handler would, at the worst moment
 
-    launcher._open = open_then_signalled
+    launcher.open = open_then_signalled  # type: ignore[method-assign]
     try:
         launcher.prepare()
         launcher.spawn()

@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from kvasir.config.keys import generate, load_pair
+from kvasir.daemon.children import ChildId
 from kvasir.daemon.layout import Layout
 from kvasir.daemon.remote import Cluster, RemoteProcess
 from kvasir.daemon.resolve import resolve_plan
@@ -98,7 +99,7 @@ def test_reports_about_older_workers_are_ignored_and_the_bridge_alone_changes_no
         fabric=cluster.fabric("b"),
     )
     children = link.start([worker], Layout(), "kvasir-1-00000000")
-    process = children["stage-1"].process
+    process = children[ChildId("stage", 1)].process
     assert isinstance(process, RemoteProcess) and process.generation == link.generation == 1
     assert link.start([], Layout(), "kvasir-1-00000000") == {} and link.generation == 1  # the bridge alone
     send(b, Exited(0, "stage-1", 99, -9, "an older ring's"))
@@ -108,7 +109,7 @@ def test_reports_about_older_workers_are_ignored_and_the_bridge_alone_changes_no
     send(b, Exited(1, "stage-1", 1234, 1, ""))
     settle(link, lambda: process.poll() is not None)
     assert process.poll() == 1
-    children["stage-1"].command.socket.close(linger=0)
+    children[ChildId("stage", 1)].command.socket.close(linger=0)
 
 
 def test_a_follower_whose_plan_differs_is_refused(leader):

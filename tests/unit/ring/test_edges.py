@@ -344,17 +344,17 @@ def check_the_launcher_passes_halves_between_its_children(launcher, edge: str, t
     child is paired and each side gets the other's; one from a replaced child is ignored."""
     import subprocess
 
-    from kvasir.daemon.children import Child
+    from kvasir.daemon.children import Child, ChildId
 
     inboxes = []
     for k in range(3):
         process = subprocess.Popen(["sleep", "60"])
         at = f"ipc://{tmp_path}/stage-{k}.sock"
         inboxes.append(PullChannel(launcher.sockets.bind(zmq.PULL, at), Command))
-        launcher.stages.append(
-            Child(f"stage-{k}", process, PushChannel[Command](launcher.sockets.connect(zmq.PUSH, at)))
+        launcher.ring.stages.append(
+            Child(ChildId("stage", k), process, PushChannel[Command](launcher.sockets.connect(zmq.PUSH, at)))
         )
-    pids = [c.process.pid for c in launcher.stages]
+    pids = [c.process.pid for c in launcher.ring.stages]
     producer = msgspec.structs.replace(half(edge, "producer", 1), pid=pids[1])
     consumer = msgspec.structs.replace(half(edge, "consumer", 2, memory=True), pid=pids[2])
     launcher._note([msgspec.structs.replace(consumer, pid=12345)])  # from a child that is gone
