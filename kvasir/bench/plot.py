@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvasir.bench.metrics import RequestRecord
 from kvasir.errors import KvasirError
-from kvasir.wire.bridge import BatchSpan
+from kvasir.wire.stats import BatchSpan
 
 
 @dataclass

@@ -13,9 +13,9 @@ import msgspec
 from kvasir.bench.metrics import RequestRecord, handoff_figures, summarise
 from kvasir.bench.workload import Job, conversations
 from kvasir.client import AsyncClient
-from kvasir.wire.bridge import StageStats
 from kvasir.wire.client import DaemonStats, Finished, TokenOut
 from kvasir.wire.shares import imbalance, stage_shares, window
+from kvasir.wire.stats import StageStats
 
 
 @dataclass
@@ -203,10 +203,10 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
 
 def _expert_load(s: StageStats, b: StageStats, busy_s: float) -> dict:
     """A MoE stage's expert load over the window, and its dispatch time's share of busy."""
-    if not s.expert_tokens:
+    if s.experts is None:
         return {}
-    load = window(s.expert_tokens, b.expert_tokens)
-    dispatch = s.dispatch_s - b.dispatch_s
+    load = window(s.experts.tokens, b.experts.tokens if b.experts is not None else None)
+    dispatch = s.experts.dispatch_s - (b.experts.dispatch_s if b.experts is not None else 0.0)
     return {
         "expert_tokens": load,
         "expert_imbalance": imbalance(load),

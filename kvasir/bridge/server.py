@@ -33,7 +33,6 @@ from kvasir.transport import envelopes
 from kvasir.transport.channels import BatchedSocket, make_socket
 from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.bridge import (
-    BatchSpan,
     BridgeMessage,
     HandoffReport,
     RequestEnded,
@@ -54,6 +53,7 @@ from kvasir.wire.client import (
 from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
 from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.head import CancelRequest, Enqueue
+from kvasir.wire.stats import BatchSpan
 
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some

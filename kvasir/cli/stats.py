@@ -12,8 +12,8 @@ import msgspec
 from kvasir.cli.common import RUNTIME_DIR, connect, remote_options
 from kvasir.cli.table import table_lines
 from kvasir.units import format_bytes
-from kvasir.wire.bridge import StageStats
 from kvasir.wire.shares import PARTS, by_pool, stage_shares
+from kvasir.wire.stats import StageStats
 
 
 @click.command()
@@ -42,15 +42,16 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         client.close()
     skip = ("stages", "shards", "timeline")
     body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f not in skip}
-    body["stages"] = [msgspec.structs.asdict(stage) for stage in daemon.stages]
-    body["shards"] = [msgspec.structs.asdict(shard) for shard in daemon.shards]
+    body["stages"] = [_as_object(stage) for stage in daemon.stages]
+    body["shards"] = [_as_object(shard) for shard in daemon.shards]
     body = msgspec.to_builtins(body)
     for entry, figures in [*zip(body["stages"], daemon.stages), *zip(body["shards"], daemon.shards)]:
         shares = stage_shares(figures)
         entry.update({f"{part}_fraction": shares.fraction(part) for part in PARTS})
     for stage in body["stages"]:
-        if stage["expert_tokens"]:
-            stage["dispatch_fraction"] = stage["dispatch_s"] / stage["busy_s"] if stage["busy_s"] > 0 else 0.0
+        if stage["experts"] is not None:
+            busy = stage["busy_s"]
+            stage["experts"]["dispatch_fraction"] = stage["experts"]["dispatch_s"] / busy if busy > 0 else 0.0
     if any(stage.pool for stage in daemon.stages):
         body["pools"] = _pool_totals(daemon.stages)
     if as_json:
@@ -103,22 +104,13 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
                 str(s["batches"]),
                 str(s["rows"]),
                 str(s["tokens"]),
-                str(s["inflight"]),
-                str(s["kv_requests"]),
+                str(s["head"]["inflight"] if s["head"] is not None else 0),
+                str(s["kv"]["requests"]),
             )
         )
-    if any(s["device"] != "cpu" for s in body["stages"]):  # CUDA stages: where, and device memory in use / reserved
+    if any(s["gpu"] is not None for s in body["stages"]):  # CUDA stages: where, and device memory in use / reserved
         header += ("device", "gpu mem")
-        rows = [header] + [
-            row
-            + (
-                s["device"],
-                f"{format_bytes(s['gpu_bytes'])} / {format_bytes(s['gpu_reserved_bytes'])}"
-                if s["device"] != "cpu"
-                else "-",
-            )
-            for row, s in zip(rows[1:], body["stages"])
-        ]
+        rows = [header] + [row + (s["device"], _gpu_cell(s["gpu"])) for row, s in zip(rows[1:], body["stages"])]
     for line in table_lines(rows):
         click.echo(line)
     _print_experts(body)
@@ -129,9 +121,23 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         )
 
 
+def _as_object(value):
+    """A statistics struct as JSON objects all the way down (on the wire they are arrays)."""
+    if isinstance(value, msgspec.Struct):
+        return {name: _as_object(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, tuple | list):
+        return [_as_object(item) for item in value]
+    return value
+
+
 def _pid_cell(entry: dict) -> str:
     """A worker's pid, and in a plan across hosts the host it runs on."""
     return f"{entry['pid']}@{entry['host']}" if entry["host"] else str(entry["pid"])
+
+
+def _gpu_cell(gpu: dict | None) -> str:
+    """A CUDA stage's device memory, held by tensors / reserved by the allocator."""
+    return f"{format_bytes(gpu['allocated_bytes'])} / {format_bytes(gpu['reserved_bytes'])}" if gpu else "-"
 
 
 def _share_cells(entry: dict) -> tuple[str, str, str]:
@@ -143,13 +149,12 @@ def _share_cells(entry: dict) -> tuple[str, str, str]:
 def _print_experts(body: dict) -> None:
     """Each MoE stage's expert load, then each expert shard."""
     for s in body["stages"]:
-        if s["expert_tokens"]:
+        if (e := s["experts"]) is not None:
             dispatch = (
-                f", dispatch {s['dispatch_s']:.2f}s {s['dispatch_fraction']:.0%} of busy" if s["dispatch_s"] else ""
+                f", dispatch {e['dispatch_s']:.2f}s {e['dispatch_fraction']:.0%} of busy" if e["dispatch_s"] else ""
             )
             click.echo(
-                f"stage {s['index']} experts: tokens {list(s['expert_tokens'])}, "
-                f"busiest {s['expert_imbalance']:.2f}x the mean{dispatch}"
+                f"stage {s['index']} experts: tokens {list(e['tokens'])}, busiest {e['imbalance']:.2f}x the mean{dispatch}"
             )
     if not body["shards"]:
         return

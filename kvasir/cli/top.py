@@ -25,9 +25,9 @@ import click
 from kvasir.cli.common import RUNTIME_DIR, connect
 from kvasir.errors import KvasirError
 from kvasir.units import GIB
-from kvasir.wire.bridge import StageStats
 from kvasir.wire.client import DaemonStats
 from kvasir.wire.shares import imbalance, stage_shares, window
+from kvasir.wire.stats import HeadQueue, StageStats
 
 BAR = 24
 HEADER = (
@@ -59,8 +59,8 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
     old = {s.index: s for s in before.stages}
     for s in after.stages:
         line = _stage_line(old.get(s.index), s)
-        if gpus and s.device != "cpu":
-            line = f"{line:<{len(HEADER)}}  {s.device:<8} {s.gpu_bytes / GIB:6.2f} GiB"  # under the header's column
+        if gpus and s.gpu is not None:
+            line = f"{line:<{len(HEADER)}}  {s.device:<8} {s.gpu.allocated_bytes / GIB:6.2f} GiB"  # under the header's column
         lines.append((f"{s.pool:<9}" if pooled else "") + line)
     lines += _expert_lines(before, after, "         " if pooled else "")
     if (cache_line := after.prefix_cache_line()) is not None:
@@ -86,9 +86,10 @@ def _expert_lines(before: DaemonStats, after: DaemonStats, pad: str) -> list[str
         )
     stages = {stage.index: stage for stage in before.stages}
     for stage in after.stages:
-        if stage.expert_tokens:
+        if stage.experts is not None:
             earlier = stages.get(stage.index)
-            load = window(stage.expert_tokens, earlier.expert_tokens if earlier is not None else None)
+            before_load = earlier.experts.tokens if earlier is not None and earlier.experts is not None else None
+            load = window(stage.experts.tokens, before_load)
             lines.append(
                 f"{pad}stage {stage.index} expert load: busiest {imbalance(load):.2f}x the mean, tokens {load}"
             )
@@ -103,12 +104,13 @@ def _queues(stages: list[StageStats], pooled: bool) -> str:
 
     def counts(pool: str, sep: str) -> str:
         head = heads.get(pool)
-        return f"queued {head.waiting if head else 0}{sep}batches in flight {head.inflight if head else 0}"
+        queue = head.head if head is not None and head.head is not None else HeadQueue()
+        return f"queued {queue.waiting}{sep}batches in flight {queue.inflight}"
 
     if not pooled:
         return "   " + counts("", "   ")
     prefill = heads.get("prefill")
-    handing_off = prefill.handing_off if prefill else 0
+    handing_off = prefill.head.handing_off if prefill is not None and prefill.head is not None else 0
     return f"   prefill: {counts('prefill', ', ')}, handing off {handing_off}   decode: {counts('decode', ', ')}"
 
 
@@ -120,7 +122,7 @@ def _stage_line(b: StageStats | None, s: StageStats) -> str:
     busy, starved, blocked = shares.busy, shares.starved, shares.blocked
     return (
         f"{s.index:5d}  {s.layers[0]:>3}-{s.layers[1]:<4}  [{bar(busy, starved, blocked)}]  {busy:4.0%} {starved:5.0%} {blocked:5.0%}"
-        f"  {(s.batches - b.batches) / wall:9.1f}  {(s.tokens - b.tokens) / wall:8.1f}   {s.kv_blocks:9d}"
+        f"  {(s.batches - b.batches) / wall:9.1f}  {(s.tokens - b.tokens) / wall:8.1f}   {s.kv.blocks:9d}"
     )
 
 

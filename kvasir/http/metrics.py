@@ -14,8 +14,8 @@ from itertools import accumulate
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvasir.wire.bridge import ShardStats, StageStats
 from kvasir.wire.client import DaemonStats, Histogram
+from kvasir.wire.stats import ShardStats, StageStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 WORKER = ["model_name", "role", "stage", "pool", "shard", "host"]
@@ -52,7 +52,7 @@ class _Snapshot:
     def _requests(self) -> Iterator[Metric]:
         stats, model = self.stats, [self.model]
         metrics = stats.metrics
-        waiting = sum(stage.waiting for stage in stats.stages)
+        waiting = sum(stage.head.waiting for stage in stats.stages if stage.head is not None)
         yield _gauge(
             "num_requests_running",
             "Requests in the daemon not waiting for admission.",
@@ -89,7 +89,7 @@ class _Snapshot:
             "kvasir:kv_blocks_in_use", "KV blocks held by running requests, per stage.", labels=WORKER
         )
         for s in stats.stages:
-            blocks.add_metric([self.model, "stage", str(s.index), s.pool, "", s.host], s.kv_blocks)
+            blocks.add_metric([self.model, "stage", str(s.index), s.pool, "", s.host], s.kv.blocks)
         yield blocks
 
     def _daemon(self) -> Iterator[Metric]:

@@ -20,9 +20,9 @@ from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.shm import SlotError
 from kvasir.ring.tcp_slots import EdgeError
 from kvasir.transport.channels import PullChannel, PushChannel
-from kvasir.wire.bridge import ShardStats
 from kvasir.wire.control import Heartbeat, ShardWiring, WorkerSettings
 from kvasir.wire.experts import ExpertDone, ExpertWork
+from kvasir.wire.stats import ShardStats
 
 POLL_MS = 50
 

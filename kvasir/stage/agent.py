@@ -20,9 +20,9 @@ from kvasir.stage.handoff import NoHandoff
 from kvasir.stage.ports import HandoffRole, Intake, Outlet
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
-from kvasir.wire.bridge import BatchSpan, StageStats
 from kvasir.wire.control import Heartbeat, WorkerSettings
 from kvasir.wire.shares import imbalance
+from kvasir.wire.stats import BatchSpan, ExpertLoad, GpuMemory, KvUse, StageStats
 
 POLL_MS = 50
 SPANS_PER_REPORT = 2048  # batch spans a stage keeps between two stats reports
@@ -136,7 +136,6 @@ class StageAgent:
     def stats(self, now: float) -> StageStats:
         c = self.clock
         cache = self.engine.cache
-        counters = self.intake.counters()
         return StageStats(
             index=self.index,
             layers=self.engine.spec.layers,
@@ -149,45 +148,30 @@ class StageAgent:
             batches=c.batches,
             rows=c.rows,
             tokens=c.tokens,
-            inflight=counters["inflight"],
-            waiting=counters["waiting"],
-            kv_requests=cache.requests,
-            kv_blocks=cache.blocks_held,
+            kv=KvUse(requests=cache.requests, blocks=cache.blocks_held),
             hop_s=(self.intake.hop_ns + self.outlet.hop_ns) / 1e9,
             spans=self._take_spans(),
             pool=self.settings.pool,
-            handoff_bytes=self.handoff.nbytes,
-            handoff_s=self.handoff.copy_s,
-            handing_off=counters.get("handing_off", 0),
-            prefix_queries=counters.get("prefix_queries", 0),
-            prefix_prompt_tokens=counters.get("prefix_prompt_tokens", 0),
-            prefix_hit_tokens=counters.get("prefix_hit_tokens", 0),
-            prefix_cached_blocks=counters.get("prefix_cached_blocks", 0),
-            prefix_evicted=counters.get("prefix_evicted", 0),
-            **self._device_memory(),
-            **self._experts(),
+            device=str(self.engine.device),
+            head=self.intake.queue(),
+            prefix=self.intake.prefix(),
+            handoff=self.handoff.counters(),
+            experts=self._experts(),
+            gpu=self._gpu_memory(),
         )
 
-    def _experts(self) -> dict:
+    def _experts(self) -> ExpertLoad | None:
         """MoE stages: tokens per expert, the busiest expert over the mean, dispatch time."""
         load = self.engine.expert_load()
         if not load:
-            return {}
-        return {
-            "expert_tokens": tuple(load),
-            "expert_imbalance": imbalance(load),
-            "dispatch_s": self.engine.dispatch.seconds,
-        }
+            return None
+        return ExpertLoad(tokens=tuple(load), imbalance=imbalance(load), dispatch_s=self.engine.dispatch.seconds)
 
-    def _device_memory(self) -> dict:
+    def _gpu_memory(self) -> GpuMemory | None:
         device = self.engine.device
         if device.type != "cuda":
-            return {}
-        return {
-            "device": str(device),
-            "gpu_bytes": torch.cuda.memory_allocated(device),
-            "gpu_reserved_bytes": torch.cuda.memory_reserved(device),
-        }
+            return None
+        return GpuMemory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
 
     def _take_spans(self) -> tuple[BatchSpan, ...]:
         spans = tuple(self.clock.spans)

@@ -25,6 +25,7 @@ from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.control import HandoffWiring
 from kvasir.wire.head import KvHeld
 from kvasir.wire.kv import KvChunk, KvReady, Placement
+from kvasir.wire.stats import HandoffCounters
 
 DROPPED_KEPT = 65536  # ids of dropped requests a decode stage remembers (their late announcements are ignored)
 
@@ -38,11 +39,12 @@ class NoHandoff:
     """A stage of a colocated plan: nothing to hand over (and the defaults of the others)."""
 
     sockets: list = []
-    nbytes = 0  # KV bytes received
-    copy_s = 0.0  # seconds spent copying them
 
     def receive(self) -> float:
         return 0.0
+
+    def counters(self) -> HandoffCounters | None:
+        return None
 
     def after(self, descriptor: BatchDescriptor) -> None:
         pass
@@ -129,8 +131,11 @@ class KvReceiver(NoHandoff):
         self.parts: dict[int, dict[int, KvReady]] = {}
         self.placed: dict[int, tuple[int, ...]] = {}
         self.dropped: OrderedDict[int, None] = OrderedDict()
-        self.nbytes = 0
-        self.copy_s = 0.0
+        self.nbytes = 0  # KV bytes received
+        self.copy_s = 0.0  # seconds spent copying them
+
+    def counters(self) -> HandoffCounters | None:
+        return HandoffCounters(bytes=self.nbytes, copy_s=self.copy_s)
 
     def receive(self) -> float:
         """Take announcements and placements; copy what is complete. Seconds spent copying."""

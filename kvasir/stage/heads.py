@@ -30,6 +30,7 @@ from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import HandoffReport, RequestEnded
 from kvasir.wire.head import Adopted, BatchResult, CancelRequest, Enqueue, Handoff, KvDrop, KvHeld, KvPlaced
 from kvasir.wire.kv import Placement
+from kvasir.wire.stats import HeadQueue, PrefixCounters
 
 Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a release-only descriptor
 
@@ -98,17 +99,18 @@ class SchedulerIntake:
     def consumed(self, descriptor: BatchDescriptor) -> None:
         pass
 
-    def counters(self) -> dict[str, int]:
+    def queue(self) -> HeadQueue | None:
+        return HeadQueue(inflight=len(self.scheduler.inflight), waiting=len(self.scheduler.waiting))
+
+    def prefix(self) -> PrefixCounters | None:
         cache = self.scheduler.cache
-        return {
-            "inflight": len(self.scheduler.inflight),
-            "waiting": len(self.scheduler.waiting),
-            "prefix_queries": cache.queries,
-            "prefix_prompt_tokens": cache.query_tokens,
-            "prefix_hit_tokens": cache.hit_tokens,
-            "prefix_cached_blocks": cache.cached_blocks,
-            "prefix_evicted": cache.evicted,
-        }
+        return PrefixCounters(
+            queries=cache.queries,
+            prompt_tokens=cache.query_tokens,
+            hit_tokens=cache.hit_tokens,
+            cached_blocks=cache.cached_blocks,
+            evicted=cache.evicted,
+        )
 
 
 class PrefillHeadIntake(SchedulerIntake):
@@ -194,8 +196,8 @@ class PrefillHeadIntake(SchedulerIntake):
                 )
             )
 
-    def counters(self) -> dict[str, int]:
-        return {**super().counters(), "handing_off": len(self.handed)}
+    def queue(self) -> HeadQueue | None:
+        return HeadQueue(len(self.scheduler.inflight), len(self.scheduler.waiting), handing_off=len(self.handed))
 
 
 @dataclass
@@ -306,6 +308,6 @@ class DecodeHeadIntake(SchedulerIntake):
         for stage in self.stages:
             stage.send(message)
 
-    def counters(self) -> dict[str, int]:
-        counters = super().counters()
-        return {**counters, "waiting": counters["waiting"] + len(self.pending) + len(self.placed)}
+    def queue(self) -> HeadQueue | None:
+        waiting = len(self.scheduler.waiting) + len(self.pending) + len(self.placed)
+        return HeadQueue(inflight=len(self.scheduler.inflight), waiting=waiting)

@@ -10,6 +10,7 @@ import zmq
 
 from kvasir.stage.heads import Work
 from kvasir.wire.batch import BatchDescriptor
+from kvasir.wire.stats import HandoffCounters, HeadQueue, PrefixCounters
 
 
 class Intake(Protocol):
@@ -23,7 +24,9 @@ class Intake(Protocol):
 
     def consumed(self, descriptor: BatchDescriptor) -> None: ...
 
-    def counters(self) -> dict[str, int]: ...
+    def queue(self) -> HeadQueue | None: ...  # a head's queue and batches in flight
+
+    def prefix(self) -> PrefixCounters | None: ...  # a head's prefix cache
 
     hop_ns: int  # time spent on boundary hand-offs (reading slots, descriptors, credits)
 
@@ -32,10 +35,10 @@ class HandoffRole(Protocol):
     """What a stage does for the KV hand-off between pools (nothing in a colocated plan)."""
 
     sockets: list[zmq.Socket]
-    nbytes: int  # KV bytes received
-    copy_s: float  # seconds spent copying them
 
     def receive(self) -> float: ...  # seconds of work done
+
+    def counters(self) -> HandoffCounters | None: ...  # a decode stage's KV received
 
     def after(self, descriptor: BatchDescriptor) -> None: ...
 

@@ -10,6 +10,7 @@ from kvasir.ring.slots import SlotRing
 from kvasir.stage.heads import Work
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor, Credit
+from kvasir.wire.stats import HeadQueue, PrefixCounters
 
 
 # -- every other stage: batches come from upstream ----------------------------------------
@@ -62,5 +63,8 @@ class UpstreamIntake:
             self.credits.send(Credit(descriptor.slot))
             self.hop_ns += time.perf_counter_ns() - started
 
-    def counters(self) -> dict[str, int]:
-        return {"inflight": 0, "waiting": 0}
+    def queue(self) -> HeadQueue | None:
+        return None  # not a head
+
+    def prefix(self) -> PrefixCounters | None:
+        return None

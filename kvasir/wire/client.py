@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 
 from kvasir.wire.base import MAX_STOP_TOKEN_IDS, DaemonState, FinishReason
-from kvasir.wire.bridge import BatchSpan, ShardStats, StageStats
+from kvasir.wire.stats import BatchSpan, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
 # length before its items, so an oversized list is refused without being walked). The
@@ -144,15 +144,16 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def of(cls, stages: list[StageStats]) -> PrefixCacheStats:
         """Summed over the stages' reports (only heads report any)."""
-        prompt = sum(s.prefix_prompt_tokens for s in stages)
-        hits = sum(s.prefix_hit_tokens for s in stages)
+        caches = [s.prefix for s in stages if s.prefix is not None]
+        prompt = sum(c.prompt_tokens for c in caches)
+        hits = sum(c.hit_tokens for c in caches)
         return cls(
-            queries=sum(s.prefix_queries for s in stages),
+            queries=sum(c.queries for c in caches),
             prompt_tokens=prompt,
             hit_tokens=hits,
             hit_rate=hits / prompt if prompt else 0.0,
-            cached_blocks=sum(s.prefix_cached_blocks for s in stages),
-            evicted=sum(s.prefix_evicted for s in stages),
+            cached_blocks=sum(c.cached_blocks for c in caches),
+            evicted=sum(c.evicted for c in caches),
         )
 
 

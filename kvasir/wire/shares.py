@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvasir.wire.bridge import ShardStats, StageStats
+from kvasir.wire.stats import ShardStats, StageStats
 
 PARTS = ("busy", "starved", "blocked")
 

@@ -96,8 +96,8 @@ def test_two_stages_on_one_gpu_over_cuda_ipc_match_generate_float32(start_daemon
     check_exact(daemon, tiny_models["llama"], GPU, prompts)
     stages = settled(daemon.runtime_dir).stages
     assert [s.device for s in stages] == [GPU, GPU]
-    assert all(0 < s.gpu_bytes <= s.gpu_reserved_bytes for s in stages)
-    assert all(s.kv_blocks == 0 for s in stages)
+    assert all(s.gpu is not None and 0 < s.gpu.allocated_bytes <= s.gpu.reserved_bytes for s in stages)
+    assert all(s.kv.blocks == 0 for s in stages)
 
 
 def test_three_gpu_stages_two_cuda_ipc_edges_with_more_batches_than_slots(start_daemon, tiny_models):

@@ -48,7 +48,9 @@ def test_disaggregated_output_equals_hf_generate(tiny_models, start_daemon, spli
     handed = sum(1 for events in results if len(check_events(events)[0]) > 1)  # one that ends at its first token stays
     assert stats.handoff is not None and stats.handoff.count == handed > 0
     stats = settled(daemon.runtime_dir)
-    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages)  # every pool freed every request's blocks
+    assert all(
+        s.kv.blocks == 0 and (s.head is None or s.head.handing_off == 0) for s in stats.stages
+    )  # every pool freed every request's blocks
     shown = subprocess.run(
         [str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)],
         capture_output=True,
@@ -59,7 +61,7 @@ def test_disaggregated_output_equals_hf_generate(tiny_models, start_daemon, spli
     assert body["handoff"]["count"] == handed and body["handoff"]["kv_bytes"] > 0 and body["handoff"]["gibps"] > 0
     assert set(body["pools"]) == {"prefill", "decode"}
     decode = [stage for stage in body["stages"] if stage["pool"] == "decode"]
-    assert all(stage["handoff_bytes"] > 0 for stage in decode)
+    assert all(stage["handoff"]["bytes"] > 0 for stage in decode)
     # the prefill pool reuses cached prefixes; the decode pool still gets every request's whole KV
     repeat = prompts[LENGTHS.index(33)]
     whole = check_events(results[LENGTHS.index(33)])[1].handoff
@@ -93,7 +95,7 @@ def test_a_stage_dying_mid_handoff_fails_its_requests_once_and_the_pools_recover
         prompt = list(range(5 + victim, 45))
         assert one_greedy(daemon.runtime_dir, prompt, 12) == hf_greedy(reference, prompt, 12)
         stats = settled(daemon.runtime_dir)
-        assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
+        assert all(s.kv.blocks == 0 and (s.head is None or s.head.handing_off == 0) for s in stats.stages), stats.stages
     assert daemon.stop() == 0
     assert not list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))  # edges and prefill KV segments removed
 
@@ -118,7 +120,7 @@ def test_a_full_decode_pool_makes_prefill_wait_and_drops_nothing(tiny_models, st
         handed += len(final.token_ids) > 1  # one that ends at its first token never leaves the prefill pool
     stats = settled(daemon.runtime_dir)
     assert handed > 8 and stats.handoff.count == handed
-    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
+    assert all(s.kv.blocks == 0 and (s.head is None or s.head.handing_off == 0) for s in stats.stages), stats.stages
 
 
 def test_a_lost_confirmation_ends_with_the_lease(tiny_models, start_daemon):
@@ -138,10 +140,12 @@ def test_a_lost_confirmation_ends_with_the_lease(tiny_models, start_daemon):
             assert isinstance(final, ErrorEvent) and final.code == "stage_failed", final
             assert "did not take" in final.message
         prefill = [s for s in settled(daemon.runtime_dir, pool="prefill").stages if s.pool == "prefill"]
-        assert len(prefill) == 2 and all(s.handing_off == 0 and s.kv_blocks == 0 for s in prefill), prefill
+        assert len(prefill) == 2 and all(
+            (s.head is None or s.head.handing_off == 0) and s.kv.blocks == 0 for s in prefill
+        ), prefill
     finally:
         os.kill(pids[3], signal.SIGCONT)
     reference = reference_model(tiny_models["llama"])
     assert one_greedy(daemon.runtime_dir, [9, 8, 7], 10) == hf_greedy(reference, [9, 8, 7], 10)
     stats = settled(daemon.runtime_dir)
-    assert all(s.kv_blocks == 0 and s.handing_off == 0 for s in stats.stages), stats.stages
+    assert all(s.kv.blocks == 0 and (s.head is None or s.head.handing_off == 0) for s in stats.stages), stats.stages

@@ -46,10 +46,12 @@ def test_expert_shards_match_hf_generate_for_concurrent_requests(tiny_models, st
     assert [(s.number, s.stage, s.experts) for s in shards] == [(0, 0, (0, 1)), (1, 0, (1, 6)), (2, 0, (6, 8))]
     assert all(alive(s.pid) for s in shards) and not {s.pid for s in shards} & {head.pid, tail.pid}
     # every pick of stage 0 went to the shard holding its expert, and was counted there
-    assert [t for s in shards for t in s.expert_tokens] == list(head.expert_tokens)
-    assert sum(s.tokens for s in shards) == sum(head.expert_tokens) > 0
-    assert head.dispatch_s > 0 and tail.dispatch_s == 0 and len(tail.expert_tokens) == 8  # stage 1: its own
-    assert head.expert_imbalance >= 1.0
+    assert [t for s in shards for t in s.expert_tokens] == list(head.experts.tokens)
+    assert sum(s.tokens for s in shards) == sum(head.experts.tokens) > 0
+    assert (
+        head.experts.dispatch_s > 0 and tail.experts.dispatch_s == 0 and len(tail.experts.tokens) == 8
+    )  # stage 1: its own
+    assert head.experts.imbalance >= 1.0
     runs = head.batches * len(MoeLayout.of(model.config).moe_layers((0, 3)))  # stage 0's MoE layer passes
     assert shards[0].dispatches < runs, "the one-expert shard should have had passes with no rows"
     assert sum(s.dispatches for s in shards) > runs, "some passes should have sent rows to several shards"
@@ -64,7 +66,8 @@ def check_cli(runtime_dir, stats) -> None:
     assert listed == [(s.number, s.stage, list(s.experts), s.pid) for s in stats.shards]
     assert all({"busy_s", "starved_s", "blocked_s", "tokens", "busy_fraction"} <= set(s) for s in body["shards"])
     head = body["stages"][0]
-    assert len(head["expert_tokens"]) == 8 and head["expert_imbalance"] >= 1 and 0 < head["dispatch_fraction"] <= 1
+    assert len(head["experts"]["tokens"]) == 8 and head["experts"]["imbalance"] >= 1
+    assert 0 < head["experts"]["dispatch_fraction"] <= 1
     text = CliRunner().invoke(kvasir, ["stats", *where]).output
     assert "stage 0 experts: tokens [" in text and "of busy" in text and "stage 1 experts:" in text
     assert [line.split()[:3] for line in text.splitlines() if line.startswith(("0 ", "1 ", "2 "))][-3:] == [
@@ -83,7 +86,9 @@ def with_shards(runtime_dir, count: int, timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while True:
         stats = settled(runtime_dir)
-        picks = sum(sum(s.expert_tokens) for s in stats.stages if s.dispatch_s > 0)  # stages with shards
+        picks = sum(
+            sum(s.experts.tokens) for s in stats.stages if s.experts is not None and s.experts.dispatch_s > 0
+        )  # stages with shards
         if len(stats.shards) >= count and sum(s.tokens for s in stats.shards) == picks:
             return stats
         if time.monotonic() > deadline:

@@ -70,7 +70,9 @@ def idle(runtime_dir: Path):
     """Stats once nothing is in the daemon: no request at the bridge or queued at the
     head, no KV held anywhere (or whatever there is after 30 s)."""
     stats = settled(runtime_dir)
-    assert stats.in_flight == 0 and all(s.waiting == 0 and s.kv_blocks == 0 for s in stats.stages), stats
+    assert stats.in_flight == 0 and all(
+        (s.head is None or s.head.waiting == 0) and s.kv.blocks == 0 for s in stats.stages
+    ), stats
     return stats
 
 

@@ -173,10 +173,10 @@ def test_overload_and_cancel_mid_stream_free_kv_on_every_stage(tiny_models, star
     deadline = time.monotonic() + 10
     while True:
         stages = asyncio.run(stats(daemon.runtime_dir)).stages
-        if all(s.kv_requests == 0 and s.kv_blocks == 0 for s in stages) or time.monotonic() > deadline:
+        if all(s.kv.requests == 0 and s.kv.blocks == 0 for s in stages) or time.monotonic() > deadline:
             break
         time.sleep(0.3)
-    assert [(s.kv_requests, s.kv_blocks) for s in stages] == [(0, 0)] * 3
+    assert [(s.kv.requests, s.kv.blocks) for s in stages] == [(0, 0)] * 3
     final = asyncio.run(one_request(daemon.runtime_dir, [5, 9, 11], 6))
     assert isinstance(final, Finished) and len(final.token_ids) >= 1
 

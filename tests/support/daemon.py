@@ -227,6 +227,6 @@ def settled(runtime_dir, timeout_s: float = 30.0, pool: str | None = None):
             idle_at = clocks
         reported = idle_at is not None and all(wall > idle_at.get(pid, -1.0) for pid, wall in clocks.items())
         stages = [s for s in stats.stages if pool is None or s.pool == pool]
-        if reported and all(s.kv_blocks == 0 for s in stages) or time.monotonic() > deadline:
+        if reported and all(s.kv.blocks == 0 for s in stages) or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)

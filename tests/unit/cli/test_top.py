@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 
 from kvasir.cli.top import bar, frame
-from kvasir.wire.bridge import StageStats
 from kvasir.wire.client import DaemonStats
+from kvasir.wire.stats import GpuMemory, HeadQueue, KvUse, PrefixCounters, StageStats
 
 
 def stage(index, layers, wall_s, busy_s, batches, **kw) -> StageStats:
@@ -17,9 +17,7 @@ def stage(index, layers, wall_s, busy_s, batches, **kw) -> StageStats:
         blocked_s=0.0,
         rows=0,
         tokens=batches * 4,
-        inflight=0,
-        kv_requests=0,
-        kv_blocks=7,
+        kv=KvUse(requests=0, blocks=7),
     )
     values.update(kw)
     return StageStats(index=index, layers=layers, wall_s=wall_s, busy_s=busy_s, batches=batches, **values)
@@ -47,7 +45,9 @@ def test_bar_shares():
 def test_a_cpu_ring_frame_shows_the_head_and_each_stages_shares():
     before = snapshot(10.0, [stage(0, (0, 15), 9.0, 4.0, 10), stage(1, (15, 30), 9.0, 3.0, 10)], 100)
     after = snapshot(
-        12.0, [stage(0, (0, 15), 11.0, 5.0, 30, waiting=4, inflight=2), stage(1, (15, 30), 11.0, 3.5, 30)], 140
+        12.0,
+        [stage(0, (0, 15), 11.0, 5.0, 30, head=HeadQueue(inflight=2, waiting=4)), stage(1, (15, 30), 11.0, 3.5, 30)],
+        140,
     )
     lines = frame(before, after)
     assert "queued 4   batches in flight 2" in lines[0] and "20.0 tokens/s out" in lines[0]
@@ -70,9 +70,9 @@ def test_gpu_stages_show_their_device_and_memory_and_a_restarted_stage_waits():
     after = snapshot(
         12.0,
         [
-            stage(0, (0, 10), 11.0, 5.0, 30, device="cuda:0", gpu_bytes=3 * 2**29),
+            stage(0, (0, 10), 11.0, 5.0, 30, device="cuda:0", gpu=GpuMemory(3 * 2**29, 2**30)),
             stage(
-                1, (10, 20), 1.0, 0.5, 2, pid=999, device="cuda:1", gpu_bytes=2**30
+                1, (10, 20), 1.0, 0.5, 2, pid=999, device="cuda:1", gpu=GpuMemory(2**30, 2**30)
             ),  # a new process since the last snapshot
             stage(2, (20, 30), 11.0, 3.5, 30),
         ],
@@ -95,9 +95,7 @@ def test_a_disaggregated_frame_names_each_pool_and_its_head():
             for k, (pool, layers) in enumerate(pools)
         ]
 
-    after = snapshot(
-        12.0, stages(11.0, prefill=dict(waiting=6, inflight=1, handing_off=2), decode=dict(waiting=3, inflight=2)), 50
-    )
+    after = snapshot(12.0, stages(11.0, prefill=dict(head=HeadQueue(1, 6, 2)), decode=dict(head=HeadQueue(2, 3))), 50)
     lines = frame(snapshot(10.0, stages(9.0), 10), after)
     assert "prefill: queued 6, batches in flight 1, handing off 2" in lines[0]
     assert "decode: queued 3, batches in flight 2" in lines[0]
@@ -109,7 +107,7 @@ def test_a_frame_ends_with_the_prefix_cache_once_it_was_used():
     from kvasir.wire.client import PrefixCacheStats
 
     before = snapshot(10.0, [stage(0, (0, 15), 9.0, 4.0, 10), stage(1, (15, 30), 9.0, 3.0, 10)], 100)
-    head = stage(0, (0, 15), 11.0, 5.0, 30, prefix_queries=4, prefix_prompt_tokens=400, prefix_hit_tokens=300)
+    head = stage(0, (0, 15), 11.0, 5.0, 30, prefix=PrefixCounters(queries=4, prompt_tokens=400, hit_tokens=300))
     stages = [head, stage(1, (15, 30), 11.0, 3.5, 30)]
     used = msgspec.structs.replace(snapshot(12.0, stages, 140), prefix_cache=PrefixCacheStats.of(stages))
     assert frame(before, used)[-1] == (

@@ -6,13 +6,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvasir.bridge.metrics import Metrics
 from kvasir.http.metrics import render
-from kvasir.wire.bridge import ShardStats, StageStats
 from kvasir.wire.client import DaemonStats, HandoffSummary, Timings
+from kvasir.wire.stats import HeadQueue, KvUse, ShardStats, StageStats
 
 
 def stage(index: int, waiting: int = 0, pool: str = "") -> StageStats:
     return StageStats(
-        index, (index, index + 1), 100 + index, 10.0, 6.0, 3.0, 1.0, 5, 5, 50, 0, 2, 7, waiting, pool=pool
+        index,
+        (index, index + 1),
+        100 + index,
+        10.0,
+        6.0,
+        3.0,
+        1.0,
+        5,
+        5,
+        50,
+        kv=KvUse(2, 7),
+        head=HeadQueue(0, waiting) if index == 0 else None,
+        pool=pool,
     )
 
 

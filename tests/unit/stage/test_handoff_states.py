@@ -120,7 +120,7 @@ def test_the_prefill_head_parks_the_request_until_adopted(prefill):
     intake, ch, rid, result = prefill
     deliver(intake, ch["inbox"], result)
     assert intake.handed == {rid} and intake.scheduler.cache.available == 20 - 3  # its prompt's blocks held
-    assert intake.counters()["handing_off"] == 1
+    assert intake.queue().handing_off == 1
     deliver(intake, ch["inbox"], KvPlaced(rid), Adopted(rid))
     assert intake.handed == set() and intake.scheduler.cache.available == 20
 

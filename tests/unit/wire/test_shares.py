@@ -3,12 +3,12 @@
 import pytest
 
 from kvasir.bench.plans import pool_fractions
-from kvasir.wire.bridge import StageStats
 from kvasir.wire.shares import Shares, by_pool, stage_shares, total
+from kvasir.wire.stats import StageStats
 
 
 def report(wall, busy, starved, blocked, pool=""):
-    return StageStats(0, (0, 1), 1, wall, busy, starved, blocked, 0, 0, 0, 0, 0, 0, pool=pool)
+    return StageStats(0, (0, 1), 1, wall, busy, starved, blocked, 0, 0, 0, pool=pool)
 
 
 def test_a_stage_since_start_and_over_a_window():

@@ -1,0 +1,108 @@
+"""Statistics the workers report to the bridge (``StageStats``, ``ShardStats``): the
+figures every worker has at the top level, each feature's counters in a struct of its
+own, present only where the feature runs (a head's queue, its prefix cache, a decode
+stage's hand-off, a MoE stage's expert load, a CUDA stage's memory)."""
+
+from __future__ import annotations
+
+from kvasir.config.plan import Pool
+from kvasir.wire.base import Tagged, Wire
+
+
+class BatchSpan(Wire, frozen=True):
+    """One batch on one stage: when the stage took it and handed it on, and what it held."""
+
+    batch_id: int
+    start_ns: int  # CLOCK_MONOTONIC, comparable across the daemon's processes
+    end_ns: int
+    prefill_tokens: int  # tokens of multi-token rows (prompt chunks)
+    decode_tokens: int  # tokens of single-token rows
+
+
+class KvUse(Wire, frozen=True):
+    """The KV a stage holds now."""
+
+    requests: int = 0  # requests whose KV the stage holds
+    blocks: int = 0  # KV blocks they hold on this stage
+
+
+class HeadQueue(Wire, frozen=True):
+    """A ring head's queue and batches."""
+
+    inflight: int = 0  # batches in flight round the ring
+    waiting: int = 0  # requests queued for admission (a decode head: also those whose KV is on its way)
+    handing_off: int = 0  # a prefill head: requests handed to the decode pool, not yet taken (their blocks held)
+
+
+class PrefixCounters(Wire, frozen=True):
+    """A head's prefix cache since the ring (re)started."""
+
+    queries: int = 0  # admitted prompts looked up
+    prompt_tokens: int = 0  # their tokens
+    hit_tokens: int = 0  # of those, reused from the cache
+    cached_blocks: int = 0  # blocks in the cache now (held by requests or idle)
+    evicted: int = 0  # cached blocks given up for room
+
+
+class HandoffCounters(Wire, frozen=True):
+    """A decode stage's KV received from the prefill pool."""
+
+    bytes: int = 0
+    copy_s: float = 0.0  # of busy time, spent copying it
+
+
+class ExpertLoad(Wire, frozen=True):
+    """A MoE stage's routing since it started."""
+
+    tokens: tuple[int, ...]  # tokens routed to each expert (one per top-k pick), all layers
+    imbalance: float  # the busiest expert's tokens over the mean (1.0: even)
+    dispatch_s: float = 0.0  # with expert shards: of busy time, spent dispatching rows and combining
+
+
+class GpuMemory(Wire, frozen=True):
+    """A CUDA stage's device memory."""
+
+    allocated_bytes: int  # held by live tensors (weights, KV cache, slots, activations)
+    reserved_bytes: int  # reserved by the caching allocator
+
+
+class StageStats(Tagged, frozen=True):
+    index: int
+    layers: tuple[int, int]
+    pid: int
+    wall_s: float  # since the stage started serving
+    busy_s: float
+    starved_s: float
+    blocked_s: float
+    batches: int
+    rows: int
+    tokens: int
+    kv: KvUse = KvUse()
+    hop_s: float = 0.0  # of busy and waiting time: spent handing boundaries over (slots, descriptors, credits)
+    spans: tuple[BatchSpan, ...] = ()  # batches run since the previous report (the bridge keeps a bounded timeline)
+    pool: Pool = ""
+    host: str = ""  # a plan across hosts: the host it runs on
+    device: str = "cpu"  # where the stage's slice, KV cache and attention live
+    head: HeadQueue | None = None  # a ring's head
+    prefix: PrefixCounters | None = None  # a head with its prefix cache
+    handoff: HandoffCounters | None = None  # a decode pool's stage
+    experts: ExpertLoad | None = None  # a stage holding MoE layers
+    gpu: GpuMemory | None = None  # a CUDA stage
+
+
+class ShardStats(Tagged, frozen=True):
+    """An expert shard's statistics, as a stage's (kvasir/wire/shares.py reads both)."""
+
+    number: int
+    stage: int  # its stage's global index
+    experts: tuple[int, int]
+    pid: int
+    wall_s: float
+    busy_s: float
+    starved_s: float
+    blocked_s: float  # always 0: a shard hands its result straight back
+    dispatches: int  # layer dispatches computed
+    tokens: int  # tokens routed to its experts (one per pick)
+    expert_tokens: tuple[int, ...]  # of those, per expert of its range
+    pool: Pool = ""
+    host: str = ""  # a plan across hosts: the host it runs on
