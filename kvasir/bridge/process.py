@@ -11,15 +11,13 @@ import zmq.asyncio
 
 from kvasir.bridge.server import Bridge
 from kvasir.logs import setup_logging
-from kvasir.wire.control import WorkerSettings
-from kvasir.wire.decoding import decode
+from kvasir.wire.control import BridgeSettings
 
 
-def run_bridge(encoded: bytes) -> None:
+def run_bridge(settings: BridgeSettings) -> None:
     """Entry point of the bridge process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
-    settings = decode(encoded, WorkerSettings)
     log = setup_logging(settings.log_level, role="bridge", pid=os.getpid())
 
     async def main() -> None:

@@ -50,7 +50,7 @@ from kvasir.wire.client import (
     StatsReply,
     Submit,
 )
-from kvasir.wire.control import Command, Drained, Heartbeat, Ready, WorkerSettings
+from kvasir.wire.control import BridgeSettings, Command, Drained, Heartbeat, Ready
 from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.head import CancelRequest, Enqueue
 from kvasir.wire.stats import BatchSpan
@@ -60,7 +60,7 @@ PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before i
 
 
 class Bridge:
-    def __init__(self, settings: WorkerSettings, ctx: zmq.asyncio.Context, log) -> None:
+    def __init__(self, settings: BridgeSettings, ctx: zmq.asyncio.Context, log) -> None:
         plan = settings.plan
         ends, fabric = open_fabric(settings.runtime_dir, settings.fabric)
         model = settings.model

@@ -18,7 +18,7 @@ from kvasir.config.plan import Plan, Pool
 from kvasir.transport.channels import PushChannel
 from kvasir.transport.fabric import Sockets
 from kvasir.wire.base import Role
-from kvasir.wire.control import Command, EdgeSpec, ShardWiring, WorkerSettings
+from kvasir.wire.control import Command, EdgeSpec, ShardSettings, ShardWiring, StageSettings, WorkerSettings
 
 
 class Process(Protocol):
@@ -56,8 +56,8 @@ class ChildId:
 
     @classmethod
     def of(cls, settings: WorkerSettings) -> ChildId:
-        pool = settings.pool if settings.role in ("stage", "shard") else ""
-        return cls(settings.role, settings.index if settings.role != "bridge" else 0, pool)
+        pool = settings.pool if isinstance(settings, StageSettings | ShardSettings) else ""
+        return cls(settings.role, settings.index, pool)
 
 
 BRIDGE = ChildId("bridge")

@@ -36,7 +36,7 @@ from kvasir.transport.fabric import Sockets
 from kvasir.transport.resets import Resets
 from kvasir.transport.routes import Placement, Routes, plan_digest
 from kvasir.transport.rundir import lock_runtime_dir
-from kvasir.wire.control import HostSegments, WorkerSettings
+from kvasir.wire.control import HostSegments, ShardSettings, ShardWiring, StageSettings, WorkerSettings
 from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.hosts import ALIVE_EVERY_S, Alive, Exited, Halt, LeaderMessage, Ping, Refused, Run, Spawned
 
@@ -60,8 +60,12 @@ def segment_names(run: Run) -> list[str]:
     settings name."""
     names = run.segments.names()
     for settings in run.workers:
-        names += [edge.name for edge in settings.edges] + [wiring.slot.name for wiring in settings.shards]
-        names += [kv.name for kv in settings.handoff.prefill] if settings.handoff is not None else []
+        match settings:
+            case StageSettings(edges=edges, shards=shards, handoff=handoff):
+                names += [edge.name for edge in edges] + [wiring.slot.name for wiring in shards]
+                names += [kv.name for kv in handoff.prefill] if handoff is not None else []
+            case ShardSettings(wiring=wiring):
+                names.append(wiring.slot.name)
     return names
 
 
@@ -70,26 +74,27 @@ def renamed(segments: HostSegments, leader_prefix: str, prefix: str) -> dict[str
     return {name: prefix + name[len(leader_prefix) :] for name in segments.names() if name.startswith(leader_prefix)}
 
 
-def localize(settings: WorkerSettings, here: Local, names: dict[str, str]) -> WorkerSettings:
-    """A worker's settings from the leader, with this host's paths, pid and segment names."""
+def localize(settings: WorkerSettings, here: Local, names: dict[str, str]) -> StageSettings | ShardSettings:
+    """A worker's settings from the leader, with this host's paths, pid and segment names
+    (a follower runs stages and expert shards; anything else is refused)."""
     replace = msgspec.structs.replace
+    fabric = settings.fabric
+    if not isinstance(settings, StageSettings | ShardSettings) or fabric is None or fabric.host != here.host:
+        raise KvasirError(f"the leader sent {ChildId.of(settings).name}, which is not a worker of host {here.host}")
+
+    def slot(wiring: ShardWiring) -> ShardWiring:
+        return replace(wiring, slot=replace(wiring.slot, name=names.get(wiring.slot.name, wiring.slot.name)))
+
     plan = replace(settings.plan, model=replace(settings.plan.model, source=here.source))
+    common = dict(plan=plan, runtime_dir=str(here.runtime_dir), launcher_pid=os.getpid())
+    common["fabric"] = replace(fabric, secret=here.secret)
+    if isinstance(settings, ShardSettings):
+        return replace(settings, wiring=slot(settings.wiring), **common)
     handoff = settings.handoff
     if handoff is not None:
         handoff = replace(handoff, prefill=[replace(kv, name=names.get(kv.name, kv.name)) for kv in handoff.prefill])
-    fabric = settings.fabric
-    if fabric is None or fabric.host != here.host:
-        raise KvasirError(f"the leader sent {ChildId.of(settings).name}, which is not a worker of host {here.host}")
-    return replace(
-        settings,
-        plan=plan,
-        runtime_dir=str(here.runtime_dir),
-        launcher_pid=os.getpid(),
-        edges=[replace(edge, name=names.get(edge.name, edge.name)) for edge in settings.edges],
-        shards=[replace(w, slot=replace(w.slot, name=names.get(w.slot.name, w.slot.name))) for w in settings.shards],
-        handoff=handoff,
-        fabric=replace(fabric, secret=here.secret),
-    )
+    edges = [replace(edge, name=names.get(edge.name, edge.name)) for edge in settings.edges]
+    return replace(settings, edges=edges, shards=[slot(w) for w in settings.shards], handoff=handoff, **common)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from kvasir.model.source import ModelSource
 from kvasir.ring.shm import segment_prefix
 from kvasir.transport.fabric import Sockets
 from kvasir.wire.base import Role
-from kvasir.wire.control import ModelFacts, WorkerSettings
+from kvasir.wire.control import BridgeSettings, FrontSettings, ModelFacts, ShardSettings, StageSettings, WorkerSettings
 
 
 @dataclass
@@ -46,39 +46,41 @@ class Spawner:
         return [children[child] for child in wanted]
 
     def settings(self, layout: Layout, role: Role, index: int) -> WorkerSettings:
+        """A ring child's settings: a stage's place in its pool, a shard's wiring, the bridge's model facts."""
         place, shards = layout.place_of(role, index, self.plan)
-        return WorkerSettings(
-            role=role,
-            index=index,
-            plan=place.plan,
-            runtime_dir=str(self.runtime_dir),
-            launcher_pid=os.getpid(),
-            edges=place.edges if role == "stage" else [],
-            stats_interval_s=self.stats_interval_s,
-            log_level=self.log_level,
-            pool=place.pool,
-            first=place.first,
-            handoff=layout.wiring,
-            model=self._model_facts() if role == "bridge" else None,
-            shards=shards,
-            fabric=self.cluster.fabric(self._host(role, index)) if self.cluster is not None else None,
+        common = self._common(self._host(role, index))
+        if role == "stage":
+            return StageSettings(
+                index=index,
+                plan=place.plan,
+                edges=place.edges,
+                pool=place.pool,
+                first=place.first,
+                handoff=layout.wiring,
+                shards=shards,
+                **common,
+            )
+        if role == "shard":
+            [wiring] = shards
+            return ShardSettings(index=index, plan=place.plan, wiring=wiring, pool=place.pool, **common)
+        return BridgeSettings(plan=self.plan, model=self._model_facts(), **common)
+
+    def front(self, index: int, listen_fd: int) -> FrontSettings:
+        """An HTTP front's settings: it runs beside the launcher and reaches the bridge as a client."""
+        host = self.cluster.keys.host if self.cluster is not None else None
+        return FrontSettings(
+            index=index, plan=self.plan, model=self._model_facts(), listen_fd=listen_fd, **self._common(host)
         )
 
-    def front(self, index: int, listen_fd: int) -> WorkerSettings:
-        """An HTTP front's settings: it runs beside the launcher and reaches the bridge as a client."""
-        return WorkerSettings(
-            role="front",
-            index=index,
-            plan=self.plan,
-            runtime_dir=str(self.runtime_dir),
-            launcher_pid=os.getpid(),
-            edges=[],
-            stats_interval_s=self.stats_interval_s,
-            log_level=self.log_level,
-            model=self._model_facts(),
-            fabric=self.cluster.fabric(self.cluster.keys.host) if self.cluster is not None else None,
-            listen_fd=listen_fd,
-        )
+    def _common(self, host: str | None) -> dict:
+        """What every child's settings hold besides its role's own."""
+        return {
+            "runtime_dir": str(self.runtime_dir),
+            "launcher_pid": os.getpid(),
+            "stats_interval_s": self.stats_interval_s,
+            "log_level": self.log_level,
+            "fabric": self.cluster.fabric(host) if self.cluster is not None and host is not None else None,
+        }
 
     def _host(self, role: Role, index: int) -> str | None:
         """Where a child runs: the bridge on the leader, a stage or shard where the plan says."""

@@ -7,33 +7,33 @@ imported) and writes its msgpack-encoded WorkerSettings to the child's stdin.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-from kvasir.wire.control import WorkerSettings
+from kvasir.wire.control import BridgeSettings, FrontSettings, ShardSettings, StageSettings, WorkerSettings
 from kvasir.wire.decoding import decode
 
 
 def main() -> None:
     encoded = sys.stdin.buffer.read()
     sys.stdin.close()
-    role = decode(encoded, WorkerSettings).role
-    if role == "stage":
-        from kvasir.stage.process import run_stage
+    settings: Any = decode(encoded, WorkerSettings)  # type: ignore[arg-type]  # a union of tagged structs
+    match settings:
+        case StageSettings():
+            from kvasir.stage.process import run_stage
 
-        run_stage(encoded)
-    elif role == "shard":
-        from kvasir.shard.process import run_shard
+            run_stage(settings)
+        case ShardSettings():
+            from kvasir.shard.process import run_shard
 
-        run_shard(encoded)
-    elif role == "bridge":
-        from kvasir.bridge.process import run_bridge
+            run_shard(settings)
+        case BridgeSettings():
+            from kvasir.bridge.process import run_bridge
 
-        run_bridge(encoded)
-    elif role == "front":
-        from kvasir.http.process import run_front
+            run_bridge(settings)
+        case FrontSettings():
+            from kvasir.http.process import run_front
 
-        run_front(encoded)
-    else:
-        raise SystemExit(f"unknown worker role {role!r}")
+            run_front(settings)
 
 
 if __name__ == "__main__":

@@ -26,18 +26,17 @@ from kvasir.limits import raise_fd_limit
 from kvasir.logs import setup_logging
 from kvasir.tasks import Supervised
 from kvasir.transport.fabric import Sockets, open_fabric
-from kvasir.wire.control import Command, Heartbeat, Ready, WorkerSettings
-from kvasir.wire.decoding import Decoder, Malformed, decode
+from kvasir.wire.control import Command, FrontSettings, Heartbeat, Ready
+from kvasir.wire.decoding import Decoder, Malformed
 
 SHUTDOWN_S = 5.0  # after "stop": how long open connections get to finish
 BACKLOG = 1024  # connections the kernel queues for this front before it accepts them
 
 
-def run_front(encoded: bytes) -> None:
+def run_front(settings: FrontSettings) -> None:
     """Entry point of an HTTP front process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
-    settings = decode(encoded, WorkerSettings)
     raise_fd_limit()  # as the launcher did: room for http.max_connections (kvasir/limits.py)
     log = setup_logging(settings.log_level, role="front", index=settings.index, pid=os.getpid())
     try:
@@ -49,7 +48,7 @@ def run_front(encoded: bytes) -> None:
 
 
 class Front:
-    def __init__(self, settings: WorkerSettings, log) -> None:
+    def __init__(self, settings: FrontSettings, log) -> None:
         http, model = settings.plan.http, settings.model
         if http is None or model is None or settings.listen_fd is None or http.model_name is None:
             raise RuntimeError("the launcher sent the front no [http] plan, model facts or listening socket")

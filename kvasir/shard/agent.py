@@ -20,7 +20,7 @@ from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.shm import SlotError
 from kvasir.ring.tcp_slots import EdgeError
 from kvasir.transport.channels import PullChannel, PushChannel
-from kvasir.wire.control import Heartbeat, ShardWiring, WorkerSettings
+from kvasir.wire.control import Heartbeat, ShardSettings, ShardWiring
 from kvasir.wire.experts import ExpertDone, ExpertWork
 from kvasir.wire.stats import ShardStats
 
@@ -47,7 +47,7 @@ class ShardPorts:
 class ShardAgent:
     def __init__(
         self,
-        settings: WorkerSettings,
+        settings: ShardSettings,
         wiring: ShardWiring,
         bank: dict[int, LocalExperts],
         slot: DispatchSegment,

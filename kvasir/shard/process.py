@@ -19,13 +19,12 @@ from kvasir.shard.agent import ShardAgent, ShardPorts
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.bridge import BridgeMessage
-from kvasir.wire.control import Command, ControlMessage, Ready, WorkerSettings
-from kvasir.wire.decoding import decode
+from kvasir.wire.control import Command, ControlMessage, Ready, ShardSettings
 from kvasir.wire.experts import ExpertMessage
 
 
-def build_agent(settings: WorkerSettings, sockets: Sockets, log) -> tuple[ShardAgent, DispatchSegment]:
-    [wiring] = settings.shards
+def build_agent(settings: ShardSettings, sockets: Sockets, log) -> tuple[ShardAgent, DispatchSegment]:
+    wiring = settings.wiring
     ends = sockets.ends
     source = resolve_source(settings.plan.model.source)
     dtype = torch_dtype(settings.plan.model.dtype)
@@ -52,12 +51,11 @@ def build_agent(settings: WorkerSettings, sockets: Sockets, log) -> tuple[ShardA
     return ShardAgent(settings, wiring, bank, slot, ports, weights_dtype=weights_dtype, log=log), slot
 
 
-def run_shard(encoded: bytes) -> None:
+def run_shard(settings: ShardSettings) -> None:
     """Entry point of an expert shard process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown
-    settings = decode(encoded, WorkerSettings)
-    [wiring] = settings.shards
+    wiring = settings.wiring
     log = setup_logging(settings.log_level, role="shard", index=settings.index, pid=os.getpid())
     slot = sockets = None
     try:

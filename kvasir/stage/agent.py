@@ -20,7 +20,7 @@ from kvasir.stage.handoff import NoHandoff
 from kvasir.stage.ports import HandoffRole, Intake, Outlet
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
-from kvasir.wire.control import Heartbeat, WorkerSettings
+from kvasir.wire.control import Heartbeat, StageSettings
 from kvasir.wire.shares import imbalance
 from kvasir.wire.stats import BatchSpan, ExpertLoad, GpuMemory, KvUse, StageStats
 
@@ -46,7 +46,7 @@ class Clock:
 class StageAgent:
     def __init__(
         self,
-        settings: WorkerSettings,
+        settings: StageSettings,
         engine: StageEngine,
         intake: Intake,
         outlet: Outlet,

@@ -34,8 +34,7 @@ from kvasir.transport.channels import Endpoints, PullChannel, PushChannel
 from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.batch import BatchDescriptor, Credit
 from kvasir.wire.bridge import BridgeMessage
-from kvasir.wire.control import Command, ControlMessage, HandoffWiring, Heartbeat, Ready, WorkerSettings
-from kvasir.wire.decoding import decode
+from kvasir.wire.control import Command, ControlMessage, HandoffWiring, Heartbeat, Ready, StageSettings
 from kvasir.wire.experts import ExpertMessage
 from kvasir.wire.head import HeadMessage
 from kvasir.wire.kv import KvMessage
@@ -48,7 +47,7 @@ HANDSHAKE_TIMEOUT_S = 300.0  # as the launcher's start-up wait: it gives up on a
 class Wiring:
     """A stage's place: its index in its pool's ring, its global index, its sockets' context."""
 
-    settings: WorkerSettings
+    settings: StageSettings
     sockets: Sockets
     log: Logger
 
@@ -82,7 +81,7 @@ class Wiring:
         return PullChannel[kind](self.sockets.bind(zmq.PULL, endpoint), kind, self.log)
 
 
-def build_agent(settings: WorkerSettings, sockets: Sockets, log) -> tuple[StageAgent, list]:
+def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAgent, list]:
     """Wire one stage: its engine, its intake and outlet (chosen by position and pool),
     its hand-off role, its sockets. Returns the agent and what to close at the end."""
     plan = settings.plan  # a disaggregated plan's workers get their pool's view
@@ -204,11 +203,10 @@ def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
     return NoHandoff()
 
 
-def run_stage(encoded: bytes) -> None:
+def run_stage(settings: StageSettings) -> None:
     """Entry point of a stage worker process (spawned by the launcher)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the launcher owns shutdown (a group-wide signal must not kill us)
-    settings = decode(encoded, WorkerSettings)
     log = setup_logging(settings.log_level, role="stage", index=settings.index, pid=os.getpid())
     closing: list = []
     sockets = None

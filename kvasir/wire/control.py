@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -151,24 +151,49 @@ class FabricSettings(msgspec.Struct, frozen=True, kw_only=True):
     sockets: dict[str, tuple[str, str]]  # socket name -> (tcp endpoint, owner host)
 
 
-class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a child process needs, handed over as msgpack bytes (never pickle)."""
+class Worker(msgspec.Struct, frozen=True, kw_only=True, tag_field="role"):
+    """What every child process is handed, as msgpack bytes on its stdin (never pickle):
+    one struct per role below, told apart by the ``role`` tag."""
 
-    role: Role
-    index: int  # stage index (0 for the bridge)
-    plan: Plan  # model.source already resolved to an absolute path or alias
+    plan: Plan  # model.source already resolved to an absolute path or alias (a pool's stage: that pool's view)
     runtime_dir: str
     launcher_pid: int
-    edges: list[EdgeSpec]  # edge k runs from the pool's stage k to its stage k+1
-    pool: Pool = ""  # a pool's stage: plan is then that pool's view
-    first: int = 0  # global index of the pool's first stage (index is global)
-    handoff: HandoffWiring | None = None
-    model: ModelFacts | None = None  # the bridge's and the HTTP fronts' (stages read the model themselves)
-    shards: list[ShardWiring] = []  # a stage's expert shards; a shard's own wiring (one)
     stats_interval_s: float = 0.5
     log_level: str = "info"
     fabric: FabricSettings | None = None  # a plan across hosts: TCP with CURVE, not ipc files
-    listen_fd: int | None = None  # an HTTP front: the launcher's listening socket, inherited
+
+
+class StageSettings(Worker, frozen=True, kw_only=True, tag="stage"):
+    role: ClassVar[Role] = "stage"
+    index: int  # global: a disaggregated plan numbers both pools' stages in one sequence
+    edges: list[EdgeSpec]  # edge k runs from the pool's stage k to its stage k+1
+    pool: Pool = ""
+    first: int = 0  # global index of the pool's first stage
+    handoff: HandoffWiring | None = None  # a disaggregated plan's stage
+    shards: list[ShardWiring] = []  # its expert shards
+
+
+class ShardSettings(Worker, frozen=True, kw_only=True, tag="shard"):
+    role: ClassVar[Role] = "shard"
+    index: int  # the shard's number
+    wiring: ShardWiring  # its stage, experts, layers and dispatch slot
+    pool: Pool = ""  # its stage's pool
+
+
+class BridgeSettings(Worker, frozen=True, kw_only=True, tag="bridge"):
+    role: ClassVar[Role] = "bridge"
+    index: ClassVar[int] = 0
+    model: ModelFacts  # the bridge never loads a model config
+
+
+class FrontSettings(Worker, frozen=True, kw_only=True, tag="front"):
+    role: ClassVar[Role] = "front"
+    index: int
+    model: ModelFacts
+    listen_fd: int  # the launcher's listening socket, inherited
+
+
+WorkerSettings = StageSettings | ShardSettings | BridgeSettings | FrontSettings
 
 
 class Ready(Tagged, frozen=True):

@@ -80,6 +80,15 @@ def test_a_compressed_body_is_refused_before_it_is_inflated(front):
     assert request(front.port, "/v1/completions", completion())[0] == 200
 
 
+def closed(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock``: an orderly end, or a reset (a connection closed
+    before the front read what it had sent, as an evicted one may be)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
 def test_half_open_connections_are_evicted_and_closed_and_health_still_answers(front):
     idle = [socket.create_connection(("127.0.0.1", front.port)) for _ in range(3 * LIMITS["max_connections"])]
     for sock in idle[::2]:
@@ -89,7 +98,7 @@ def test_half_open_connections_are_evicted_and_closed_and_health_still_answers(f
         time.sleep(LIMITS["header_timeout_s"] + 1.0)
         for sock in idle:
             sock.settimeout(5)
-            assert sock.recv(1) == b""  # closed by the front: evicted, or past its deadline
+            assert closed(sock)  # by the front: evicted, or past its deadline
     finally:
         for sock in idle:
             sock.close()

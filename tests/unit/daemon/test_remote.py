@@ -22,7 +22,7 @@ from kvasir.transport.channels import Endpoints
 from kvasir.transport.curve import Fabric
 from kvasir.transport.fabric import Sockets
 from kvasir.transport.routes import plan_digest
-from kvasir.wire.control import WorkerSettings
+from kvasir.wire.control import StageSettings
 from kvasir.wire.hosts import Alive, Exited, Spawned
 from tests.support.daemon import free_port
 
@@ -88,8 +88,7 @@ def test_reports_about_older_workers_are_ignored_and_the_bridge_alone_changes_no
     b = follower("b", "b")
     send(b, Alive("b", 1, digest, MODEL))
     settle(link, lambda: "b" in link.followers)
-    worker = WorkerSettings(
-        role="stage",
+    worker = StageSettings(
         index=1,
         plan=plan,
         runtime_dir="/nonexistent",

@@ -22,7 +22,7 @@ from kvasir.ring.handshake import HandleExchange, HandshakeError, exchange_handl
 from kvasir.ring.shm import SHM_DIR
 from kvasir.ring.slots import SlotError
 from kvasir.transport.channels import PullChannel, PushChannel, make_socket
-from kvasir.wire.control import Command, ControlMessage, CudaMemoryHandle, EdgeHandles, EdgeSpec, WorkerSettings
+from kvasir.wire.control import Command, ControlMessage, CudaMemoryHandle, EdgeHandles, EdgeSpec, StageSettings
 
 
 def stages_text(*stages: str) -> str:
@@ -329,10 +329,8 @@ def test_launcher_prepares_each_edge_by_kind(tmp_path, tiny_models):
         ]
         assert [r.spec.name for r in launcher.layout.rings] == [edges[0].name]  # the pinned edge's shared memory only
         assert launcher.exchange.edges == {edges[1].name: (1, 2)}
-        settings = WorkerSettings(
-            role="stage", index=1, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=edges
-        )
-        assert msgspec.msgpack.decode(msgspec.msgpack.encode(settings), type=WorkerSettings).edges == edges
+        settings = StageSettings(index=1, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=edges)
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(settings), type=StageSettings).edges == edges
         check_the_launcher_passes_halves_between_its_children(launcher, edges[1].name, tmp_path)
     finally:
         launcher.cleanup()

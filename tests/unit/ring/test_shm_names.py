@@ -36,12 +36,12 @@ def test_names_under_the_prefix_pass_and_every_other_is_refused():
 
 
 def test_a_run_names_its_segments_and_those_its_workers_settings_name():
-    from kvasir.wire.control import WorkerSettings
+    from kvasir.wire.control import StageSettings
 
     prefix = segment_prefix()
     plan = make_plan("unused", [(0, 1), (1, 2)])
-    worker = WorkerSettings(
-        role="stage", index=1, plan=plan, runtime_dir="/nonexistent", launcher_pid=1, edges=[edge("/etc/x")], first=0
+    worker = StageSettings(
+        index=1, plan=plan, runtime_dir="/nonexistent", launcher_pid=1, edges=[edge("/etc/x")], first=0
     )
     run = Run(1, prefix, HostSegments(edges=[edge(f"{prefix}-edge0")]), [worker])
     names = segment_names(run)
