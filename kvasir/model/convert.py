@@ -25,7 +25,8 @@ import threading
 from pathlib import Path
 
 from kvasir.errors import KvasirError, ModelSourceError
-from kvasir.model.gguf import SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, smollm2_gguf
+from kvasir.model.families import check_gguf
+from kvasir.model.gguf import gguf_architecture, smollm2_gguf
 from kvasir.pids import alive
 from kvasir.signals import on_stop_signals
 
@@ -63,12 +64,7 @@ def sweep_stale_work(destination: Path) -> list[Path]:
 
 def convert_gguf(gguf: Path, destination: Path, log=None) -> Path:
     """Convert ``gguf`` into a model folder at ``destination`` (atomic); return it."""
-    architecture = gguf_architecture(gguf)
-    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelSourceError(
-            f"{gguf.name}: GGUF architecture {architecture!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
-        )
+    check_gguf(gguf_architecture(gguf), gguf.name)
     destination.parent.mkdir(parents=True, exist_ok=True)
     if log is not None:
         log.info("converting GGUF once into the cache", gguf=str(gguf), destination=str(destination))

