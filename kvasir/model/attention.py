@@ -17,6 +17,7 @@ from typing import cast
 import torch
 from transformers import AttentionInterface
 
+from kvasir.errors import BatchError
 from kvasir.model.host_index import to_device
 from kvasir.model.kv_cache import PagedKVCache, flat_slots
 from kvasir.model.paged_gather import GatherPlan, attend_gathered
@@ -40,7 +41,7 @@ class PagedBatch:
     positions: torch.Tensor  # [T] position of every packed token
     write_slots: torch.Tensor  # [T] cache slot each token's K/V goes to
     rows: list[RowPlan]
-    emit_index: torch.Tensor  # [E] packed index of each emitting row's last token
+    emit_index: torch.Tensor  # [E] packed index of every sampled position (an emitting row's last 1 + drafts tokens)
     score_index: torch.Tensor  # [S] packed index of every token of the scored rows (prompt log-probabilities)
     in_place: bool  # attend over the cache in place (CPU), else gather each row's context
 
@@ -56,10 +57,13 @@ def build_batch(
     of the requests in ``scored`` get logits at every token (the tail only). The indices
     are built on the host and reach an accelerator in one non-blocking copy
     (kvasir/model/host_index.py)."""
-    positions, writes, plans, emit = [], [], [], []
+    positions, writes, plans = [], [], []
+    emit: list[int] = []
     score: list[int] = []
     begin = 0
     for row in rows:
+        if row.draft and (not row.emit or len(row.draft) >= row.num_tokens):
+            raise BatchError(f"request {row.request_id}: {len(row.draft)} drafts in a row of {row.num_tokens} tokens")
         table = cache.extend(row.request_id, row.new_blocks)
         stop = row.start + row.num_tokens
         writes.append(flat_slots(row.request_id, table, cache.block_size, row.start, stop))
@@ -68,8 +72,7 @@ def build_batch(
         if row.request_id in scored:
             score.extend(range(begin, begin + row.num_tokens))
         begin += row.num_tokens
-        if row.emit:
-            emit.append(begin - 1)
+        emit.extend(range(begin - row.samples, begin))
     device = cache.keys.device
     at, slots, emits, scores = to_device(
         device,

@@ -56,7 +56,8 @@ class StageModel(nn.Module):
         return boundary.to(self.dtype)
 
     def _logits(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        """[E + S, vocab]: each emitting row's last token, then every scored token."""
+        """[E + S, vocab]: every sampled position (each emitting row's last token, or its
+        last 1 + drafts), then every scored token."""
         index = batch.emit_index
         if batch.score_index.numel():
             index = torch.cat([index, batch.score_index])

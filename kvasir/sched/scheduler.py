@@ -27,7 +27,7 @@ from kvasir.errors import BatchError, RequestError
 from kvasir.sched.blocks import BlockAllocator
 from kvasir.sched.prefix import PrefixCache, block_keys
 from kvasir.sched.validation import MAX_SEED, check_prompt, check_sampling
-from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SamplingParams
+from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
 
 
@@ -54,6 +54,8 @@ class RequestState:
     registered: int = 0  # its first blocks that are in the prefix cache
     cached_tokens: int = 0  # prompt tokens it found cached instead of computing them
     arrived_ns: int = field(default_factory=time.monotonic_ns)  # when the head took it
+    draft: list[int] = field(default_factory=list)  # proposed next tokens, for its next decode row
+    drafted: int = 0  # drafts in its batch in flight (their K/V is kept only as far as confirmed)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -155,6 +157,16 @@ class Scheduler:
             return None
         self._retire(state)
         return Emitted(request_id, None, len(state.output), "cancelled")
+
+    def propose(self, request_id: int, tokens: list[int]) -> None:
+        """Candidate next tokens for a running request (speculative decoding's drafts): its
+        next decode row carries as many as fit, and the tail keeps those the model confirms."""
+        state = self.running.get(request_id)
+        if state is None or state.parked:
+            raise RequestError("unknown_request", f"request {request_id} is not running here")
+        if any(not 0 <= token < self.vocab_size for token in tokens):
+            raise RequestError("invalid_request", f"draft tokens must be ids below {self.vocab_size}")
+        state.draft = list(tokens)
 
     @property
     def idle(self) -> bool:
@@ -288,13 +300,17 @@ class Scheduler:
     def _row(self, state: RequestState, budget: int, tokens: list[int], new: list[NewRequest]) -> Row:
         start = state.computed
         count = min(state.length - start, budget)
-        stop = start + count
+        emit = start + count == state.length
+        draft = self._drafts(state, budget - count) if emit else ()
+        stop = start + count + len(draft)
         needed = -(-stop // self.block_size)
-        growth = tuple(state.blocks[state.blocks_sent : needed])
-        state.blocks_sent = needed
+        growth = tuple(state.blocks[state.blocks_sent : needed])  # none where rejected drafts' blocks were sent
+        state.blocks_sent = max(state.blocks_sent, needed)
         state.computed = stop
+        state.drafted = len(draft)
         state.in_flight = True
         tokens.extend(state.tokens(start, count))
+        tokens.extend(draft)
         if not state.announced:
             prompt = tuple(state.prompt) if state.sampling.prompt_logprobs >= 0 else ()
             new.append(
@@ -309,7 +325,16 @@ class Scheduler:
                 )
             )
             state.announced = True
-        return Row(state.request_id, start, count, growth, emit=stop == state.length)
+        return Row(state.request_id, start, count + len(draft), growth, emit=emit, draft=draft)
+
+    def _drafts(self, state: RequestState, room: int) -> tuple[int, ...]:
+        """The proposed drafts that fit: in the batch's token budget, in the request's KV
+        blocks, and short of its last output token (the bonus sample may be that one)."""
+        left = state.sampling.max_tokens - len(state.output) - 1
+        capacity = len(state.blocks) * self.block_size - state.length
+        draft = tuple(state.draft[: max(0, min(room, left, capacity))])
+        state.draft = []
+        return draft
 
     # -- closing the ring ---------------------------------------------------------
     def complete(self, result: BatchResult) -> list[Emitted]:
@@ -317,26 +342,46 @@ class Scheduler:
         members = self.inflight.pop(result.batch_id, None)
         if members is None:
             raise BatchError(f"result for batch {result.batch_id}, which is not in flight")
-        sampled = {tok.request_id: tok for tok in result.tokens}
-        strangers = set(sampled).difference(members)
-        if strangers:
+        sampled: dict[int, list[SampledToken]] = {}
+        for tok in result.tokens:
+            sampled.setdefault(tok.request_id, []).append(tok)
+        wrong = set(sampled).difference(members) | {
+            rid for rid, got in sampled.items() if rid in members and len(got) > 1 + self.running[rid].drafted
+        }
+        if wrong:
             self.inflight[result.batch_id] = members
-            raise BatchError(f"batch {result.batch_id}: tokens for requests not in it: {sorted(strangers)}")
+            raise BatchError(
+                f"batch {result.batch_id}: tokens for requests not in it or past their drafts: {sorted(wrong)}"
+            )
         events: list[Emitted] = []
         for rid in members:
             state = self.running[rid]
-            state.in_flight = False
-            self._register(state)
-            token = sampled.pop(rid, None)
+            got = sampled.pop(rid, [])
+            self._roll_back(state, 0 if state.cancelled else max(len(got) - 1, 0))
             if state.cancelled:
+                self._register(state)
                 self._retire(state)
                 events.append(Emitted(rid, None, len(state.output), "cancelled"))
-            elif token is not None:
+                continue
+            finished = False
+            for token in got:
                 state.output.append(token.token_id)
                 events.append(Emitted(rid, token.token_id, len(state.output) - 1, token.finish))
-                if token.finish is not None:
-                    self._retire(state)
+                if finished := token.finish is not None:
+                    break
+            self._register(state)  # after the tokens: confirmed drafts' blocks are keyed by them
+            if finished:
+                self._retire(state)
         return events
+
+    @staticmethod
+    def _roll_back(state: RequestState, confirmed: int) -> None:
+        """The batch is back: of its drafts, only the ``confirmed`` ones' K/V stands; the
+        rest is stale on every stage, and the next row starts where it begins (so
+        overwrites it). Blocks stay the request's (its whole reservation is its own)."""
+        state.in_flight = False
+        state.computed -= state.drafted - confirmed
+        state.drafted = 0
 
     # -- hand-off between pools (disaggregated plans) ---------------------------------
     def park(self, request_id: int) -> RequestState:

@@ -136,18 +136,25 @@ class Sampler:
         return scores
 
     def sample(self, descriptor: BatchDescriptor, logits: torch.Tensor) -> BatchResult:
-        """Sample one token for every emitting row of the batch; logits are [E, vocab], then
-        one per token of the rows ``scored`` named for this batch."""
+        """Sample the tokens of every emitting row of the batch (one, or with drafts up to
+        one per draft and one more); logits are one per sampled position, then one per
+        token of the rows ``scored`` named for this batch."""
         self._admit(descriptor)
         scoring = self._scoring[1] if self._scoring[0] is descriptor else ()
         logits = logits.float().cpu()
         emitting = [row for row in descriptor.rows if row.emit]
         scored = [row for row in descriptor.rows if row.request_id in scoring]
-        expected = len(emitting) + sum(row.num_tokens for row in scored)
-        if expected != logits.shape[0]:
-            raise BatchError(f"batch {descriptor.batch_id}: {len(emitting)} emitting rows, {logits.shape[0]} logits")
-        self._prompt_scores = tuple(self._score(scored, logits[len(emitting) :]))  # before any request ends
-        tokens = [self._pick(descriptor, row, row_logits) for row, row_logits in zip(emitting, logits)]
+        sampled = sum(row.samples for row in emitting)
+        if sampled + sum(row.num_tokens for row in scored) != logits.shape[0]:
+            raise BatchError(
+                f"batch {descriptor.batch_id}: {len(emitting)} emitting rows, {logits.shape[0]} logits "
+                f"(for {sampled} sampled positions)"
+            )
+        self._prompt_scores = tuple(self._score(scored, logits[sampled:]))  # before any request ends
+        tokens: list[SampledToken] = []
+        for row in emitting:
+            tokens += self._pick(descriptor, row, logits[: row.samples])
+            logits = logits[row.samples :]
         return BatchResult(descriptor.batch_id, tuple(tokens))
 
     def _admit(self, descriptor: BatchDescriptor) -> None:
@@ -160,17 +167,32 @@ class Sampler:
         for new in descriptor.new_requests:
             self._requests[new.request_id] = RequestSampler(new, self.eos_ids, self.max_seq_len)
 
-    def _pick(self, descriptor: BatchDescriptor, row: Row, logits: torch.Tensor) -> SampledToken:
+    def _pick(self, descriptor: BatchDescriptor, row: Row, logits: torch.Tensor) -> list[SampledToken]:
+        """A row's tokens from its sampled positions' logits [1 + drafts, vocab]: each
+        sample is emitted; a draft it confirms lets the next position's sample follow."""
         state = self._requests.get(row.request_id)
         if state is None:
             raise BatchError(f"batch {descriptor.batch_id}: request {row.request_id} has no sampling spec")
-        token = state.pick(logits)
-        finish = state.finish(token, row.start + row.num_tokens + 1)
-        if finish is not None:
-            del self._requests[row.request_id]
+        length = row.start + row.num_tokens - len(row.draft)  # prompt + output before this row's first sample
+        tokens = []
+        for at, position in enumerate(logits):
+            token = state.pick(position)
+            finish = state.finish(token, length + at + 1)
+            tokens.append(self._token(state, row.request_id, token, finish, position))
+            if finish is not None:
+                del self._requests[row.request_id]
+                break
+            if at == len(row.draft) or token != row.draft[at]:
+                break  # the bonus token, or the first draft the model does not confirm
+        return tokens
+
+    @staticmethod
+    def _token(
+        state: RequestSampler, request_id: int, token: int, finish: FinishReason | None, logits: torch.Tensor
+    ) -> SampledToken:
         first = state.generated == 1
         sampled = SampledToken(
-            row.request_id,
+            request_id,
             token,
             state.generated - 1,
             finish,

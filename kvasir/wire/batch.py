@@ -34,13 +34,27 @@ class NewRequest(Wire, frozen=True):
 
 
 class Row(Wire, frozen=True):
-    """One request's share of a packed batch: ``num_tokens`` tokens from ``start``."""
+    """One request's share of a packed batch: ``num_tokens`` tokens from ``start``.
+
+    An emitting row may end with draft tokens (candidates for the request's next tokens,
+    ``draft``, the row's last ``len(draft)`` tokens): the tail then samples after the
+    request's newest token and after each draft, keeps each draft its sample confirms,
+    and emits those samples up to the first that differs (1 to ``len(draft) + 1``
+    tokens). Rejected drafts' K/V is stale: the head's next row for the request starts
+    at the first rejected position and overwrites it.
+    """
 
     request_id: int
     start: int  # position of the row's first token
     num_tokens: int
     new_blocks: tuple[int, ...]  # KV block ids added since the stage last saw the request
-    emit: bool  # the row ends at the request's newest token: the tail samples after it
+    emit: bool  # the row ends at the request's newest token (and its drafts): the tail samples
+    draft: tuple[int, ...] = ()  # emitting rows: the candidate tokens ending the row
+
+    @property
+    def samples(self) -> int:
+        """Positions the tail samples after: the last ``samples`` tokens of the row."""
+        return 1 + len(self.draft) if self.emit else 0
 
 
 class BatchDescriptor(Wire, frozen=True):
