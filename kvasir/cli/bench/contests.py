@@ -80,9 +80,10 @@ def plans(*, target, workload, slo, plans, concurrency, rate, steps, rounds):
     positive("--rounds", rounds)
     if steps is not None and (steps < 0 or slo is None):
         raise click.UsageError("--sweep takes steps >= 0 and needs --slo-ttft and --slo-tpot")
-    load = {"rate": rate} if rate is not None and steps is None else {"concurrency": concurrency or 32}
     sweep = (rate or 1.0, steps) if steps is not None else None
-    report = plans_mode(
-        [Path(p) for p in plans], workload, {} if sweep else load, rounds=rounds, slo=slo, sweep=sweep, say=target.say
-    )
+    if sweep is not None:
+        load: dict = {"rate": sweep[0]}  # the first rate: the sweep sets each run's own
+    else:
+        load = {"rate": rate} if rate is not None else {"concurrency": concurrency or 32}
+    report = plans_mode([Path(p) for p in plans], workload, load, rounds=rounds, slo=slo, sweep=sweep, say=target.say)
     finish(target, report)
