@@ -18,7 +18,6 @@ import itertools
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -26,66 +25,10 @@ from kvasir.config.plan import Plan
 from kvasir.errors import BatchError, RequestError
 from kvasir.sched.blocks import BlockAllocator
 from kvasir.sched.prefix import PrefixCache, block_keys
+from kvasir.sched.requests import Emitted, RequestState, ScheduledBatch
 from kvasir.sched.validation import MAX_SEED, check_prompt, check_sampling
 from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
-
-
-@dataclass
-class RequestState:
-    request_id: int
-    prompt: list[int]  # [] in a decode pool, which holds the prompt's KV, not its tokens
-    sampling: SamplingParams
-    seed: int
-    need_blocks: int
-    prompt_len: int = -1  # len(prompt) unless given
-    output: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    blocks_sent: int = 0
-    computed: int = 0  # tokens whose K/V is written, or being written by an in-flight batch
-    in_flight: bool = False
-    announced: bool = False  # its NewRequest has travelled in a descriptor
-    cancelled: bool = False
-    parked: bool = False  # holds its blocks but is not scheduled (KV being handed between pools)
-    client: int = 0  # the bridge's number for the client that submitted it
-    arrival: int = 0  # admission order among waiting requests
-    cache_root: bytes = b""  # the parent of its first block key: its prefix-cache namespace
-    keys: list[bytes] | None = None  # chained keys of its full blocks, as far as known (prefix cache)
-    registered: int = 0  # its first blocks that are in the prefix cache
-    cached_tokens: int = 0  # prompt tokens it found cached instead of computing them
-    arrived_ns: int = field(default_factory=time.monotonic_ns)  # when the head took it
-    draft: list[int] = field(default_factory=list)  # proposed next tokens, for its next decode row
-    drafted: int = 0  # drafts in its batch in flight (their K/V is kept only as far as confirmed)
-
-    def __post_init__(self) -> None:
-        if self.prompt_len < 0:
-            self.prompt_len = len(self.prompt)
-
-    @property
-    def length(self) -> int:
-        return self.prompt_len + len(self.output)
-
-    def tokens(self, start: int, count: int) -> list[int]:
-        """Tokens [start, start + count) of prompt + output, without copying either whole."""
-        split = self.prompt_len
-        head = self.prompt[start : start + count]
-        return head + self.output[max(0, start - split) : max(0, start + count - split)]
-
-
-@dataclass(frozen=True)
-class Emitted:
-    """A token (or a cancellation, token_id None) the head learned about a request."""
-
-    request_id: int
-    token_id: int | None
-    index: int
-    finish: str | None  # "stop" | "length" | "cancelled" | None
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    descriptor: BatchDescriptor
-    token_ids: torch.Tensor  # [T] the head's input
 
 
 class Scheduler:

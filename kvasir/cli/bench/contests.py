@@ -81,9 +81,8 @@ def plans(*, target, workload, slo, plans, concurrency, rate, steps, rounds):
     if steps is not None and (steps < 0 or slo is None):
         raise click.UsageError("--sweep takes steps >= 0 and needs --slo-ttft and --slo-tpot")
     sweep = (rate or 1.0, steps) if steps is not None else None
-    if sweep is not None:
-        load: dict = {"rate": sweep[0]}  # the first rate: the sweep sets each run's own
-    else:
-        load = {"rate": rate} if rate is not None else {"concurrency": concurrency or 32}
+    # a sweep's first rate (the sweep sets each run's own), an open loop's rate, or a closed loop
+    rate = sweep[0] if sweep is not None else rate
+    load = {"rate": rate} if rate is not None else {"concurrency": concurrency or 32}
     report = plans_mode([Path(p) for p in plans], workload, load, rounds=rounds, slo=slo, sweep=sweep, say=target.say)
     finish(target, report)

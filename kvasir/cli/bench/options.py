@@ -67,9 +67,8 @@ def target_options(plan: bool = True):
     return decorate
 
 
-def workload_options(counts: bool = True, turns: bool = True):
-    """--requests, --warmup, --prompt-len, --output-len, --turns, --prompts, --seed,
-    --ignore-eos: passed on as ``workload`` (counts and turns left out where a mode has none)."""
+def _workload_options(counts: bool, turns: bool) -> list:
+    """The workload's click options, in the order --help lists them."""
     options = []
     if counts:
         options += [
@@ -98,6 +97,13 @@ def workload_options(counts: bool = True, turns: bool = True):
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--ignore-eos", is_flag=True, help="Every request produces exactly its output length."),
     ]
+    return options
+
+
+def workload_options(counts: bool = True, turns: bool = True):
+    """--requests, --warmup, --prompt-len, --output-len, --turns, --prompts, --seed,
+    --ignore-eos: passed on as ``workload`` (counts and turns left out where a mode has none)."""
+    options = _workload_options(counts, turns)
 
     def decorate(command):
         @functools.wraps(command)
