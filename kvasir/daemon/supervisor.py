@@ -96,9 +96,10 @@ class RingSupervisor:
             [self.bridge] = self.plumbing.spawn_children([BRIDGE])
             self.new_bridge = True
 
-    def open(self, deadline: float) -> None:
-        """Every child is ready: the bridge serves (raises OpenError when it cannot)."""
-        self.plumbing.open(self.restarts, self.new_bridge, deadline)
+    def open(self, deadline: float, restarts: int = 0) -> None:
+        """Every child is ready: the bridge serves, told how many restarts this ring
+        follows (raises OpenError when it cannot)."""
+        self.plumbing.open(restarts, self.new_bridge, deadline)
         self.new_bridge = False
         self.state = "up"
 
@@ -205,11 +206,9 @@ class RingSupervisor:
             self.deadline = now + self.ready_s
         elif self.state == "starting" and self.ready:
             try:
-                self.plumbing.open(self.restarts + 1, self.new_bridge, self.deadline)
+                self.open(self.deadline, self.restarts + 1)
             except OpenError as exc:
                 return self.failed(str(exc), now, serving=True)
-            self.new_bridge = False
-            self.state = "up"
             self.restarts += 1
             self.log.info("serving again", restarts=self.restarts)
             stages = sum(1 for child in self.ring_ids if child.role == "stage")

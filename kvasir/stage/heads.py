@@ -99,7 +99,7 @@ class SchedulerIntake:
     def consumed(self, descriptor: BatchDescriptor) -> None:
         pass
 
-    def queue(self) -> HeadQueue | None:
+    def queue(self) -> HeadQueue:
         return HeadQueue(inflight=len(self.scheduler.inflight), waiting=len(self.scheduler.waiting))
 
     def prefix(self) -> PrefixCounters | None:
@@ -196,8 +196,8 @@ class PrefillHeadIntake(SchedulerIntake):
                 )
             )
 
-    def queue(self) -> HeadQueue | None:
-        return HeadQueue(len(self.scheduler.inflight), len(self.scheduler.waiting), handing_off=len(self.handed))
+    def queue(self) -> HeadQueue:
+        return msgspec.structs.replace(super().queue(), handing_off=len(self.handed))
 
 
 @dataclass
@@ -308,6 +308,6 @@ class DecodeHeadIntake(SchedulerIntake):
         for stage in self.stages:
             stage.send(message)
 
-    def queue(self) -> HeadQueue | None:
-        waiting = len(self.scheduler.waiting) + len(self.pending) + len(self.placed)
-        return HeadQueue(inflight=len(self.scheduler.inflight), waiting=waiting)
+    def queue(self) -> HeadQueue:
+        queue = super().queue()  # and the requests whose KV is on its way
+        return msgspec.structs.replace(queue, waiting=queue.waiting + len(self.pending) + len(self.placed))
