@@ -20,7 +20,7 @@ from kvasir.ring.expert_slots import DispatchSegment
 from kvasir.ring.shm import SlotError
 from kvasir.ring.tcp_slots import EdgeError
 from kvasir.transport.channels import PullChannel, PushChannel
-from kvasir.wire.control import Heartbeat, ShardSettings, ShardWiring
+from kvasir.wire.control import Heartbeat, ShardSettings
 from kvasir.wire.experts import ExpertDone, ExpertWork
 from kvasir.wire.stats import ShardStats
 
@@ -48,7 +48,6 @@ class ShardAgent:
     def __init__(
         self,
         settings: ShardSettings,
-        wiring: ShardWiring,
         bank: dict[int, LocalExperts],
         slot: DispatchSegment,
         ports: ShardPorts,
@@ -57,7 +56,7 @@ class ShardAgent:
         log,
     ) -> None:
         self.settings = settings
-        self.wiring = wiring
+        self.wiring = settings.wiring  # its stage, experts and slot
         self.bank = bank
         self.slot = slot
         self.ports = ports
@@ -66,7 +65,7 @@ class ShardAgent:
         self.device = next(iter(bank.values())).gate_up.device
         self.num_experts = next(iter(bank.values())).layout.num_experts
         self.clock = ShardClock(started=time.monotonic())
-        self.heartbeat = Heartbeat("shard", wiring.number, os.getpid())
+        self.heartbeat = Heartbeat("shard", self.wiring.number, os.getpid())
         self.poller = zmq.Poller()
         for sock in (ports.work.socket, ports.commands.socket):
             self.poller.register(sock, zmq.POLLIN)

@@ -48,7 +48,7 @@ def build_agent(settings: ShardSettings, sockets: Sockets, log) -> tuple[ShardAg
         bridge=push(BridgeMessage, ends.bridge_in),
         control=push(ControlMessage, ends.control),
     )
-    return ShardAgent(settings, wiring, bank, slot, ports, weights_dtype=weights_dtype, log=log), slot
+    return ShardAgent(settings, bank, slot, ports, weights_dtype=weights_dtype, log=log), slot
 
 
 def run_shard(settings: ShardSettings) -> None:
