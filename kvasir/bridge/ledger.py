@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvasir.bridge.conductor import Choice
 from kvasir.bridge.detokenizer import IncrementalDetokenizer
 from kvasir.transport.channels import BatchedSocket
 from kvasir.units import gib_per_s
@@ -42,6 +44,13 @@ class Pending:
     last_ns: int = 0
     handoff: HandoffTimings | None = None
     early: dict[int, SampledToken] = field(default_factory=dict)  # tokens that overtook an earlier one
+    instance: str = ""  # the instance the conductor sent it to
+    decode: str | None = None  # a disaggregated plan: the decode instance it goes on to
+    route: str = ""  # why
+    backlog: int = 0  # prompt tokens it adds to its instance's backlog until its first token
+
+    def routed(self, choice: Choice, decode: str | None) -> None:
+        self.instance, self.route, self.backlog, self.decode = choice.name, choice.reason, choice.backlog, decode
 
     def in_order(self, token: SampledToken) -> list[SampledToken]:
         """The tokens to stream now, in output order. In a disaggregated plan the first
@@ -70,6 +79,8 @@ class Pending:
                 second_token_s=(self.second_ns - self.first_ns) / 1e9 if n > 1 else None,
             ),
             handoff=self.handoff,
+            instances=[self.instance] + ([self.decode] if self.decode is not None and n > 1 else []),
+            route=self.route,
         )
 
 
@@ -81,7 +92,12 @@ class Ledger:
     its last, so clients that come and go leave nothing behind.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, ended: Callable[[Pending], None] = lambda _: None, started: Callable[[Pending], None] = lambda _: None
+    ) -> None:
+        """``ended``: told of every request the ledger forgets; ``started``: of each first
+        token (the conductor's load)."""
+        self._ended, self._started = ended, started
         self._by_id: dict[int, Pending] = {}
         self._per_client: dict[Peer, int] = {}
         self._numbers: dict[Peer, int] = {}
@@ -113,10 +129,16 @@ class Ledger:
         self._by_id[rid] = record
         self._per_client[record.peer] = self._per_client.get(record.peer, 0) + 1
 
+    def first_token(self, record: Pending) -> None:
+        """A request's first token came: its prompt leaves its instance's backlog."""
+        self._started(record)
+        record.backlog = 0
+
     def end(self, rid: int) -> Pending | None:
         """Forget an ended request; its record, or None when it had already ended."""
         record = self._by_id.pop(rid, None)
         if record is not None:
+            self._ended(record)
             left = self._per_client[record.peer] - 1
             if left:
                 self._per_client[record.peer] = left
@@ -128,6 +150,8 @@ class Ledger:
     def end_all(self) -> list[tuple[int, Pending]]:
         """Forget every request; what they were."""
         ended = list(self._by_id.items())
+        for _, record in ended:
+            self._ended(record)
         self._by_id.clear()
         self._per_client.clear()
         self._numbers.clear()

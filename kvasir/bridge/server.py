@@ -20,6 +20,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer, load_tokenizer
+from kvasir.bridge.heads import Heads
 from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
 from kvasir.bridge.metrics import Metrics
 from kvasir.bridge.outbox import Outbox
@@ -35,6 +36,7 @@ from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.bridge import (
     BridgeMessage,
     HandoffReport,
+    PrefixEvents,
     RequestEnded,
     ShardStats,
     StageStats,
@@ -77,7 +79,7 @@ class Bridge:
             model.vocab_size,
             plan.model.max_seq_len,
             plan.bridge.max_tokens_per_request,
-            plan.pools()[0][1].kv.prefix_share,  # the pool whose head admits requests (and caches prompts)
+            plan.rings()[0].plan.kv.prefix_share,  # the pool whose heads admit requests (and cache prompts)
         )
         # the client endpoints are bound on "serve", once every stage is ready: a
         # client.sock in the runtime dir means the daemon is serving
@@ -101,7 +103,7 @@ class Bridge:
         self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
         self.inbox_io = BatchedSocket(self.inbox)
         self.ctx = ctx
-        self.head, self.head_io = self._connect_head()
+        self.heads = Heads(plan, self.sockets)
         self.stats_interval_s = settings.stats_interval_s
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder: Decoder[ClientMessage] = Decoder(ClientMessage)
@@ -109,7 +111,11 @@ class Bridge:
         self.malformed = 0  # internal messages that did not decode (dropped)
         self.clients_lost = 0
         self.internal_errors = 0  # client messages whose handling raised (logged with their traceback)
-        self.requests = Ledger()
+        conductor = self.heads.conductor
+        self.requests = Ledger(
+            ended=lambda record: conductor.ended(record.instance, record.backlog),
+            started=lambda record: conductor.first_token(record.instance, record.backlog),
+        )
         self.handoffs = HandoffLog()
         self.metrics = Metrics()
         self.streams = Streams(self.requests, self.metrics, self.outbox, self.publisher_io, self.encoder)
@@ -212,6 +218,7 @@ class Bridge:
                     "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
                 )
             ids, sampling, root = self.submissions.read(msg, origin)
+            choice = self.heads.pick(ids, root)
         except RequestError as exc:
             await self._send(peer, ErrorEvent(code=exc.code, message=exc.message, key=msg.key))
             return
@@ -219,7 +226,9 @@ class Bridge:
         self.next_id += 1
         self.accepted += 1
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self.requests.add(rid, Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok, sampling.logprobs >= 0))
+        record = Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok, sampling.logprobs >= 0)
+        record.routed(choice, self.heads.decode_instance())
+        self.requests.add(rid, record)
         self.metrics.accepted(len(ids))
         client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
@@ -233,7 +242,7 @@ class Bridge:
         record = self.requests.get(rid)
         if record is not None:
             record.enqueued_ns = time.monotonic_ns()
-            self.head_io.send_now([body])
+            self.heads.send_now(record.instance, body)
 
     async def _cancel(self, peer: Peer, rid: int) -> None:
         record = self.requests.get(rid)
@@ -242,7 +251,7 @@ class Bridge:
                 peer, ErrorEvent(code="unknown_request", message=f"no running request {rid} of yours", request_id=rid)
             )
             return
-        await self.head_io.send(self.encoder.encode(CancelRequest(rid)))
+        await self.heads.send(record.instance, self.encoder.encode(CancelRequest(rid)))
 
     async def _stages(self) -> None:
         while True:
@@ -284,6 +293,10 @@ class Bridge:
                 record = self.requests.get(rid)
                 if record is not None:
                     record.handoff = timings
+            case PrefixEvents(head=index, pid=pid) if pid in self.ring_pids:
+                name = self.heads.instance_of.get(index)
+                if name is not None:
+                    self.heads.conductor.events(name, message.stored, message.removed, message.reset)
             case StageStats() as stats if stats.pid in self.ring_pids:
                 self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
                 self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
@@ -334,6 +347,7 @@ class Bridge:
         self.restarts = command.restarts
         self.ring_pids = frozenset(command.pids)
         self.restarting = None
+        self.heads.up()
         self.log.info("accepting clients", restarts=self.restarts)
 
     async def _ring_down(self, reason: str) -> None:
@@ -344,19 +358,10 @@ class Bridge:
         self.last_failure, self.last_failure_at = reason, time.monotonic()
         self.log.warning("ring down", reason=reason, requests=len(self.requests))
         await self._end_all("stage_failed", f"{reason}; the request was lost and the ring is restarting")
-        self.head.close(linger=0)
-        self.head, self.head_io = self._connect_head()
+        self.heads.down()
         self.stage_stats.clear()
         self.shard_stats.clear()
         self.timelines.clear()
-
-    def _connect_head(self):
-        # unbounded: accepted requests are bounded by bridge.max_waiting, and a send that
-        # waited for a dead head would stall every client
-        head = self.sockets.unbound(zmq.PUSH)
-        head.setsockopt(zmq.SNDHWM, 0)
-        self.sockets.attach(head, self.ends.stage_in(0))
-        return head, BatchedSocket(head)
 
     async def _heartbeat(self) -> None:
         beat = self.encoder.encode(Heartbeat("bridge", 0, os.getpid()))
@@ -385,8 +390,9 @@ class Bridge:
         self.clients_lost += 1
         rids = self.requests.of(peer)
         for rid in rids:
-            self.requests.end(rid)
+            record = self.requests.end(rid)
             self.metrics.ended_early("cancelled")
-            self.head_io.send_now([self.encoder.encode(CancelRequest(rid))])
+            if record is not None:
+                self.heads.send_now(record.instance, self.encoder.encode(CancelRequest(rid)))
         if rids:
             self.log.warning("client lost: its requests are cancelled", why=why, requests=len(rids))

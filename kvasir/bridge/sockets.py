@@ -9,7 +9,7 @@ from zmq.auth.certs import load_certificates
 
 from kvasir.bridge.outbox import ZMQ_QUEUE
 from kvasir.config.keys import load_pair
-from kvasir.config.plan import BridgeSpec
+from kvasir.config.sections import BridgeSpec
 from kvasir.transport.channels import BatchedSocket, make_socket
 from kvasir.transport.curve import AllowList
 from kvasir.units import MIB

@@ -55,6 +55,7 @@ class Streams:
         now = time.monotonic_ns()
         self.metrics.token(now - record.last_ns if record.token_ids else None)
         if not record.token_ids:
+            self.requests.first_token(record)
             record.first_ns = now
             record.queued_ns = max(token.queued_ns, 0)
             record.cached_tokens = min(max(token.cached_tokens, 0), record.prompt_tokens)

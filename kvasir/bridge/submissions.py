@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from kvasir.bridge.detokenizer import encode_chat, encode_text
-from kvasir.config.plan import PrefixShare
+from kvasir.config.sections import PrefixShare
 from kvasir.errors import RequestError
 from kvasir.sched.prefix import namespace_root
 from kvasir.sched.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling

@@ -104,6 +104,8 @@ def plan_check(
                 "weights": str(source.weights_dir) if source.weights_dir else None,
             },
             "stages": [msgspec.to_builtins(s.__dict__) for s in stages],
+            "instances": _instances(resolved),
+            "routes": _routes(resolved),
             "shards": [msgspec.to_builtins(s.__dict__) for s in shards],
             "handoff": costs,
         }
@@ -111,7 +113,53 @@ def plan_check(
         return
     _print_plan(path, resolved, source, stages)
     _print_shards(shards)
+    _print_instances(resolved)
     _print_costs(costs)
+
+
+def _instances(plan) -> list[dict]:
+    """Each instance: its name, pool, stages (global indices) and hosts."""
+    from kvasir.config.cluster import worker_host
+
+    return [
+        {
+            "name": ring.name,
+            "pool": ring.pool,
+            "stages": list(range(ring.first, ring.last + 1)),
+            "hosts": [worker_host(plan.cluster, stage.host) for stage in ring.plan.stages],
+        }
+        for ring in plan.rings()
+    ]
+
+
+def _routes(plan) -> list[dict]:
+    """The KV hand-off links between every prefill and every decode instance."""
+    from kvasir.config.fleet import handoff_routes
+
+    return [
+        {"prefill": p.name, "decode": d.name, "links": [msgspec.to_builtins(link.__dict__) for link in links]}
+        for p, d, links in handoff_routes(plan)
+    ]
+
+
+def _print_instances(plan) -> None:
+    """The instances with their stages and hosts, the routing policy, and the hand-off routes."""
+    listed = _instances(plan)
+    if len(listed) < 2:
+        return  # one ring: the stage table says it all
+    click.echo(f"route    {plan.route.policy} over {len(listed)} instances")
+    for entry in listed:
+        stages = ", ".join(map(str, entry["stages"]))
+        pool = f"{entry['pool']} " if entry["pool"] else ""
+        hosts = sorted({host for host in entry["hosts"] if host is not None})
+        where = f" on {', '.join(hosts)}" if hosts else ""
+        click.echo(f"instance {entry['name']}: {pool}stages {stages}{where}")
+    for route in _routes(plan):
+        links = ", ".join(
+            f"{link['source']}->{link['target']} [{link['layers'][0]}, {link['layers'][1]}) {link['via']}"
+            for link in route["links"]
+        )
+        click.echo(f"kv route {route['prefill']} -> {route['decode']}: {links}")
 
 
 def _handoff_costs(plan, source, link_gibps, interference_ms, lengths, sizes_mib) -> dict:
@@ -162,9 +210,10 @@ def _print_plan(path, resolved, source, stages) -> None:
     )
     if source.weights_dir is None:
         click.echo("weights  not prepared yet (no converted weights in the cache)")
-    for pool, view in resolved.pools():
-        b, kv = view.batch, view.kv
-        name = f" ({pool} pool)" if pool else ""
+    many = len(resolved.rings()) > 1
+    for ring in resolved.rings():
+        b, kv, pool = ring.plan.batch, ring.plan.kv, ring.pool
+        name = f" ({ring.name})" if many else f" ({pool} pool)" if pool else ""
         click.echo(f"batch    max_rows {b.max_rows}, max_tokens {b.max_tokens}, inflight {b.inflight}{name}")
         click.echo(
             f"kv       {kv.num_blocks} blocks x {kv.block_size} tokens = "
@@ -192,7 +241,7 @@ def _print_plan(path, resolved, source, stages) -> None:
     if resolved.cluster is not None:
         _print_cluster(resolved)
     header = ("stage", "role", "layers", "device", "threads", "params", "param bytes", "kv bytes", "boundary in")
-    rows = [header + (("host",) if resolved.cluster else ())]
+    rows = [header + (("host",) if resolved.cluster else ()) + (("instance",) if many else ())]
     for s in stages:
         slots = f"{s.slots} x {format_bytes(s.slot_bytes)} {s.edge}" if s.slots else "-"
         row = (
@@ -206,7 +255,7 @@ def _print_plan(path, resolved, source, stages) -> None:
             format_bytes(s.kv_bytes),
             slots,
         )
-        rows.append(row + ((str(s.host),) if resolved.cluster else ()))
+        rows.append(row + ((str(s.host),) if resolved.cluster else ()) + ((s.instance,) if many else ()))
     for line in table_lines(rows):
         click.echo(line)
     for s in stages:

@@ -47,7 +47,7 @@ class HostedPlan(Protocol):
     @property
     def hosts(self) -> Mapping[str, HostSpec]: ...
 
-    def pools(self) -> Sequence[tuple[str, Any]]: ...
+    def rings(self) -> Sequence[Any]: ...  # kvasir/config/fleet.py's Ring
 
 
 def host_names(hosts: Mapping[str, HostSpec]) -> str:
@@ -75,12 +75,11 @@ def check_cluster(plan: HostedPlan) -> None:
         if host not in hosts:
             where = f"the plan's hosts are {host_names(hosts)}" if hosts else "the plan has no [hosts.NAME] tables"
             raise PlanError(f"{key}.host = {host!r} is not a host of the plan ({where})")
-    for name, view in plan.pools():
-        stages = view.stages
+    for ring in plan.rings():
+        stages, key = ring.plan.stages, ring.key
         for i, (stage, nxt) in enumerate(zip(stages, stages[1:])):
             a, b = worker_host(cluster, stage.host), worker_host(cluster, nxt.host)
             if a != b and stage.edge not in (None, "auto"):
-                key = f"{name}.stages" if name else "stages"
                 raise PlanError(
                     f"{key}[{i}].edge = {stage.edge!r}: the edge goes from host {a} to host {b}, and only tcp "
                     "crosses hosts (leave the key out)"
@@ -89,9 +88,9 @@ def check_cluster(plan: HostedPlan) -> None:
 
 def _placed(plan: HostedPlan) -> Iterator[tuple[str, str]]:
     """(key, host) of every stage and shard that names its host."""
-    for name, view in plan.pools():
-        key = f"{name}.stages" if name else "stages"
-        for i, stage in enumerate(view.stages):
+    for ring in plan.rings():
+        key = ring.key
+        for i, stage in enumerate(ring.plan.stages):
             if stage.host is not None:
                 yield f"{key}[{i}]", stage.host
             for j, shard in enumerate(stage.experts):

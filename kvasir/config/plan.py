@@ -11,91 +11,32 @@ import json
 import re
 from collections.abc import Collection
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 
 from kvasir.config.cluster import ClusterSpec, HostSpec, check_cluster
 from kvasir.config.devices import DTYPES, check_edge_request
-from kvasir.config.experts import ShardSpec, check_shards, check_shards_fit
+from kvasir.config.experts import check_shards, check_shards_fit
+from kvasir.config.fleet import Ring, check_pools, rings
 from kvasir.config.http import HttpSpec, check_http, is_loopback
 from kvasir.config.resources import check_placement, positive
+from kvasir.config.sections import (
+    POOLS,
+    BatchSpec,
+    BridgeSpec,
+    HandoffSpec,
+    InstanceSpec,
+    KvSpec,
+    ModelSpec,
+    PoolSpec,
+    RouteSpec,
+    StageSpec,
+    SuperviseSpec,
+    _Section,
+)
 from kvasir.errors import PlanError
-from kvasir.units import MIB
 
-PrefixShare = Literal["tenant", "all"]
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.*-]+):(?P<port>[0-9]{1,5})$")
-
-
-class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    pass
-
-
-class ModelSpec(_Section, frozen=True):
-    source: str = "smollm2-135m"
-    dtype: str = "float32"
-    max_seq_len: int = 2048
-
-
-class BatchSpec(_Section, frozen=True):
-    max_rows: int = 32
-    max_tokens: int = 256
-    inflight: int = 3
-
-
-class KvSpec(_Section, frozen=True):
-    block_size: int = 16
-    num_blocks: int = 1024
-    prefix_cache: bool = True  # reuse the KV blocks of prompts' shared beginnings (kvasir/sched/prefix.py)
-    prefix_share: PrefixShare = "tenant"  # share cached blocks within one tenant, or between "all" clients
-
-
-class BridgeSpec(_Section, frozen=True):
-    max_waiting: int = 1024  # requests in the daemon before new ones are refused "overloaded"
-    max_per_client: int = 256  # requests one client connection may have in the daemon at once
-    max_client_queue: int = (
-        100_000  # events waiting for one client; beyond, it is not reading: its requests are cancelled
-    )
-    max_client_bytes: int = 32 * MIB  # bytes of events waiting for one client; beyond, as max_client_queue
-    max_tokens_per_request: int | None = (
-        None  # a request asking for more is refused (None: no ceiling; max_seq_len caps)
-    )
-    tcp: str | None = None  # also serve remote clients at "tcp://HOST:PORT" (CURVE keys required)
-    tcp_allow_local_unauthenticated: bool = False  # a loopback tcp without keys: every local user may connect
-    server_key: str | None = None  # the daemon's CURVE secret key file (`kvasir keys generate`)
-    client_keys: str | None = None  # folder of the CURVE public keys (*.key) of the clients let in
-
-
-class SuperviseSpec(_Section, frozen=True):
-    max_restarts: int = 5  # ring restarts allowed within restart_window_s before the daemon gives up
-    restart_window_s: float = 600.0
-    heartbeat_timeout_s: float = 30.0  # a child silent this long is hung: killed and restarted
-
-
-class StageSpec(_Section, frozen=True):
-    layers: tuple[int, int]
-    device: str = "cpu"
-    threads: int = 1
-    cpus: tuple[int, ...] | None = None
-    edge: str | None = None  # slot kind of the edge to the next stage: auto (default) | cuda-ipc | pinned | shm
-    experts: tuple[ShardSpec, ...] = ()  # expert shards of its MoE layers; none: the stage runs its experts
-    host: str | None = None  # a [hosts.NAME] of the plan (default: the cluster's leader)
-
-
-class PoolSpec(_Section, frozen=True):
-    """One pool of a disaggregated plan: its own pipeline, optionally its own widths and cache."""
-
-    stages: tuple[StageSpec, ...] = ()
-    batch: BatchSpec | None = None  # default: the plan's [batch]
-    kv: KvSpec | None = None  # default: the plan's [kv]
-
-
-class HandoffSpec(_Section, frozen=True):
-    lease_s: float = 60.0  # prefill KV not confirmed by the decode pool within this is freed (request failed)
-
-
-Pool = Literal["", "prefill", "decode"]  # "" in a colocated plan
-POOLS: tuple[Pool, ...] = ("prefill", "decode")
 
 
 class Plan(_Section, frozen=True):
@@ -105,7 +46,9 @@ class Plan(_Section, frozen=True):
     bridge: BridgeSpec = BridgeSpec()
     supervise: SuperviseSpec = SuperviseSpec()
     handoff: HandoffSpec = HandoffSpec()
-    stages: tuple[StageSpec, ...] = ()
+    stages: tuple[StageSpec, ...] = ()  # one instance; or several in [[instances]]
+    instances: tuple[InstanceSpec, ...] = ()
+    route: RouteSpec = RouteSpec()  # which instance serves each request
     prefill: PoolSpec | None = None  # a disaggregated plan has both pools and no [[stages]]
     decode: PoolSpec | None = None
     cluster: ClusterSpec | None = None  # several hosts (kvasir/config/cluster.py)
@@ -122,28 +65,13 @@ class Plan(_Section, frozen=True):
 
     @property
     def all_stages(self) -> tuple[StageSpec, ...]:
-        """Every stage process, in global order: the prefill pool's, then the decode pool's."""
-        return tuple(stage for _, view in self.pools() for stage in view.stages)
+        """Every stage process, in global order: pool by pool, instance by instance."""
+        return tuple(stage for ring in self.rings() for stage in ring.plan.stages)
 
-    def pools(self) -> list[tuple[Pool, Plan]]:
-        """Each pool as a plan of its own (one ring: its stages, widths and cache); a
-        colocated plan is one pool named ""."""
-        if not self.disaggregated:
-            return [("", self)]
-        return [(name, pool_view(self, name)) for name in POOLS]
-
-
-def pool_view(plan: Plan, name: str) -> Plan:
-    """The ring plan of one pool of a disaggregated plan."""
-    pool = getattr(plan, name)
-    return msgspec.structs.replace(
-        plan,
-        stages=pool.stages,
-        batch=pool.batch or plan.batch,
-        kv=pool.kv or plan.kv,
-        prefill=None,
-        decode=None,
-    )
+    def rings(self) -> list[Ring[Plan]]:
+        """Each instance as a ring plan of its own (its stages, widths and cache), in
+        global stage order (kvasir/config/fleet.py)."""
+        return rings(self)
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -253,27 +181,28 @@ def _check_kv(key: str, kv: KvSpec, max_seq_len: int) -> None:
         )
 
 
+def _check_ring(key: str, ring: Plan, spec: InstanceSpec) -> None:
+    """One instance's ring: its own widths and cache, its stages."""
+    where = key.removesuffix(".stages")
+    if spec.batch is not None:
+        _check_widths(f"{where}.batch", spec.batch)
+    if spec.kv is not None:
+        _check_kv(f"{where}.kv", spec.kv, ring.model.max_seq_len)
+    _check_stages(ring.stages, key)
+
+
 def _check_pools(plan: Plan) -> None:
-    if plan.prefill is None and plan.decode is None:
-        _check_stages(plan.stages, "stages")
-        return
-    if plan.stages:
-        raise PlanError(
-            "stages: a disaggregated plan has [[prefill.stages]] and [[decode.stages]] instead of [[stages]]"
-        )
-    for name in POOLS:
+    check_pools(plan, _check_ring)
+    for name in POOLS if plan.disaggregated else ():
         pool = getattr(plan, name)
-        if pool is None:
-            other = next(n for n in POOLS if n != name)
-            raise PlanError(f"{name}: a plan with [{other}] needs a [{name}] pool too (with its [[{name}.stages]])")
         if pool.batch is not None:
             _check_widths(f"{name}.batch", pool.batch)
         if pool.kv is not None:
             _check_kv(f"{name}.kv", pool.kv, plan.model.max_seq_len)
-        _check_stages(pool.stages, f"{name}.stages")
-        for i, stage in enumerate(pool.stages):
-            workers = [(f"{name}.stages[{i}]", stage.device)]
-            workers += [(f"{name}.stages[{i}].experts[{j}]", shard.device) for j, shard in enumerate(stage.experts)]
+    for ring in plan.rings() if plan.disaggregated else ():
+        for i, stage in enumerate(ring.plan.stages):
+            workers = [(f"{ring.key}[{i}]", stage.device)]
+            workers += [(f"{ring.key}[{i}].experts[{j}]", shard.device) for j, shard in enumerate(stage.experts)]
             for key, device in workers:
                 if device != "cpu":
                     raise PlanError(
@@ -363,8 +292,8 @@ def check_model_fit(
     """Check the plan against the model: exact layer coverage (by every pool), context
     within range, expert shards only on MoE layers and covering every expert
     (``num_experts`` 0: a dense model)."""
-    for name, view in plan.pools():
-        key = f"{name}.stages" if name else "stages"
+    for ring in plan.rings():
+        key, view = ring.key, ring.plan
         for i, stage in enumerate(view.stages):
             check_shards_fit(f"{key}[{i}]", stage.layers, stage.experts, num_experts, moe_layers)
         last = len(view.stages) - 1
@@ -406,23 +335,34 @@ def plan_toml(plan: Plan) -> str:
         shards = [line for shard in spec.experts for line in (f"[[{name}.experts]]", *table(shard), "")]
         return [f"[[{name}]]", *table(spec), "", *shards]
 
+    def parts(name: str, section: PoolSpec | InstanceSpec) -> list[str]:
+        lines: list[str] = []
+        for part in ("batch", "kv"):
+            if getattr(section, part) is not None:
+                lines += [f"[{name}.{part}]", *table(getattr(section, part)), ""]
+        for spec in section.stages:
+            lines += stage(f"{name}.stages", spec)
+        return lines
+
+    def instances(name: str, listed: tuple[InstanceSpec, ...]) -> list[str]:
+        lines: list[str] = []
+        for spec in listed:
+            lines += [f"[[{name}]]", f"name = {value(spec.name)}", "", *parts(name, spec)]
+        return lines
+
     lines: list[str] = []
-    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff", "cluster", "http"):
+    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff", "route", "cluster", "http"):
         if getattr(plan, name) is not None:
             lines += [f"[{name}]", *table(getattr(plan, name)), ""]
     for host, address in plan.hosts.items():
         lines += [f"[hosts.{host}]", *table(address), ""]
     for spec in plan.stages:
         lines += stage("stages", spec)
+    lines += instances("instances", plan.instances)
     for name in POOLS:
         pool = getattr(plan, name)
-        if pool is None:
-            continue
-        for part in ("batch", "kv"):
-            if getattr(pool, part) is not None:
-                lines += [f"[{name}.{part}]", *table(getattr(pool, part)), ""]
-        for spec in pool.stages:
-            lines += stage(f"{name}.stages", spec)
+        if pool is not None:
+            lines += parts(name, pool) + instances(f"{name}.instances", pool.instances)
     return "\n".join(lines)
 
 

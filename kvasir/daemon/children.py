@@ -14,7 +14,8 @@ from typing import Protocol
 import msgspec
 import zmq
 
-from kvasir.config.plan import Plan, Pool
+from kvasir.config.plan import Plan
+from kvasir.config.sections import Pool
 from kvasir.transport.channels import PushChannel
 from kvasir.transport.fabric import Sockets
 from kvasir.wire.base import Role
@@ -81,8 +82,9 @@ class StagePlace:
 
     pool: Pool
     plan: Plan
-    first: int  # global index of the pool's first stage
+    first: int  # global index of its ring's first stage
     edges: list[EdgeSpec]
+    instance: str  # its ring's name
     shards: list[ShardWiring] = field(default_factory=list)  # its expert shards
 
 

@@ -12,7 +12,9 @@ from typing import Literal
 
 from kvasir.config.cluster import worker_host
 from kvasir.config.devices import DispatchKind, dispatch_kind, torch_dtype
-from kvasir.config.plan import Plan, Pool
+from kvasir.config.fleet import Ring
+from kvasir.config.plan import Plan
+from kvasir.config.sections import Pool
 from kvasir.model.kv_cache import PagedKVCache
 from kvasir.model.loader import build_skeleton, count_parameters, slice_spec
 from kvasir.model.source import ModelSource
@@ -27,6 +29,7 @@ StageRole = Literal["head", "middle", "tail"]
 class StageFootprint:
     index: int  # global: a disaggregated plan numbers the prefill pool's stages first
     pool: Pool
+    instance: str  # its instance's name
     role: StageRole
     layers: tuple[int, int]
     device: str
@@ -67,8 +70,8 @@ def shard_footprint(plan: Plan, source: ModelSource) -> list[ShardFootprint]:
     if layout is None:
         return out
     dtype = torch_dtype(plan.model.dtype)
-    first = 0
-    for _, view in plan.pools():
+    for ring in plan.rings():
+        view, first = ring.plan, ring.first
         for index, stage in enumerate(view.stages):
             layers = len(layout.moe_layers(stage.layers))
             for shard in stage.experts:
@@ -89,7 +92,6 @@ def shard_footprint(plan: Plan, source: ModelSource) -> list[ShardFootprint]:
                         host,
                     )  # fmt: skip
                 )
-        first += len(view.stages)
     return out
 
 
@@ -100,12 +102,13 @@ def boundary_slot_bytes(plan: Plan, source: ModelSource) -> int:
 
 def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
     out: list[StageFootprint] = []
-    for pool, view in plan.pools():
-        out += _pool_footprint(view, source, pool, len(out))
+    for ring in plan.rings():
+        out += _ring_footprint(ring, source)
     return out
 
 
-def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> list[StageFootprint]:
+def _ring_footprint(ring: Ring[Plan], source: ModelSource) -> list[StageFootprint]:
+    plan, first = ring.plan, ring.first
     dtype = torch_dtype(plan.model.dtype)
     slot = boundary_slot_bytes(plan, source)
     hosts = [worker_host(plan.cluster, stage.host) for stage in plan.stages]
@@ -126,7 +129,8 @@ def _pool_footprint(plan: Plan, source: ModelSource, pool: Pool, first: int) -> 
         out.append(
             StageFootprint(
                 index=first + index,
-                pool=pool,
+                pool=ring.pool,
+                instance=ring.name,
                 role=role,
                 layers=stage.layers,
                 device=stage.device,

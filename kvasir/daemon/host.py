@@ -29,9 +29,9 @@ def check_host(plan: Plan, here: str | None = None) -> None:
     usable = os.sched_getaffinity(0)
     cluster = plan.cluster
     here = here or (cluster.leader if cluster is not None else None)
-    for pool, view in plan.pools():
-        for index, stage in enumerate(view.stages):
-            key = f"{pool}.stages[{index}]" if pool else f"stages[{index}]"
+    for ring in plan.rings():
+        for index, stage in enumerate(ring.plan.stages):
+            key = f"{ring.key}[{index}]"
             if worker_host(cluster, stage.host) == here:
                 _check_stage_host(key, stage, usable, torch)
             for j, shard in enumerate(stage.experts):  # expert shards: the same keys

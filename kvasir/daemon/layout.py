@@ -52,7 +52,7 @@ class Layout:
         if role == "shard":
             shard = self.shards[index]
             return self.places[shard.stage], [shard]
-        return StagePlace("", plan, 0, []), []
+        return StagePlace("", plan, 0, [], ""), []
 
     def ring_ids(self) -> list[ChildId]:
         """The ring's children: every stage (in ring order), then every expert shard."""
@@ -72,6 +72,11 @@ def lay_out(plan: Plan, source: ModelSource, prefix: str, log) -> Layout:
     """Lay out every edge (and the prefill caches), named from ``prefix``, and create the
     shared memory of this host's workers (the leader's, in a plan across hosts). On
     failure, whatever was already created is removed before the error goes on."""
+    if plan.disaggregated and len(plan.rings()) > 2:
+        raise LayoutError(
+            "this version serves one instance per pool in a disaggregated plan ([[prefill.stages]] and "
+            "[[decode.stages]]); several instances per pool pass `kvasir plan check` but do not start yet"
+        )
     layout = Layout()
     placement = Placement.of(plan)
     _edges(plan, source, prefix, log, layout, placement)
@@ -100,8 +105,8 @@ def make_segments(segments: HostSegments) -> list[ShmSlotRing | KvSegmentMap | D
 
 def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout, placement: Placement) -> None:
     peer_access = torch_peer_access(plan.all_stages)
-    for pool, view in plan.pools():
-        first = len(layout.places)
+    for ring in plan.rings():
+        view, first = ring.plan, ring.first
         edges = []
         hosts = list(placement.stages[first : first + len(view.stages)])
         for k, choice in enumerate(pool_edges(view.stages, peer_access, hosts)):
@@ -124,7 +129,7 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout, pl
                 layout.ipc_edges[spec.name] = (first + k, first + k + 1)
             log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
             edges.append(spec)
-        layout.places += [StagePlace(pool, view, first, edges) for _ in view.stages]
+        layout.places += [StagePlace(ring.pool, view, first, edges, ring.name) for _ in view.stages]
 
 
 def _shards(source: ModelSource, prefix: str, layout: Layout, placement: Placement) -> None:
@@ -155,7 +160,7 @@ def _shards(source: ModelSource, prefix: str, layout: Layout, placement: Placeme
 
 def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout, placement: Placement) -> HandoffWiring:
     """The prefill stages' caches, in shared memory the decode stages copy from."""
-    prefill, decode = (view for _, view in plan.pools())
+    prefill, decode = (ring.plan for ring in plan.rings())  # one instance per pool (start refuses more, for now)
     segments = []
     for k, stage in enumerate(prefill.stages):
         segment = KvSegment(

@@ -55,6 +55,7 @@ class Spawner:
                 plan=place.plan,
                 edges=place.edges,
                 pool=place.pool,
+                instance=place.instance,
                 first=place.first,
                 handoff=layout.wiring,
                 shards=shards,

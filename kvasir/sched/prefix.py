@@ -31,6 +31,9 @@ from collections.abc import Sequence
 from kvasir.sched.blocks import BlockAllocator
 from kvasir.wire.head import BLOCK_KEY_BYTES as KEY_BYTES
 
+EVENTS_KEPT = 1 << 15  # registered and evicted keys kept between two PrefixEvents (then a snapshot)
+EVENTS_SNAPSHOT = 1 << 20  # keys in a snapshot at most (kvasir/wire/bridge.py's MAX_PREFIX_EVENTS)
+
 
 def namespace_root(namespace: str, salt: str | None) -> bytes:
     """The parent of a request's first block key: its namespace (the tenant, or "" where
@@ -75,6 +78,9 @@ class PrefixCache:
         self.query_tokens = 0  # their prompt tokens
         self.hit_tokens = 0  # of those, found cached
         self.evicted = 0  # registered blocks given up for room
+        self.stored: list[bytes] = []  # keys registered since the last events taken (the conductor's index)
+        self.removed: list[bytes] = []  # and evicted
+        self.overflowed = False  # more than EVENTS_KEPT of them: the next events are a snapshot
 
     @property
     def cached_blocks(self) -> int:
@@ -135,6 +141,7 @@ class PrefixCache:
             raise ValueError(f"KV block {block} registered while nobody holds it")
         self._by_key[key] = block
         self._key_of[block] = key
+        self._event(self.stored, key)
 
     def release(self, blocks: list[int]) -> None:
         """A request lets go of its blocks: registered ones nobody else holds go idle
@@ -155,12 +162,33 @@ class PrefixCache:
         if freed:
             self.allocator.release(freed)
 
+    def _event(self, into: list[bytes], key: bytes) -> None:
+        if self.overflowed:
+            return
+        into.append(key)
+        if len(self.stored) + len(self.removed) > EVENTS_KEPT:
+            self.stored, self.removed, self.overflowed = [], [], True
+
+    def take_events(self) -> tuple[list[bytes], list[bytes], bool] | None:
+        """The keys registered and evicted since the last call, or after an overflow all
+        keys held now with ``reset`` True; None when nothing changed."""
+        if self.overflowed:
+            self.stored, self.removed, self.overflowed = [], [], False
+            return list(self._by_key)[:EVENTS_SNAPSHOT], [], True
+        if not self.stored and not self.removed:
+            return None
+        events = self.stored, self.removed, False
+        self.stored, self.removed = [], []
+        return events
+
     def _hold(self, block: int) -> None:
         self._idle.pop(block, None)
         self._holders[block] = self._holders.get(block, 0) + 1
 
     def _evict(self) -> None:
         block, _ = self._idle.popitem(last=False)
-        del self._by_key[self._key_of.pop(block)]
+        key = self._key_of.pop(block)
+        del self._by_key[key]
+        self._event(self.removed, key)
         self.allocator.release([block])
         self.evicted += 1

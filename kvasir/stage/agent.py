@@ -20,6 +20,7 @@ from kvasir.stage.handoff import NoHandoff
 from kvasir.stage.ports import HandoffRole, Intake, Outlet
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
+from kvasir.wire.bridge import PrefixEvents
 from kvasir.wire.control import Heartbeat, StageSettings
 from kvasir.wire.shares import imbalance
 from kvasir.wire.stats import BatchSpan, ExpertLoad, GpuMemory, KvUse, StageStats
@@ -83,6 +84,7 @@ class StageAgent:
                 self._run(*work)
             else:
                 self._wait()
+            self._prefix_events()
             self._report()
 
     def _receive(self) -> None:
@@ -125,6 +127,14 @@ class StageAgent:
             self.log.warning("launcher is gone; stopping")
             self._stopping = True
 
+    def _prefix_events(self) -> None:
+        """A head tells the bridge's conductor which prefix blocks it registered and evicted."""
+        events = self.intake.prefix_events()
+        if events is not None:
+            stored, removed, reset = events
+            pid = self.heartbeat.pid
+            self.bridge.send(PrefixEvents(self.index, pid, tuple(stored), tuple(removed), reset))
+
     def _report(self) -> None:
         now = time.monotonic()
         if now < self._next_stats and not self._stopping:
@@ -152,6 +162,7 @@ class StageAgent:
             hop_s=(self.intake.hop_ns + self.outlet.hop_ns) / 1e9,
             spans=self._take_spans(),
             pool=self.settings.pool,
+            instance=self.settings.instance,
             device=str(self.engine.device),
             head=self.intake.queue(),
             prefix=self.intake.prefix(),

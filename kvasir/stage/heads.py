@@ -102,6 +102,9 @@ class SchedulerIntake:
     def queue(self) -> HeadQueue:
         return HeadQueue(inflight=len(self.scheduler.inflight), waiting=len(self.scheduler.waiting))
 
+    def prefix_events(self) -> tuple[list[bytes], list[bytes], bool] | None:
+        return self.scheduler.cache.take_events()
+
     def prefix(self) -> PrefixCounters | None:
         cache = self.scheduler.cache
         return PrefixCounters(

@@ -28,6 +28,11 @@ class Intake(Protocol):
 
     def prefix(self) -> PrefixCounters | None: ...  # a head's prefix cache
 
+    def prefix_events(self) -> tuple[list[bytes], list[bytes], bool] | None:
+        """A head: the prefix blocks registered and evicted since the last call (stored,
+        removed, reset: stored is a snapshot), for the bridge's conductor."""
+        ...
+
     hop_ns: int  # time spent on boundary hand-offs (reading slots, descriptors, credits)
 
 

@@ -68,3 +68,6 @@ class UpstreamIntake:
 
     def prefix(self) -> PrefixCounters | None:
         return None
+
+    def prefix_events(self) -> tuple[list[bytes], list[bytes], bool] | None:
+        return None

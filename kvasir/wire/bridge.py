@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from kvasir.wire.base import Tagged
 from kvasir.wire.batch import PromptScores, SampledToken
+from kvasir.wire.head import BLOCK_KEY_BYTES
 from kvasir.wire.stats import ShardStats, StageStats
 
 
@@ -31,4 +36,21 @@ class HandoffReport(Tagged, frozen=True):
     copy_s: float  # the slowest decode stage's copy (they copy in parallel)
 
 
-BridgeMessage = TokenEvents | RequestEnded | StageStats | ShardStats | HandoffReport
+MAX_PREFIX_EVENTS = 1 << 20  # keys in one PrefixEvents message (a snapshot is cut to this many)
+PrefixKeys = Annotated[
+    tuple[Annotated[bytes, msgspec.Meta(max_length=BLOCK_KEY_BYTES)], ...], msgspec.Meta(max_length=MAX_PREFIX_EVENTS)
+]
+
+
+class PrefixEvents(Tagged, frozen=True):
+    """A head -> the bridge: prefix blocks its cache registered and evicted since its last
+    events (``reset``: ``stored`` is all it holds now), for the conductor's index."""
+
+    head: int  # the head's global stage index
+    pid: int
+    stored: PrefixKeys = ()
+    removed: PrefixKeys = ()
+    reset: bool = False
+
+
+BridgeMessage = TokenEvents | RequestEnded | StageStats | ShardStats | HandoffReport | PrefixEvents

@@ -111,6 +111,8 @@ class Finished(_Client, frozen=True, tag="finished"):
     usage: Usage
     timings: Timings
     handoff: HandoffTimings | None = None
+    instances: list[str] = []  # the instance that served it (disaggregated: its prefill, then its decode instance)
+    route: str = ""  # why the conductor sent it there (kvasir/bridge/conductor.py)
 
 
 class Cancelled(_Client, frozen=True, tag="cancelled"):

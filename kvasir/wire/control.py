@@ -9,7 +9,8 @@ import msgspec
 
 from kvasir.config.devices import DispatchKind, EdgeKind
 from kvasir.config.experts import ShardSpec
-from kvasir.config.plan import Plan, Pool
+from kvasir.config.plan import Plan
+from kvasir.config.sections import Pool
 from kvasir.wire.base import Role, Side, Tagged, Wire
 
 
@@ -168,7 +169,8 @@ class StageSettings(Worker, frozen=True, kw_only=True, tag="stage"):
     index: int  # global: a disaggregated plan numbers both pools' stages in one sequence
     edges: list[EdgeSpec]  # edge k runs from the pool's stage k to its stage k+1
     pool: Pool = ""
-    first: int = 0  # global index of the pool's first stage
+    instance: str = ""  # its instance's name (kvasir/config/fleet.py)
+    first: int = 0  # global index of its ring's first stage
     handoff: HandoffWiring | None = None  # a disaggregated plan's stage
     shards: list[ShardWiring] = []  # its expert shards
 

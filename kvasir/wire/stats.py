@@ -5,7 +5,7 @@ stage's hand-off, a MoE stage's expert load, a CUDA stage's memory)."""
 
 from __future__ import annotations
 
-from kvasir.config.plan import Pool
+from kvasir.config.sections import Pool
 from kvasir.wire.base import Tagged, Wire
 
 
@@ -81,6 +81,7 @@ class StageStats(Tagged, frozen=True):
     hop_s: float = 0.0  # of busy and waiting time: spent handing boundaries over (slots, descriptors, credits)
     spans: tuple[BatchSpan, ...] = ()  # batches run since the previous report (the bridge keeps a bounded timeline)
     pool: Pool = ""
+    instance: str = ""  # its instance (ring) of its pool
     host: str = ""  # a plan across hosts: the host it runs on
     device: str = "cpu"  # where the stage's slice, KV cache and attention live
     head: HeadQueue | None = None  # a ring's head

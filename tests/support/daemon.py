@@ -38,12 +38,7 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
     supervise = "".join(
         f"{key} = {kw[key]}\n" for key in ("max_restarts", "restart_window_s", "heartbeat_timeout_s") if key in kw
     )
-    pools = splits.items() if isinstance(splits, dict) else [("", splits)]  # {"prefill": [...], "decode": [...]}
-    stages = "".join(
-        f"[[{pool + '.' if pool else ''}stages]]\nlayers = [{a}, {b}]\n" + _stage_keys(kw, i, pool)
-        for pool, split in pools
-        for i, (a, b) in enumerate(split)
-    )
+    stages = _rings(splits, kw)
     if "lease_s" in kw:
         stages = f"[handoff]\nlease_s = {kw['lease_s']}\n" + stages
     for pool in ("prefill", "decode"):  # a pool's own cache size: prefill_blocks = N, decode_blocks = N
@@ -64,10 +59,30 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         + ("tcp_allow_local_unauthenticated = true\n" if kw.get("tcp_allow_local_unauthenticated") else "")
         + "".join(f'{key} = "{kw[key]}"\n' for key in ("tcp", "server_key", "client_keys") if key in kw)
         + f"[supervise]\n{supervise}"
+        + (f'[route]\npolicy = "{kw["route"]}"\n' if "route" in kw else "")
         + _http_table(kw.get("http"))
         + stages
     )
     return path
+
+
+def _rings(splits, kw) -> str:
+    """The stage tables: ``splits`` a list of layer ranges (one ring), or a dict of them by
+    ring: "prefill" and "decode" (each pool one ring), "prefill.NAME" and "decode.NAME" (a
+    pool's instances), any other key an instance of a colocated plan."""
+    rings = splits.items() if isinstance(splits, dict) else [("", splits)]
+    text = ""
+    for ring, split in rings:
+        pool, _, name = ring.partition(".") if ring.startswith(("prefill.", "decode.")) else ("", "", ring)
+        if ring in ("prefill", "decode"):
+            pool, name = ring, ""
+        table = f"{pool + '.' if pool else ''}{'instances.' if name else ''}stages"
+        if name:
+            text += f'[[{table.removesuffix(".stages")}]]\nname = "{name}"\n'
+        text += "".join(
+            f"[[{table}]]\nlayers = [{a}, {b}]\n" + _stage_keys(kw, i, table) for i, (a, b) in enumerate(split)
+        )
+    return text
 
 
 def _http_table(http: dict | None) -> str:
@@ -83,7 +98,7 @@ def _toml(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def _stage_keys(kw, i: int, pool: str = "") -> str:
+def _stage_keys(kw, i: int, table: str = "stages") -> str:
     """A stage's device and edge kind from devices = [...] / edges = [...] (None: the default),
     its expert shards from experts = {stage index: [ranges]}."""
     keys = ""
@@ -91,7 +106,6 @@ def _stage_keys(kw, i: int, pool: str = "") -> str:
         values = kw.get(plural)
         if values is not None and values[i] is not None:
             keys += f'{key} = "{values[i]}"\n'
-    table = f"{pool}.stages" if pool else "stages"
     return keys + shard_tables(kw.get("experts", {}).get(i, ()), table)
 
 

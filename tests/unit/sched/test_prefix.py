@@ -149,3 +149,26 @@ def test_a_namespace_root_separates_tenants_and_salts_and_is_empty_only_for_none
     assert namespace_root("key:a", "s") == namespace_root("key:a", "s")  # stable: the same tenant hits
     keys = block_keys([1, 2, 3, 4], BLOCK, 1, parent=roots[0])
     assert keys != block_keys([1, 2, 3, 4], BLOCK, 1, parent=roots[1])
+
+
+def test_registrations_and_evictions_become_events_for_the_conductor(monkeypatch):
+    c = cache(blocks=2)
+    keys = block_keys(list(range(8)), BLOCK, 2)
+    assert c.take_events() is None
+    held = c.take([], 2)
+    assert held is not None
+    c.register(held[0], keys[0])
+    c.register(held[0], keys[0])  # known already: no second event
+    c.register(held[1], keys[1])
+    assert c.take_events() == ([keys[0], keys[1]], [], False)
+    assert c.take_events() is None
+    c.release(held)
+    assert c.take([], 2) is not None  # room only by evicting both idle blocks
+    assert c.take_events() == ([], [keys[0], keys[1]], False)
+    monkeypatch.setattr("kvasir.sched.prefix.EVENTS_KEPT", 1)  # more than that: a snapshot instead
+    c = cache(blocks=2)
+    held = c.take([], 2)
+    assert held is not None
+    c.register(held[0], keys[0])
+    c.register(held[1], keys[1])
+    assert c.take_events() == ([keys[0], keys[1]], [], True)

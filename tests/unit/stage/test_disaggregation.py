@@ -45,8 +45,10 @@ def test_pools_are_rings_of_their_own_with_their_own_widths():
             "x", "[prefill.batch]\nmax_rows = 2\nmax_tokens = 64\n[decode.kv]\nblock_size = 8\nnum_blocks = 64\n"
         )
     )
-    (p_name, prefill), (d_name, decode) = plan.pools()
-    assert (p_name, d_name) == ("prefill", "decode") and plan.disaggregated
+    p_ring, d_ring = plan.rings()
+    prefill, decode = p_ring.plan, d_ring.plan
+    assert (p_ring.pool, d_ring.pool) == ("prefill", "decode") and plan.disaggregated
+    assert (p_ring.first, d_ring.first) == (0, 3)
     assert [s.layers for s in prefill.stages] == [(0, 2), (2, 5), (5, 6)]
     assert [s.layers for s in decode.stages] == [(0, 4), (4, 6)]
     assert prefill.batch.max_tokens == 64 and decode.batch == plan.batch

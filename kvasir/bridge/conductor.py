@@ -1,0 +1,182 @@
+"""The conductor: which instance serves each request (``[route] policy``).
+
+- ``round_robin``: the serving instances in turn.
+- ``least_loaded``: the instance with the fewest of the bridge's requests on it now.
+- ``cache_aware`` (the default): the instance where the request's first token costs the
+  least work: the prompt tokens it would compute (those not already in its prefix cache),
+  plus half the prompt tokens queued on it ahead of them (a ring's batches take several
+  requests' chunks at once, so queued work partly runs alongside), plus one per request
+  it runs.
+
+Cache-aware routing keeps an index of the prefix blocks each instance holds, by their
+chained keys (kvasir/sched/prefix.py), fed by the heads' own ``PrefixEvents`` when blocks
+are registered and evicted. A request routed to an instance is expected to leave its
+prompt's blocks there, so its keys are entered at once and kept for ``PREDICTED_S`` unless
+the head confirms them: a burst of requests sharing a prefix goes to one instance
+instead of being spread before the first has been computed.
+
+Policy only: no sockets. The bridge tells it what it sends and what comes back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvasir.config.sections import RoutePolicy
+from kvasir.errors import RequestError
+from kvasir.sched.prefix import block_keys
+
+InstanceState = Literal["serving", "down"]
+BACKLOG_WEIGHT = 0.5  # what a queued prompt token costs a new request, against one of its own
+PREDICTED_S = 10.0  # an entered key the head does not confirm within this is forgotten
+CONFIRMED = math.inf
+
+
+@dataclass
+class Candidate:
+    """One instance as the conductor sees it."""
+
+    name: str
+    block_size: int  # its prefix cache's block size
+    capacity: int  # its KV blocks: the index holds no more keys than this (and the predicted ones)
+    state: InstanceState = "serving"
+    running: int = 0  # the bridge's requests on it now
+    backlog: int = 0  # prompt tokens of those still waiting for their first token, less what was cached
+    routed: int = 0  # requests sent to it since the daemon started
+    keys: dict[bytes, float] = field(default_factory=dict)  # prefix block key -> until when (inf: confirmed)
+
+    def cached_tokens(self, keys: Sequence[bytes], now: float) -> int:
+        """Tokens of the longest prefix of ``keys`` this instance holds (or is expected to)."""
+        held = 0
+        for key in keys:
+            until = self.keys.get(key)
+            if until is None or until < now:
+                break
+            held += 1
+        return held * self.block_size
+
+
+@dataclass(frozen=True)
+class Choice:
+    name: str
+    reason: str
+    cached_tokens: int = 0  # prompt tokens the conductor expects the instance to have cached
+    backlog: int = 0  # what the request adds to the instance's backlog
+
+
+class Conductor:
+    def __init__(self, policy: RoutePolicy, candidates: Iterable[Candidate]) -> None:
+        self.policy = policy
+        self.candidates = {c.name: c for c in candidates}
+        self._turn = itertools.count()
+
+    def serving(self) -> list[Candidate]:
+        return [c for c in self.candidates.values() if c.state == "serving"]
+
+    def pick(self, prompt: Sequence[int], root: bytes, now: float) -> Choice:
+        """The instance for a prompt (in the cache namespace ``root``); raises
+        RequestError("restarting") when none is serving."""
+        live = self.serving()
+        if not live:
+            raise RequestError("restarting", "no instance is serving: retry in a few seconds")
+        keys = _Keys(prompt, root)
+        if self.policy == "round_robin":
+            chosen = live[next(self._turn) % len(live)]
+            choice = Choice(chosen.name, "round_robin", backlog=len(prompt))
+        elif self.policy == "least_loaded":
+            chosen = min(live, key=lambda c: (c.running, c.routed))
+            choice = Choice(chosen.name, f"least_loaded: {chosen.running} requests on it", backlog=len(prompt))
+        else:
+            choice = self._cache_aware(live, keys, now)
+        self._routed(self.candidates[choice.name], choice, keys, now)
+        return choice
+
+    def _cache_aware(self, live: list[Candidate], keys: _Keys, now: float) -> Choice:
+        prompt = keys.prompt
+        scored = []
+        for c in live:
+            cached = min(c.cached_tokens(keys.of(c.block_size), now), len(prompt) - 1)
+            scored.append((len(prompt) - cached + BACKLOG_WEIGHT * c.backlog + c.running, c.routed, c.name, cached))
+        cost, _, name, cached = min(scored)
+        chosen = self.candidates[name]
+        reason = (
+            f"cache_aware: {cached} of {len(prompt)} prompt tokens cached, "
+            f"{chosen.backlog} queued, {chosen.running} requests running"
+        )
+        return Choice(name, reason, cached, len(prompt) - cached)
+
+    def _routed(self, chosen: Candidate, choice: Choice, keys: _Keys, now: float) -> None:
+        chosen.routed += 1
+        chosen.running += 1
+        chosen.backlog += choice.backlog
+        if self.policy != "cache_aware":
+            return
+        for key in keys.of(chosen.block_size):
+            if chosen.keys.get(key, 0.0) != CONFIRMED:
+                chosen.keys[key] = now + PREDICTED_S
+        self._trim(chosen, now)
+
+    def first_token(self, name: str, backlog: int) -> None:
+        """A request's first token came: its prompt tokens leave the instance's backlog."""
+        chosen = self.candidates.get(name)
+        if chosen is not None:
+            chosen.backlog = max(0, chosen.backlog - backlog)
+
+    def ended(self, name: str, backlog: int) -> None:
+        """A request ended (``backlog``: what it still had in the backlog, if no first token)."""
+        chosen = self.candidates.get(name)
+        if chosen is not None:
+            chosen.running = max(0, chosen.running - 1)
+            chosen.backlog = max(0, chosen.backlog - backlog)
+
+    def events(self, name: str, stored: Iterable[bytes], removed: Iterable[bytes], reset: bool) -> None:
+        """An instance's head registered and evicted prefix blocks (``reset``: ``stored``
+        is everything it holds; forget the rest)."""
+        chosen = self.candidates.get(name)
+        if chosen is None:
+            return
+        if reset:
+            chosen.keys = {key: until for key, until in chosen.keys.items() if until != CONFIRMED}
+        for key in removed:
+            chosen.keys.pop(key, None)
+        for key in stored:
+            chosen.keys[key] = CONFIRMED
+
+    def down(self, name: str) -> None:
+        """An instance failed: nothing is routed to it, its requests and cache are gone."""
+        chosen = self.candidates.get(name)
+        if chosen is not None:
+            chosen.state, chosen.running, chosen.backlog, chosen.keys = "down", 0, 0, {}
+
+    def up(self, name: str) -> None:
+        chosen = self.candidates.get(name)
+        if chosen is not None:
+            chosen.state = "serving"
+
+    def _trim(self, chosen: Candidate, now: float) -> None:
+        """Forget expired predictions once the index outgrows what the instance can hold."""
+        bound = 2 * chosen.capacity
+        if len(chosen.keys) <= bound:
+            return
+        chosen.keys = {key: until for key, until in chosen.keys.items() if until >= now}
+        predicted = sorted((until, key) for key, until in chosen.keys.items() if until != CONFIRMED)
+        for _, key in predicted[: max(0, len(chosen.keys) - bound)]:  # still too many: the oldest go
+            del chosen.keys[key]
+
+
+class _Keys:
+    """A prompt's block keys, made once per block size."""
+
+    def __init__(self, prompt: Sequence[int], root: bytes) -> None:
+        self.prompt, self.root = prompt, root
+        self._made: dict[int, list[bytes]] = {}
+
+    def of(self, block_size: int) -> list[bytes]:
+        if block_size not in self._made:
+            full = len(self.prompt) // block_size
+            self._made[block_size] = block_keys(self.prompt, block_size, full, self.root)
+        return self._made[block_size]

@@ -1,0 +1,90 @@
+"""The conductor's policies on their own: which instance each request goes to, and why."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvasir.bridge.conductor import PREDICTED_S, Candidate, Conductor
+from kvasir.errors import RequestError
+from kvasir.sched.prefix import block_keys
+
+BLOCK = 4
+
+
+def conductor(policy: str, names=("a", "b", "c"), capacity: int = 64) -> Conductor:
+    return Conductor(policy, [Candidate(name, BLOCK, capacity) for name in names])  # type: ignore[arg-type]
+
+
+def test_round_robin_takes_the_serving_instances_in_turn():
+    c = conductor("round_robin")
+    assert [c.pick([1, 2, 3], b"", 0.0).name for _ in range(4)] == ["a", "b", "c", "a"]
+    c.down("b")
+    assert {c.pick([1], b"", 0.0).name for _ in range(4)} == {"a", "c"}
+    for name in "abc":
+        c.down(name)
+    with pytest.raises(RequestError) as info:
+        c.pick([1], b"", 0.0)
+    assert info.value.code == "restarting"
+    c.up("b")
+    assert c.pick([1], b"", 0.0).name == "b"
+
+
+def test_least_loaded_follows_the_requests_on_each_instance():
+    c = conductor("least_loaded")
+    first = [c.pick([1, 2], b"", 0.0) for _ in range(3)]
+    assert sorted(choice.name for choice in first) == ["a", "b", "c"]
+    c.ended("b", 0)
+    choice = c.pick([1, 2], b"", 0.0)
+    assert choice.name == "b" and choice.reason == "least_loaded: 0 requests on it"
+
+
+def test_cache_aware_sends_a_shared_prefix_where_it_is_cached():
+    c = conductor("cache_aware")
+    prompt = list(range(40))
+    keys = block_keys(prompt, BLOCK, 10)
+    c.events("b", keys[:8], [], False)  # b's head registered the first 32 tokens' blocks
+    choice = c.pick(prompt + [7], b"", 0.0)
+    assert (choice.name, choice.cached_tokens, choice.backlog) == ("b", 32, 9)
+    assert choice.reason.startswith("cache_aware: 32 of 41 prompt tokens cached")
+    assert c.pick(prompt, b"other-namespace", 0.0).name != "b"  # another namespace's keys differ
+    c.events("b", [], keys[:8], False)  # evicted
+    assert c.candidates["b"].cached_tokens(keys, 0.0) == 0
+
+
+def test_cache_aware_keeps_a_burst_together_and_spreads_distinct_prompts():
+    c = conductor("cache_aware")
+    shared = list(range(100, 140))
+    burst = [c.pick(shared + [k], b"", 0.0).name for k in range(5)]
+    assert len(set(burst)) == 1  # predicted at once: the burst waits for one prefill, not three
+    distinct = {c.pick(list(range(1000 * k, 1000 * k + 40)), b"", 0.0).name for k in range(1, 3)}
+    assert burst[0] not in distinct  # its instance has the burst's backlog: new prompts go elsewhere
+    later = PREDICTED_S + 1.0  # unconfirmed predictions expire
+    assert c.candidates[burst[0]].cached_tokens(block_keys(shared, BLOCK, 10), later) == 0
+
+
+def test_a_heavy_backlog_outweighs_a_small_cached_prefix():
+    c = conductor("cache_aware", names=("a", "b"))
+    prompt = list(range(400))
+    c.events("a", block_keys(prompt, BLOCK, 2), [], False)  # 8 tokens cached on a
+    c.candidates["a"].backlog = 1000
+    assert c.pick(prompt, b"", 0.0).name == "b"
+
+
+def test_first_tokens_and_ends_take_work_off_an_instance():
+    c = conductor("cache_aware", names=("a",))
+    choice = c.pick(list(range(20)), b"", 0.0)
+    a = c.candidates["a"]
+    assert (a.running, a.backlog, a.routed) == (1, 20, 1)
+    c.first_token("a", choice.backlog)
+    assert (a.running, a.backlog) == (1, 0)
+    c.ended("a", 0)
+    assert a.running == 0
+    c.down("a")
+    assert a.keys == {} and a.state == "down"
+
+
+def test_the_index_is_bounded_by_what_an_instance_can_hold():
+    c = conductor("cache_aware", names=("a",), capacity=4)
+    for k in range(10):
+        c.pick(list(range(1000 * k, 1000 * k + 16)), b"", float(k))
+        assert len(c.candidates["a"].keys) <= 8
