@@ -14,20 +14,26 @@ from kvasir.config.fleet import Ring
 from kvasir.config.plan import Plan
 from kvasir.transport.channels import BatchedSocket
 from kvasir.transport.fabric import Sockets
+from kvasir.wire.client import InstanceStats
+from kvasir.wire.stats import StageStats
 
 
 class Heads:
     def __init__(self, plan: Plan, sockets: Sockets) -> None:
         rings = plan.rings()
+        self.rings = rings
         self.sockets = sockets
         self.admitting: list[Ring[Plan]] = [ring for ring in rings if ring.pool != "decode"]
         self.decode: list[Ring[Plan]] = [ring for ring in rings if ring.pool == "decode"]
         self.instance_of = {index: ring.name for ring in rings for index in range(ring.first, ring.last + 1)}
         self.pool_of = {ring.name: ring.pool for ring in rings}
-        self.conductor = Conductor(
+        self.conductor = Conductor(  # nothing is routed to an instance before the launcher says "serve"
             plan.route.policy,
-            (Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks) for ring in self.admitting),
+            (Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks, "down") for ring in self.admitting),
         )
+        self.pids: dict[str, frozenset[int]] = {}  # the serving instances' stage processes
+        self.restarts: dict[str, int] = {}  # each instance's restarts so far
+        self.failures: dict[str, str] = {}  # each instance's last failure
         self._io: dict[str, tuple[zmq.Socket, BatchedSocket]] = {}
         for ring in self.admitting:
             self._io[ring.name] = self._connect(ring)
@@ -54,15 +60,60 @@ class Heads:
     async def send(self, instance: str, body: bytes) -> None:
         await self._io[instance][1].send(body)
 
-    def down(self) -> None:
-        """Every instance's ring failed: drop what was queued for the dead heads and
-        route nothing until they serve again."""
-        for ring in self.admitting:
-            self.conductor.down(ring.name)
-            head, _ = self._io[ring.name]
-            head.close(linger=0)
-            self._io[ring.name] = self._connect(ring)
+    def names(self, instance: str) -> list[str]:
+        """The instances a command names ("": every one)."""
+        return [name for name in self.pool_of if instance in ("", name)]
 
-    def up(self) -> None:
-        for ring in self.admitting:
-            self.conductor.up(ring.name)
+    def serve(self, instance: str, pids: tuple[int, ...], restarts: int) -> None:
+        """An instance is ready: its processes' reports count, and requests go to it."""
+        self.pids[instance] = frozenset(pids)
+        self.restarts[instance] = restarts
+        self.conductor.up(instance)
+
+    def down(self, instance: str, reason: str) -> None:
+        """An instance failed: drop what was queued for its dead head, ignore its old
+        processes' reports, and route nothing to it until it serves again."""
+        self.pids.pop(instance, None)
+        self.failures[instance] = reason
+        self.conductor.down(instance)
+        ring = next((ring for ring in self.admitting if ring.name == instance), None)
+        if ring is not None:
+            head, _ = self._io[instance]
+            head.close(linger=0)
+            self._io[instance] = self._connect(ring)
+
+    def current(self, index: int, pid: int) -> bool:
+        """A report from the serving process of stage ``index`` (not from a replaced one)."""
+        return pid in self.pids.get(self.instance_of.get(index, ""), frozenset())
+
+    @property
+    def serving(self) -> bool:
+        return bool(self.pids)
+
+    def total_restarts(self) -> int:
+        """Restarts after failures: each instance's, summed; a disaggregated plan's
+        instances restart together, once per failure."""
+        counts = self.restarts.values()
+        return max(counts, default=0) if self.decode else sum(counts)
+
+    def report(self, heads: dict[int, StageStats]) -> list[InstanceStats]:
+        """Each instance for ``kvasir stats``, with its head's latest report (by index)."""
+        out = []
+        for ring in self.rings:
+            candidate = self.conductor.candidates.get(ring.name)
+            head = heads.get(ring.first)
+            out.append(
+                InstanceStats(
+                    name=ring.name,
+                    pool=ring.pool,
+                    state="serving" if ring.name in self.pids else "restarting",
+                    stages=list(range(ring.first, ring.last + 1)),
+                    restarts=self.restarts.get(ring.name, 0),
+                    last_failure=self.failures.get(ring.name),
+                    requests=candidate.running if candidate else 0,
+                    routed=candidate.routed if candidate else 0,
+                    backlog=candidate.backlog if candidate else 0,
+                    prefix=head.prefix if head is not None else None,
+                )
+            )
+        return out

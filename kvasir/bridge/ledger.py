@@ -106,6 +106,9 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def items(self) -> list[tuple[int, Pending]]:
+        return list(self._by_id.items())
+
     def get(self, rid: int) -> Pending | None:
         return self._by_id.get(rid)
 

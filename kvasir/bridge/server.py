@@ -128,9 +128,7 @@ class Bridge:
         self.draining = False
         self.drained_sent = False
         self.bound = False
-        self.restarting: str | None = None  # what failed, while the ring restarts
-        self.ring_pids: frozenset[int] = frozenset()  # the serving stages (stats from others are stale)
-        self.restarts = 0
+        self.restarting: str | None = None  # what failed, while no instance serves
         self.hosts_missing: list[str] = []  # a plan across hosts: hosts whose kvasird join is not there
         self.last_failure: str | None = None
         self.last_failure_at = 0.0
@@ -293,14 +291,13 @@ class Bridge:
                 record = self.requests.get(rid)
                 if record is not None:
                     record.handoff = timings
-            case PrefixEvents(head=index, pid=pid) if pid in self.ring_pids:
-                name = self.heads.instance_of.get(index)
-                if name is not None:
-                    self.heads.conductor.events(name, message.stored, message.removed, message.reset)
-            case StageStats() as stats if stats.pid in self.ring_pids:
+            case PrefixEvents(head=index, pid=pid) if self.heads.current(index, pid):
+                name = self.heads.instance_of[index]
+                self.heads.conductor.events(name, message.stored, message.removed, message.reset)
+            case StageStats() as stats if self.heads.current(stats.index, stats.pid):
                 self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
                 self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
-            case ShardStats() as stats if stats.pid in self.ring_pids:
+            case ShardStats() as stats if self.heads.current(stats.stage, stats.pid):
                 self.shard_stats[stats.number] = stats
 
     async def _commands(self) -> None:
@@ -314,7 +311,7 @@ class Bridge:
             if command.kind == "serve":
                 self._serve(command)
             elif command.kind == "ring_down":
-                await self._ring_down(command.message)
+                await self._ring_down(command.instance, command.message)
             elif command.kind == "hosts":
                 self.hosts_missing = list(command.hosts)
             elif command.kind == "drain":
@@ -344,24 +341,33 @@ class Bridge:
             self.bound = True
         if command.message and command.message != self.last_failure:  # a bridge started after a failure
             self.last_failure, self.last_failure_at = command.message, time.monotonic()
-        self.restarts = command.restarts
-        self.ring_pids = frozenset(command.pids)
+        self.heads.serve(command.instance, command.pids, command.restarts)
         self.restarting = None
-        self.heads.up()
-        self.log.info("accepting clients", restarts=self.restarts)
+        self.log.info("serving", instance=command.instance, restarts=command.restarts)
 
-    async def _ring_down(self, reason: str) -> None:
-        """The stages failed and are being restarted: end every request now, refuse new
-        ones until "serve", and drop whatever was queued for the dead head."""
-        self.restarting = reason
-        self.ring_pids = frozenset()  # the failed ring's reports still on their way are stale
+    async def _ring_down(self, instance: str, reason: str) -> None:
+        """An instance failed and is being restarted (""; every instance): end its requests
+        now, route nothing to it until "serve", drop whatever was queued for its dead head
+        and its stages' stale figures."""
+        names = self.heads.names(instance)
         self.last_failure, self.last_failure_at = reason, time.monotonic()
-        self.log.warning("ring down", reason=reason, requests=len(self.requests))
-        await self._end_all("stage_failed", f"{reason}; the request was lost and the ring is restarting")
-        self.heads.down()
-        self.stage_stats.clear()
-        self.shard_stats.clear()
-        self.timelines.clear()
+        for name in names:
+            self.heads.down(name, reason)
+        if not self.heads.serving:
+            self.restarting = reason
+        lost = [rid for rid, record in self.requests.items() if {record.instance, record.decode} & set(names)]
+        self.log.warning("instance down", instances=names, reason=reason, requests=len(lost))
+        message = f"{reason}; the request was lost and instance {', '.join(names)} is restarting"
+        for rid in lost:
+            record = self.requests.end(rid)
+            if record is not None:
+                self.metrics.ended_early("stage_failed")
+                await self._send(record.peer, ErrorEvent(code="stage_failed", message=message, request_id=rid))
+        for index in [k for k in self.stage_stats if self.heads.instance_of.get(k) in names]:
+            del self.stage_stats[index]
+            self.timelines.pop(index, None)
+        for number in [n for n, s in self.shard_stats.items() if self.heads.instance_of.get(s.stage) in names]:
+            del self.shard_stats[number]
 
     async def _heartbeat(self) -> None:
         beat = self.encoder.encode(Heartbeat("bridge", 0, os.getpid()))

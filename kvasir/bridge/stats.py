@@ -25,7 +25,7 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         shards=[bridge.shard_stats[k] for k in sorted(bridge.shard_stats)],
         timeline=[list(bridge.timelines.get(k, ())) for k in order] if timeline else [],
         state="draining" if bridge.draining else "restarting" if bridge.restarting is not None else "serving",
-        restarts=bridge.restarts,
+        restarts=bridge.heads.total_restarts(),
         last_failure=bridge.last_failure,
         last_failure_age_s=time.monotonic() - bridge.last_failure_at if bridge.last_failure is not None else None,
         handoff=bridge.handoffs.summary(),
@@ -35,4 +35,5 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         hosts_missing=bridge.hosts_missing,
         metrics=bridge.metrics.snapshot(),
         prefix_cache=PrefixCacheStats.of(stages) if stages else None,
+        instances=bridge.heads.report(bridge.stage_stats),
     )

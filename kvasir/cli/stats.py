@@ -40,10 +40,11 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         daemon = client.stats()
     finally:
         client.close()
-    skip = ("stages", "shards", "timeline")
+    skip = ("stages", "shards", "timeline", "instances")
     body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f not in skip}
     body["stages"] = [_as_object(stage) for stage in daemon.stages]
     body["shards"] = [_as_object(shard) for shard in daemon.shards]
+    body["instances"] = [_as_object(i) | {"hit_rate": i.hit_rate} for i in daemon.instances]
     body = msgspec.to_builtins(body)
     for entry, figures in [*zip(body["stages"], daemon.stages), *zip(body["shards"], daemon.shards)]:
         shares = stage_shares(figures)
@@ -78,6 +79,9 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         )
     if (cache_line := daemon.prefix_cache_line()) is not None:
         click.echo(cache_line)
+    fleet = len(body["instances"]) > 1
+    if fleet:
+        _print_instances(body["instances"])
     header: tuple[str, ...] = (
         "stage",
         "layers",
@@ -97,7 +101,7 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
     for s in body["stages"]:
         rows.append(
             (
-                f"{s['index']} {s['pool']}".rstrip(),
+                f"{s['index']} {s['instance'] if fleet else s['pool']}".rstrip(),
                 f"[{s['layers'][0]}, {s['layers'][1]})",
                 _pid_cell(s),
                 *_share_cells(s),
@@ -119,6 +123,32 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
             f"{name} pool ({pool['stages']} stages): busy {pool['busy_fraction']:.0%}, "
             f"starved {pool['starved_fraction']:.0%}, blocked {pool['blocked_fraction']:.0%}"
         )
+
+
+def _print_instances(instances: list[dict]) -> None:
+    """A fleet's instances: where each stands, its load and its head's prefix cache."""
+    rows = [("instance", "pool", "state", "stages", "requests", "routed", "backlog", "cached", "hit rate", "restarts")]
+    for i in instances:
+        prefix = i["prefix"]
+        rows.append(
+            (
+                i["name"],
+                i["pool"] or "-",
+                i["state"],
+                ",".join(map(str, i["stages"])),
+                str(i["requests"]),
+                str(i["routed"]),
+                str(i["backlog"]),
+                str(prefix["cached_blocks"]) if prefix is not None else "-",
+                f"{i['hit_rate']:.0%}" if prefix is not None else "-",
+                str(i["restarts"]),
+            )
+        )
+    for line in table_lines(rows):
+        click.echo(line)
+    for i in instances:
+        if i["last_failure"]:
+            click.echo(f"instance {i['name']} last failed: {i['last_failure']}")
 
 
 def _as_object(value):

@@ -65,6 +65,25 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
     lines += _expert_lines(before, after, "         " if pooled else "")
     if (cache_line := after.prefix_cache_line()) is not None:
         lines.append(cache_line)
+    return lines + _instance_lines(before, after, seconds)
+
+
+def _instance_lines(before: DaemonStats, after: DaemonStats, seconds: float) -> list[str]:
+    """A fleet's instances: state, requests on each, routed per second, prefix cache."""
+    if len(after.instances) < 2:
+        return []
+    old = {i.name: i for i in before.instances}
+    lines = []
+    for i in after.instances:
+        routed = (i.routed - old[i.name].routed) / seconds if i.name in old else 0.0
+        cache = f", {i.prefix.cached_blocks} blocks cached, hit {i.hit_rate:.0%}" if i.prefix is not None else ""
+        restarts = f", restarts {i.restarts}" if i.restarts else ""
+        state = "" if i.state == "serving" else f" {i.state.upper()}"
+        pool = f" {i.pool}" if i.pool else ""
+        lines.append(
+            f"instance {i.name}{pool}{state}: stages {i.stages[0]}-{i.stages[-1]}, {i.requests} requests, "
+            f"{routed:.1f} routed/s, {i.backlog} prompt tokens queued{cache}{restarts}"
+        )
     return lines
 
 

@@ -41,14 +41,14 @@ class Process(Protocol):
 @dataclass(frozen=True)
 class ChildId:
     """Which child of the launcher: its role, its index among that role's children (a
-    stage's index is global across pools), the pool it serves (a disaggregated plan's
-    stages and shards; derived from the index, so not compared) and its instance of the
-    pool (0: one ring per pool)."""
+    stage's index is global across pools and instances), the pool it serves (a
+    disaggregated plan's stages and shards) and its instance (both derived from the
+    index, so not compared)."""
 
     role: Role
     index: int = 0
     pool: Pool = field(default="", compare=False)
-    instance: int = 0
+    instance: str = field(default="", compare=False)
 
     @property
     def name(self) -> str:

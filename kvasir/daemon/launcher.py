@@ -23,7 +23,7 @@ from kvasir.daemon.notify import ServiceNotifier
 from kvasir.daemon.remote import Cluster, HostLink
 from kvasir.daemon.spawner import Spawner
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
-from kvasir.daemon.supervisor import OpenError, RingSupervisor
+from kvasir.daemon.supervisor import EVERY, Failure, Instance, OpenError, RingSupervisor
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
@@ -104,9 +104,8 @@ class Launcher:
         self.exchange = HandleExchange({})  # CUDA IPC edges' handles, paired at each start
         self._lock_fd: int | None = None
         self._control: PullChannel | None = None
-        policy = RestartPolicy(sup.max_restarts, sup.restart_window_s)
         heartbeats = Heartbeats(sup.heartbeat_timeout_s)
-        self.ring = RingSupervisor([], policy, heartbeats, self, self.timeouts.ready_s, self.log)
+        self.ring = RingSupervisor([], heartbeats, self, self.timeouts.ready_s, self.log)
         self._absent: tuple[str, ...] = ()  # the missing hosts the bridge was last told of
 
     @property
@@ -140,7 +139,21 @@ class Launcher:
         except LayoutError as exc:
             raise LaunchError(str(exc)) from None
         self.exchange = HandleExchange(self.layout.ipc_edges)
-        self.ring.ring_ids = self.layout.ring_ids()
+        self._watch_instances()
+
+    def _watch_instances(self) -> None:
+        """The supervisor's instances, each with its own restart window; a disaggregated
+        plan's fail together (a request's life spans a prefill and a decode instance)."""
+        sup = self.plan.supervise
+        ids = self.layout.ring_ids()
+        rings = self.plan.rings()
+        self.ring.instances = [
+            Instance(ring.name, ring.pool, ids[ring.name], RestartPolicy(sup.max_restarts, sup.restart_window_s))
+            for ring in rings
+        ]
+        if self.plan.disaggregated:
+            every = tuple(ring.name for ring in rings)
+            self.ring.domains = {name: every for name in every}
 
     def spawn(self) -> None:
         """Start every child (the stages, their expert shards, the bridge) and the HTTP fronts."""
@@ -202,19 +215,24 @@ class Launcher:
         """A stage's CUDA IPC handles: once both sides of its edge sent theirs, each gets the other's."""
         try:
             for target, other in self.exchange.offer(half):
-                self.ring.stages[target].command.send(Command("attach", handles=(other,)))
+                stage = next(c for c in self.ring.stages if c.id == ChildId("stage", target))
+                stage.command.send(Command("attach", handles=(other,)))
         except HandshakeError as exc:
             self.log.error("bad CUDA IPC handles", error=str(exc))  # the stage waits in vain: its start-up times out
 
     # -- the supervisor's plumbing ----------------------------------------------------------
-    def open(self, restarts: int, new_bridge: bool, deadline: float) -> None:
-        """Every child is ready: the bridge takes requests (a new bridge binds the client
-        endpoint first, and binding an ipc socket makes its file)."""
+    def open(self, instance: str, restarts: int, new_bridge: bool, deadline: float) -> None:
+        """An instance's children (EVERY: all of them) are ready: the bridge routes requests
+        to it (a new bridge binds the client endpoint first, and binding an ipc socket makes
+        its file)."""
         bridge = self.ring.bridge
         if bridge is None:
             raise OpenError("no bridge to open")
-        pids = tuple(c.process.pid for c in self.ring.stages if c.process.pid is not None)
-        bridge.command.send(Command("serve", message=self.ring.last_failure, restarts=restarts, pids=pids))
+        for ring in self.ring.instances:
+            if instance in (EVERY, ring.name):
+                pids = tuple(c.process.pid for c in ring.children if c.process.pid is not None)
+                last = self.ring.last_failure
+                bridge.command.send(Command("serve", message=last, restarts=restarts, pids=pids, instance=ring.name))
         while new_bridge and not self.ends.client_path.exists():
             if bridge.process.poll() is not None:
                 raise OpenError(f"{bridge.name} exited with code {bridge.process.returncode}")
@@ -227,9 +245,9 @@ class Launcher:
             self.exchange.clear()  # a new ring's stages pair their CUDA IPC edges afresh
         return self.spawner.start(self.layout, wanted)
 
-    def ring_down(self, reason: str) -> None:
+    def ring_down(self, instance: str, reason: str) -> None:
         if self.ring.bridge is not None:
-            self.ring.bridge.command.send(Command("ring_down", "stage_failed", reason))
+            self.ring.bridge.command.send(Command("ring_down", "stage_failed", reason, instance=instance))
 
     def bridge_gone(self) -> None:
         for path in self.ends.bridge_files():
@@ -273,7 +291,7 @@ class Launcher:
                 continue
             self.notifier.watchdog()
             self.fronts.check(time.monotonic())
-            if self.ring.state != "up" and self.state == "running" and not self.ring.step(time.monotonic()):
+            if not self.ring.settled and self.state == "running" and not self.ring.step(time.monotonic()):
                 self._give_up(self.ring.last_failure)
                 continue
             if self.state == "draining":
@@ -282,8 +300,8 @@ class Launcher:
     def _drain_step(self, messages: list, deadline: float | None) -> float | None:
         """Draining: ask the bridge once, then stop when it has drained or the time is up."""
         bridge = self.ring.bridge
-        if bridge is None or not bridge.ready or self.ring.state != "up":
-            self.log.info("stopping while the ring restarts: nothing to drain")
+        if bridge is None or not bridge.ready or not self.ring.serving:
+            self.log.info("stopping while every instance restarts: nothing to drain")
             self._stop_all("shutting_down")
             return deadline
         if deadline is None:
@@ -299,12 +317,12 @@ class Launcher:
             self._stop_all("shutting_down")
         return deadline
 
-    def _failed(self, reason: str) -> None:
+    def _failed(self, failure: Failure) -> None:
         # Read once: SIGTERM may arrive while this runs (killing children takes time),
         # and a failure noticed before the stop request is handled as one, consistently.
         serving = self.state == "running"
-        if not self.ring.failed(reason, time.monotonic(), serving):
-            self._give_up(reason)
+        if not self.ring.failed(failure, time.monotonic(), serving):
+            self._give_up(failure.reason)
 
     def _give_up(self, reason: str) -> None:
         self.notifier.stopping(f"stopping: {reason}")

@@ -54,11 +54,15 @@ class Layout:
             return self.places[shard.stage], [shard]
         return StagePlace("", plan, 0, [], ""), []
 
-    def ring_ids(self) -> list[ChildId]:
-        """The ring's children: every stage (in ring order), then every expert shard."""
-        stages = [ChildId("stage", k, place.pool) for k, place in enumerate(self.places)]
-        shards = [ChildId("shard", k, self.places[shard.stage].pool) for k, shard in enumerate(self.shards)]
-        return stages + shards
+    def ring_ids(self) -> dict[str, list[ChildId]]:
+        """Each instance's children, by its name: its stages (in ring order), then their expert shards."""
+        rings: dict[str, list[ChildId]] = {}
+        for k, place in enumerate(self.places):
+            rings.setdefault(place.instance, []).append(ChildId("stage", k, place.pool, place.instance))
+        for k, shard in enumerate(self.shards):
+            place = self.places[shard.stage]
+            rings[place.instance].append(ChildId("shard", k, place.pool, place.instance))
+        return rings
 
     def close(self) -> None:
         """Unmap and remove every shared-memory file made here."""

@@ -41,9 +41,11 @@ class Spawner:
         children = {child.id: child for child in (spawn_child(s, self.sockets) for s in here)}
         if self.hosts is not None:
             children.update(self.hosts.start([s for s in settings if s not in here], layout, self.prefix))
-        for child in children.values():
-            self.log.info("spawned", child=child.name, pid=child.process.pid)
-        return [children[child] for child in wanted]
+        for spawned in children.values():
+            self.log.info("spawned", child=spawned.name, pid=spawned.process.pid)
+        for want in wanted:
+            children[want].id = want  # with its pool and instance
+        return [children[want] for want in wanted]
 
     def settings(self, layout: Layout, role: Role, index: int) -> WorkerSettings:
         """A ring child's settings: a stage's place in its pool, a shard's wiring, the bridge's model facts."""

@@ -1,13 +1,18 @@
-"""The ring's children and the restart-window state machine, apart from the launcher's
-process plumbing (which it reaches through ``Plumbing``), so it is tested on its own with
-stand-in processes and a clock.
+"""The instances' children and their restart-window state machines, apart from the
+launcher's process plumbing (which it reaches through ``Plumbing``), so it is tested on
+its own with stand-in processes and a clock.
 
-The ring is "up" while it serves. A failure (a child exited or went silent, a host went
-missing) takes it "down": every request is told, the stages are killed, and a restart
-waits out the policy's back-off (kvasir/daemon/supervision.py); then "starting" (new
-children loading) until every child is ready and the bridge serves again, back to "up".
-Too many failures within the window, or a failure while the daemon drains, and the
-supervisor gives up: ``failed`` returns False and the launcher stops everything.
+Each instance (kvasir/config/fleet.py) is "up" while it serves. A failure of one of its
+children (it exited or went silent, its host went missing) takes it "down": its
+requests are told, its children are killed, and a restart waits out its policy's
+back-off (kvasir/daemon/supervision.py); then "starting" (new children loading) until
+every child is ready and the bridge routes to it again, back to "up". The other
+instances serve on. Too many failures of one instance within the window and it is
+"failed": nothing is routed to it again. The daemon gives up (``failed`` returns False
+and the launcher stops everything) when every instance of a pool has failed, or on a
+failure while it drains. A disaggregated plan's instances are one failure domain (a
+request's life spans a prefill and a decode instance), and the bridge's death fails
+every instance.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from kvasir.config.sections import Pool
 from kvasir.daemon.children import BRIDGE, Child, ChildId, ending
 from kvasir.daemon.remote import RemoteProcess
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
@@ -23,11 +29,12 @@ from kvasir.errors import KvasirError
 from kvasir.logs import Logger
 from kvasir.wire.control import EdgeHandles, Heartbeat, Ready
 
-RingState = Literal["up", "down", "starting"]
+InstanceState = Literal["up", "down", "starting", "failed"]
+EVERY = ""  # an instance name that stands for all of them (the bridge's commands)
 
 
 class OpenError(KvasirError):
-    """The bridge could not start serving the ring (it died, or never bound its endpoint)."""
+    """The bridge could not start serving an instance (it died, or never bound its endpoint)."""
 
 
 class HostWatch(Protocol):
@@ -51,11 +58,11 @@ class Plumbing(Protocol):
 
     def kill(self, children: list[Child]) -> None: ...
 
-    def open(self, restarts: int, new_bridge: bool, deadline: float) -> None:
-        """Tell the bridge to serve the ring; raises OpenError when it cannot."""
+    def open(self, instance: str, restarts: int, new_bridge: bool, deadline: float) -> None:
+        """Tell the bridge to serve an instance (EVERY: all of them); raises OpenError when it cannot."""
 
-    def ring_down(self, reason: str) -> None:
-        """Tell the (live) bridge the ring failed: it ends every request with stage_failed."""
+    def ring_down(self, instance: str, reason: str) -> None:
+        """Tell the (live) bridge an instance failed: it ends that instance's requests with stage_failed."""
 
     def bridge_gone(self) -> None:
         """The bridge died: remove its socket files."""
@@ -64,21 +71,47 @@ class Plumbing(Protocol):
 
 
 @dataclass
-class RingSupervisor:
-    ring_ids: list[ChildId]  # every stage in ring order, then every expert shard
+class Instance:
+    """One instance's children and where its restarts stand."""
+
+    name: str
+    pool: Pool
+    ids: list[ChildId]  # its stages in ring order, then their expert shards
     policy: RestartPolicy
+    children: list[Child] = field(default_factory=list)
+    state: InstanceState = "up"
+    restarts: int = 0
+    last_failure: str = ""
+    respawn_at: float = 0.0
+    deadline: float = 0.0  # "starting": when the new children must be ready
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.children) and all(child.ready for child in self.children)
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str
+    instances: tuple[str, ...]  # the instances it takes down
+
+
+@dataclass
+class RingSupervisor:
+    instances: list[Instance]
     heartbeats: Heartbeats
     plumbing: Plumbing
     ready_s: float  # how long new children may take to be ready
     log: Logger
-    stages: list[Child] = field(default_factory=list)  # the ring's children (shards after the stages)
     bridge: Child | None = None
-    state: RingState = "up"
-    restarts: int = 0
-    last_failure: str = ""
     new_bridge: bool = False  # spawned and not yet serving: opening it waits for its endpoint
-    respawn_at: float = 0.0
-    deadline: float = 0.0  # "starting": when the new children must be ready
+    last_failure: str = ""
+    domains: dict[str, tuple[str, ...]] = field(default_factory=dict)  # instance -> what fails with it
+
+    @property
+    def stages(self) -> list[Child]:
+        """Every instance's children (each instance's stages, then its shards)."""
+        return [child for instance in self.instances for child in instance.children]
 
     @property
     def children(self) -> list[Child]:
@@ -88,20 +121,38 @@ class RingSupervisor:
     def ready(self) -> bool:
         return all(child.ready for child in self.children)
 
+    @property
+    def serving(self) -> bool:
+        """Some instance serves (and the bridge is there)."""
+        return self.bridge is not None and any(i.state == "up" for i in self.instances)
+
+    @property
+    def settled(self) -> bool:
+        """No instance is down or starting."""
+        return all(i.state in ("up", "failed") for i in self.instances)
+
+    @property
+    def restarts(self) -> int:
+        return sum(i.restarts for i in self.instances)
+
+    def instance(self, name: str) -> Instance:
+        return next(i for i in self.instances if i.name == name)
+
     def spawn_missing(self) -> None:
-        """Start the ring's children if there are none, and a bridge if there is none."""
-        if not self.stages:
-            self.stages = self.plumbing.spawn_children(self.ring_ids)
+        """Start the children of every instance that has none, and a bridge if there is none."""
+        for instance in self.instances:
+            if not instance.children and instance.state != "failed":
+                instance.children = self.plumbing.spawn_children(instance.ids)
         if self.bridge is None:
             [self.bridge] = self.plumbing.spawn_children([BRIDGE])
             self.new_bridge = True
 
-    def open(self, deadline: float, restarts: int = 0) -> None:
-        """Every child is ready: the bridge serves, told how many restarts this ring
-        follows (raises OpenError when it cannot)."""
-        self.plumbing.open(restarts, self.new_bridge, deadline)
+    def open(self, deadline: float) -> None:
+        """Start-up: every child is ready, the bridge serves every instance (raises OpenError)."""
+        self.plumbing.open(EVERY, 0, self.new_bridge, deadline)
         self.new_bridge = False
-        self.state = "up"
+        for instance in self.instances:
+            instance.state = "up"
 
     # -- what the children say --------------------------------------------------------
     def note(self, messages: Iterable[Ready | Heartbeat | EdgeHandles], now: float) -> list[EdgeHandles]:
@@ -112,7 +163,7 @@ class RingSupervisor:
             role = "stage" if isinstance(message, EdgeHandles) else message.role
             child = self._current(ChildId(role, message.index if role != "bridge" else 0), message.pid)
             if child is None:
-                continue  # from a child of a ring that has already been replaced
+                continue  # from a child that has already been replaced
             if isinstance(message, EdgeHandles):
                 halves.append(message)
             elif isinstance(message, Ready):
@@ -134,21 +185,36 @@ class RingSupervisor:
 
     # -- failures -----------------------------------------------------------------------
     def lost(self, now: float) -> str | None:
-        """A host gone silent, or a child that exited: what to report."""
+        """A host gone silent, or a child that exited: what to report (during start-up)."""
+        failure = self._lost(now)
+        return failure.reason if failure is not None else None
+
+    def _lost(self, now: float) -> Failure | None:
         hosts = self.plumbing.hosts
-        missing = hosts.missing(now) if hosts is not None else None
-        if missing is not None:  # before its workers' silence: the host is what failed
-            return missing
+        missing = hosts.missing(now) if hosts is not None else None  # its workers are marked lost
         dead = next((child for child in self.children if child.process.poll() is not None), None)
         if dead is None:
             return None
+        if missing is not None:  # before its workers' silence: the host is what failed
+            lost = [c for c in self.stages if c.process.poll() is not None]
+            return self._of(missing, {c.id.instance for c in lost})
         how = ending(dead.process.returncode or 0)  # set: the child is dead
         why = getattr(dead.process, "reason", "")  # a follower's worker: what its follower or the link said
-        return f"{dead.name} (pid {dead.process.pid}) {how}" + (f": {why}" if why else "")
+        return self._of(
+            f"{dead.name} (pid {dead.process.pid}) {how}" + (f": {why}" if why else ""), {dead.id.instance}, dead
+        )
 
-    def failure(self, now: float) -> str | None:
+    def _of(self, reason: str, names: set[str], child: Child | None = None) -> Failure:
+        """The instances a failure takes down: the named ones and their domains; every
+        one when the bridge is what failed."""
+        if child is not None and child.id.role == "bridge":
+            return Failure(reason, tuple(i.name for i in self.instances))
+        down = {other for name in names for other in self.domains.get(name, (name,))}
+        return Failure(reason, tuple(i.name for i in self.instances if i.name in down))
+
+    def failure(self, now: float) -> Failure | None:
         """What has gone wrong with a child, if anything: it exited, or it went silent (then killed)."""
-        lost = self.lost(now)
+        lost = self._lost(now)
         if lost is not None:
             return lost
         silent = self.heartbeats.silent(now)
@@ -159,64 +225,96 @@ class RingSupervisor:
         if isinstance(child.process, RemoteProcess) and self.plumbing.hosts is not None:
             gone = self.plumbing.hosts.silent_host(child.process.host, now)
             if gone is not None:  # its follower has gone quiet too: the host is what failed
-                return gone
+                return self._lost(now) or self._of(gone, {child.id.instance}, child)
         self.kill([child])
-        return f"{name} (pid {child.process.pid}) hung: no heartbeat for {quiet_s:.1f} s; killed it"
+        return self._of(
+            f"{name} (pid {child.process.pid}) hung: no heartbeat for {quiet_s:.1f} s; killed it",
+            {child.id.instance},
+            child,
+        )
 
-    def failed(self, reason: str, now: float, serving: bool) -> bool:
-        """A child failed: tell every request, kill the stages, and schedule the restart
-        after the back-off. False: give up (the daemon is not serving, or too many
-        failures within the window); the launcher then stops everything."""
-        self.log.error("child failed", reason=reason)
-        self.last_failure = reason
+    def failed(self, failure: Failure, now: float, serving: bool) -> bool:
+        """Children failed: tell the requests of the instances it took down, kill their
+        children, and schedule each one's restart after its back-off. False: give up (the
+        daemon is not serving, or every instance of a pool has failed for good); the
+        launcher then stops everything."""
+        self.log.error("child failed", reason=failure.reason, instances=list(failure.instances))
+        self.last_failure = failure.reason
         bridge = self.bridge
-        self.kill(self.stages)
-        self.stages = []
-        if bridge is None or bridge.process.poll() is not None:
+        bridge_dead = bridge is None or bridge.process.poll() is not None
+        if bridge_dead:
             self.kill([bridge] if bridge is not None else [])
             self.bridge = None
             self.plumbing.bridge_gone()
-        elif serving:
-            self.plumbing.ring_down(reason)
-        delay = self.policy.failed(now) if serving else None
-        if delay is None:
-            if serving:
-                self.log.error(
-                    "giving up",
-                    restarts=self.restarts,
-                    max_restarts=self.policy.max_restarts,
-                    window_s=self.policy.window_s,
-                )
+        for name in failure.instances:
+            self._down(self.instance(name), failure.reason, now, serving and not bridge_dead)
+        if not serving:
             return False
-        self.state = "down"
-        self.respawn_at = now + delay
-        self.plumbing.status(f"restarting in {delay:g} s after: {reason}")
-        self.log.info("restarting", delay_s=delay)
+        gave_up = self._pool_gone()
+        if gave_up is not None:
+            self.log.error("giving up", pool=gave_up or "(colocated)", reason="every instance failed past its restarts")
+            return False
         return True
 
+    def _down(self, instance: Instance, reason: str, now: float, tell: bool) -> None:
+        self.kill(instance.children)
+        instance.children = []
+        instance.last_failure = reason
+        if tell:
+            self.plumbing.ring_down(instance.name, reason)
+        delay = instance.policy.failed(now)
+        if delay is None:
+            instance.state = "failed"
+            self.log.error(
+                "instance failed for good",
+                instance=instance.name,
+                restarts=instance.restarts,
+                max_restarts=instance.policy.max_restarts,
+                window_s=instance.policy.window_s,
+            )
+            return
+        instance.state = "down"
+        instance.respawn_at = now + delay
+        self.plumbing.status(f"restarting {instance.name} in {delay:g} s after: {reason}")
+        self.log.info("restarting", instance=instance.name, delay_s=delay)
+
+    def _pool_gone(self) -> str | None:
+        """A pool all of whose instances have failed for good (its name), if any."""
+        pools = {i.pool for i in self.instances}
+        return next((p for p in pools if all(i.state == "failed" for i in self.instances if i.pool == p)), None)
+
     def step(self, now: float) -> bool:
-        """Move a restart on: spawn once the back-off is over (and every host is there),
-        serve once every new child is ready. False: it failed and gave up."""
-        if self.state == "down" and now >= self.respawn_at:
+        """Move each restart on: spawn once the back-off is over (and every host is there),
+        serve once every new child is ready. False: it failed and the daemon gives up."""
+        for instance in self.instances:
+            if not self._step(instance, now):
+                return False
+        return True
+
+    def _step(self, instance: Instance, now: float) -> bool:
+        if instance.state == "down" and now >= instance.respawn_at:
             hosts = self.plumbing.hosts
             if hosts is not None and hosts.absent:
-                return True  # the ring needs every host: wait for their kvasird join
+                return True  # an instance needs its hosts: wait for their kvasird join
             self.spawn_missing()
-            self.state = "starting"
-            self.deadline = now + self.ready_s
-        elif self.state == "starting" and self.ready:
+            instance.state = "starting"
+            instance.deadline = now + self.ready_s
+        elif instance.state == "starting" and instance.ready and self.bridge is not None and self.bridge.ready:
             try:
-                self.open(self.deadline, self.restarts + 1)
+                self.plumbing.open(instance.name, instance.restarts + 1, self.new_bridge, instance.deadline)
             except OpenError as exc:
-                return self.failed(str(exc), now, serving=True)
-            self.restarts += 1
-            self.log.info("serving again", restarts=self.restarts)
-            stages = sum(1 for child in self.ring_ids if child.role == "stage")
-            self.plumbing.status(f"serving {stages} stages; restarted {self.restarts} times")
-        elif self.state == "starting" and now > self.deadline:
+                return self.failed(Failure(str(exc), (instance.name,)), now, serving=True)
+            self.new_bridge = False
+            instance.state = "up"
+            instance.restarts += 1
+            self.log.info("serving again", instance=instance.name, restarts=instance.restarts)
+            self.plumbing.status(f"{instance.name} serving again; restarted {instance.restarts} times")
+        elif instance.state == "starting" and now > instance.deadline:
             late = [c for c in self.children if not c.ready]
             self.kill(late)
-            return self.failed(f"not ready after {self.ready_s:.0f} s: {', '.join(c.name for c in late)}", now, True)
+            reason = f"not ready after {self.ready_s:.0f} s: {', '.join(c.name for c in late)}"
+            bridge_late = any(c.id == BRIDGE for c in late)
+            return self.failed(self._of(reason, {instance.name}, self.bridge if bridge_late else None), now, True)
         return True
 
     def kill(self, children: list[Child]) -> None:

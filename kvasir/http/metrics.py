@@ -14,11 +14,12 @@ from itertools import accumulate
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvasir.wire.client import DaemonStats, Histogram
+from kvasir.wire.client import DaemonStats, Histogram, InstanceStats
 from kvasir.wire.stats import ShardStats, StageStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-WORKER = ["model_name", "role", "stage", "pool", "shard", "host"]
+WORKER = ["model_name", "role", "stage", "pool", "shard", "host", "instance"]
+INSTANCE = ["model_name", "instance", "pool"]
 HISTOGRAMS = (
     ("time_to_first_token_seconds", "time_to_first_token_s", "Time from submission to the first token."),
     ("inter_token_latency_seconds", "inter_token_latency_s", "Time between consecutive output tokens of a request."),
@@ -78,8 +79,11 @@ class _Snapshot:
     def _workers(self) -> Iterator[Metric]:
         stats = self.stats
         rows: list[tuple[list[str], StageStats | ShardStats]]
-        rows = [(["stage", str(s.index), s.pool, "", s.host], s) for s in stats.stages]
-        rows += [(["shard", str(s.stage), s.pool, str(s.number), s.host], s) for s in stats.shards]
+        instance = {index: i.name for i in stats.instances for index in i.stages}
+        rows = [(["stage", str(s.index), s.pool, "", s.host, s.instance], s) for s in stats.stages]
+        rows += [
+            (["shard", str(s.stage), s.pool, str(s.number), s.host, instance.get(s.stage, "")], s) for s in stats.shards
+        ]
         for kind, doc in WORKER_TIMES:
             family = CounterMetricFamily(f"kvasir:worker_{kind}_seconds", doc, labels=WORKER)
             for labels, worker in rows:
@@ -89,8 +93,25 @@ class _Snapshot:
             "kvasir:kv_blocks_in_use", "KV blocks held by running requests, per stage.", labels=WORKER
         )
         for s in stats.stages:
-            blocks.add_metric([self.model, "stage", str(s.index), s.pool, "", s.host], s.kv.blocks)
+            blocks.add_metric([self.model, "stage", str(s.index), s.pool, "", s.host, s.instance], s.kv.blocks)
         yield blocks
+        yield from self._instances()
+
+    def _instances(self) -> Iterator[Metric]:
+        """Per instance (kvasir/config/fleet.py): serving or not, its load, routing and cache."""
+        families = (
+            (GaugeMetricFamily, "instance_serving", "1 while the instance serves, 0 while it restarts.", "serving"),
+            (GaugeMetricFamily, "instance_requests_running", "Requests on the instance now.", "requests"),
+            (CounterMetricFamily, "instance_routed", "Requests the conductor sent to the instance.", "routed"),
+            (CounterMetricFamily, "instance_restarts", "Restarts of the instance after a failure.", "restarts"),
+            (CounterMetricFamily, "instance_prefix_cache_hit_tokens", "Prompt tokens its head's cache reused.", "hits"),
+            (CounterMetricFamily, "instance_prefix_cache_query_tokens", "Prompt tokens its head looked up.", "queries"),
+        )
+        for kind, name, doc, field in families:
+            family = kind(f"kvasir:{name}", doc, labels=INSTANCE)
+            for i in self.stats.instances:
+                family.add_metric([self.model, i.name, i.pool], _instance_value(i, field))
+            yield family
 
     def _daemon(self) -> Iterator[Metric]:
         stats, model = self.stats, [self.model]
@@ -147,3 +168,14 @@ def _histogram(name: str, doc: str, labels: list[str], histogram: Histogram) -> 
     edges = [repr(float(bound)) for bound in histogram.bounds] + ["+Inf"]
     family.add_metric(labels, list(zip(edges, cumulative)), histogram.sum)
     return family
+
+
+def _instance_value(instance: InstanceStats, field: str) -> float:
+    prefix = instance.prefix
+    if field == "serving":
+        return 1.0 if instance.state == "serving" else 0.0
+    if field == "hits":
+        return prefix.hit_tokens if prefix is not None else 0
+    if field == "queries":
+        return prefix.prompt_tokens if prefix is not None else 0
+    return getattr(instance, field)

@@ -3,12 +3,13 @@ with a ``type`` tag; the same bodies as msgpack on the socket)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
+from kvasir.config.sections import Pool
 from kvasir.wire.base import MAX_STOP_TOKEN_IDS, DaemonState, FinishReason
-from kvasir.wire.stats import BatchSpan, ShardStats, StageStats
+from kvasir.wire.stats import BatchSpan, PrefixCounters, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
 # length before its items, so an oversized list is refused without being walked). The
@@ -159,6 +160,26 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One instance as the bridge sees it (kvasir/bridge/heads.py)."""
+
+    name: str
+    pool: Pool
+    state: Literal["serving", "restarting"]
+    stages: list[int]  # its stages' global indices
+    restarts: int = 0
+    last_failure: str | None = None
+    requests: int = 0  # the bridge's requests on it now (an admitting instance's)
+    routed: int = 0  # requests the conductor sent to it since the daemon started
+    backlog: int = 0  # prompt tokens routed to it still waiting for their first token (less the cached)
+    prefix: PrefixCounters | None = None  # its head's prefix cache
+
+    @property
+    def hit_rate(self) -> float:
+        cache = self.prefix
+        return cache.hit_tokens / cache.prompt_tokens if cache is not None and cache.prompt_tokens else 0.0
+
+
 class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     uptime_s: float
     requests: int  # accepted since start
@@ -183,6 +204,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     hosts_missing: list[str] = []  # a plan across hosts: hosts with workers whose kvasird join is not there
     metrics: RequestMetrics | None = None  # latency histograms and request counters
     prefix_cache: PrefixCacheStats | None = None  # the heads' prefix caches (None: no stage reported yet)
+    instances: list[InstanceStats] = []  # each instance (kvasir/config/fleet.py), in plan order
 
     def prefix_cache_line(self) -> str | None:
         """The prefix cache's line for ``kvasir stats`` and ``kvasir top``; None until it is used."""

@@ -234,3 +234,4 @@ class Command(Wire, frozen=True):
     pids: tuple[int, ...] = ()  # with "serve": the stages' pids (stats from any other process are stale)
     handles: tuple[EdgeHandles, ...] = ()  # with "attach" (stages at start-up): the other sides' CUDA IPC handles
     hosts: tuple[str, ...] = ()  # with "hosts" (bridge, a plan across hosts): the hosts missing now
+    instance: str = ""  # with "serve" and "ring_down": the instance ("": every instance)

@@ -5,11 +5,20 @@ they say (kvasir/bridge/conductor.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
 
+from kvasir.client import AsyncClient
+from kvasir.wire.client import ErrorEvent, Finished
 from tests.integration.test_prefix_cache import finish, one
+from tests.support.daemon import BIN
 from tests.support.models import hf_greedy, random_prompts, reference_model
 
 VOCAB = 320
+TEXT = {"capture_output": True, "text": True, "check": True, "timeout": 60}
 TWO = {"a": [(0, 3), (3, 6)], "b": [(0, 2), (2, 4), (4, 6)]}  # the instances split the layers differently
 
 
@@ -26,6 +35,21 @@ def test_two_colocated_instances_are_each_exact(tiny_models, start_daemon):
         stages = client.stats().stages
     assert [(s.index, s.instance) for s in stages] == [(0, "a"), (1, "a"), (2, "b"), (3, "b"), (4, "b")]
     assert {s.instance for s in stages if s.head is not None} == {"a", "b"}  # each instance its own head
+    shown = subprocess.run([str(BIN / "kvasir"), "stats", "--runtime-dir", str(daemon.runtime_dir)], **TEXT)
+    table = [line.split() for line in shown.stdout.splitlines() if line.split()[:1] in (["a"], ["b"])]
+    assert [row[:4] + row[5:6] for row in table] == [
+        ["a", "-", "serving", "0,1", "3"],
+        ["b", "-", "serving", "2,3,4", "3"],
+    ]
+    body = json.loads(
+        subprocess.run(
+            [str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)], **TEXT
+        ).stdout
+    )
+    assert [(i["name"], i["routed"], i["requests"], i["restarts"]) for i in body["instances"]] == [
+        ("a", 3, 0, 0),
+        ("b", 3, 0, 0),
+    ]
 
 
 def test_cache_aware_routing_sends_a_shared_prefix_back_to_its_cache(tiny_models, start_daemon):
@@ -45,3 +69,65 @@ def test_cache_aware_routing_sends_a_shared_prefix_back_to_its_cache(tiny_models
     assert {end.instances[0] for end in ends[1:]} != {home}
     for prompt, end in zip([system + questions[0], *others], ends, strict=True):
         assert end.token_ids == hf_greedy(model, prompt, 8)
+
+
+def test_a_failure_stays_inside_its_instance(tiny_models, start_daemon):
+    """A stage of instance a is killed under load: a's requests fail naming it, b's all
+    finish exactly, new requests go to b while a restarts, and then a serves again."""
+    daemon = start_daemon(tiny_models["llama"], TWO, route="round_robin", max_tokens=8).wait_ready()
+    model = reference_model(tiny_models["llama"])
+    prompts = random_prompts(VOCAB, [6, 7, 8, 9, 10, 11], seed=45)
+    with daemon.client() as client:
+        a_tail = next(s.pid for s in client.stats().stages if s.index == 1)
+
+    async def run() -> tuple[list, list]:
+        async with await AsyncClient.connect(daemon.runtime_dir) as client:
+            streams = [
+                await client.submit(token_ids=p, max_tokens=120, temperature=0, ignore_eos=True) for p in prompts
+            ]
+            events: list[list] = [[] for _ in prompts]
+
+            async def collect(i, stream):
+                async for event in stream:
+                    events[i].append(event)
+
+            tasks = [asyncio.create_task(collect(i, s)) for i, s in enumerate(streams)]
+            while sum(len(e) for e in events) < len(prompts) + 12:  # tokens flow on both instances
+                await asyncio.sleep(0.02)
+            os.kill(a_tail, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            during = [
+                await (await client.submit(token_ids=p, max_tokens=4, temperature=0)).result() for p in prompts[:3]
+            ]
+            return events, during
+
+    events, during = asyncio.run(run())
+    ends = [evs[-1] for evs in events]
+    for prompt, end in zip(prompts, ends, strict=True):
+        if isinstance(end, Finished):
+            reference = hf_greedy(model, prompt, 120)  # it may stop at EOS, where the request went on
+            assert end.instances == ["b"] and end.token_ids[: len(reference)] == reference
+        else:
+            assert isinstance(end, ErrorEvent) and end.code == "stage_failed", end
+            assert "instance a is restarting" in end.message and "stage-1" in end.message
+    assert sum(isinstance(end, Finished) for end in ends) == 3  # round robin: b had every other request
+    assert all(isinstance(end, Finished) for end in during), during  # while a restarts, b serves them
+    stats = instance_back(daemon, "a")
+    a, b = stats.instances
+    assert (a.name, a.restarts, b.restarts) == ("a", 1, 0) and "stage-1" in (a.last_failure or "")
+    ends = asyncio.run(finish(daemon.runtime_dir, prompts[:4], 6))
+    assert sorted(end.instances[0] for end in ends) == ["a", "a", "b", "b"]  # a serves again
+    for prompt, end in zip(prompts, ends):
+        assert end.token_ids == hf_greedy(model, prompt, 6)
+
+
+def instance_back(daemon, name: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with daemon.client() as client:
+            stats = client.stats()
+        state = next(i for i in stats.instances if i.name == name)
+        if state.state == "serving" and state.restarts >= 1 or time.monotonic() > deadline:
+            assert state.state == "serving", stats.instances
+            return stats
+        time.sleep(0.2)

@@ -115,3 +115,24 @@ def test_a_frame_ends_with_the_prefix_cache_once_it_was_used():
     )
     unused = msgspec.structs.replace(snapshot(12.0, stages[1:], 140), prefix_cache=PrefixCacheStats.of(stages[1:]))
     assert not frame(before, unused)[-1].startswith("prefix cache")
+
+
+def test_a_fleets_instances_get_a_line_each():
+    from kvasir.wire.client import InstanceStats
+
+    def fleet(uptime_s, routed):
+        instances = [
+            InstanceStats(name="a", pool="", state="serving", stages=[0, 1], requests=3, routed=routed, backlog=40,
+                          prefix=PrefixCounters(prompt_tokens=100, hit_tokens=75, cached_blocks=12)),
+            InstanceStats(name="b", pool="", state="restarting", stages=[2, 3], restarts=1),
+        ]  # fmt: skip
+        stages = [stage(k, (k, k + 1), uptime_s, uptime_s / 2, 10) for k in range(4)]
+        return msgspec.structs.replace(snapshot(uptime_s, stages, 0), instances=instances)
+
+    lines = frame(fleet(10.0, 10), fleet(12.0, 30))
+    assert lines[-2] == (
+        "instance a: stages 0-1, 3 requests, 10.0 routed/s, 40 prompt tokens queued, 12 blocks cached, hit 75%"
+    )
+    assert (
+        lines[-1] == "instance b RESTARTING: stages 2-3, 0 requests, 0.0 routed/s, 0 prompt tokens queued, restarts 1"
+    )

@@ -12,7 +12,7 @@ import pytest
 
 from kvasir.daemon.children import BRIDGE, Child, ChildId
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
-from kvasir.daemon.supervisor import OpenError, RingSupervisor
+from kvasir.daemon.supervisor import EVERY, Failure, Instance, OpenError, RingSupervisor
 from kvasir.logs import setup_logging
 from kvasir.wire.control import Command, Heartbeat, Ready
 
@@ -55,8 +55,8 @@ class Commands:
         self.sent.append(command)
 
 
-def child(role, index=0) -> Child:
-    return Child(ChildId(role, index), StandInProcess(), Commands())  # type: ignore[arg-type]
+def child(role, index=0, instance="") -> Child:
+    return Child(ChildId(role, index, instance=instance), StandInProcess(), Commands())  # type: ignore[arg-type]
 
 
 @dataclass
@@ -78,28 +78,28 @@ class Recorder:
     hosts: Hosts | None = None
     spawned: list[list[ChildId]] = field(default_factory=list)
     killed: list[str] = field(default_factory=list)
-    opened: list[tuple[int, bool]] = field(default_factory=list)
-    downs: list[str] = field(default_factory=list)
+    opened: list[tuple[str, int, bool]] = field(default_factory=list)
+    downs: list[tuple[str, str]] = field(default_factory=list)
     said: list[str] = field(default_factory=list)
     open_fails: bool = False
     bridge_files_removed: int = 0
 
     def spawn_children(self, wanted: list[ChildId]) -> list[Child]:
         self.spawned.append(list(wanted))
-        return [child(c.role, c.index) for c in wanted]
+        return [child(c.role, c.index, c.instance) for c in wanted]
 
     def kill(self, children: list[Child]) -> None:
         for c in children:
             c.process.kill()
             self.killed.append(c.name)
 
-    def open(self, restarts: int, new_bridge: bool, deadline: float) -> None:
+    def open(self, instance: str, restarts: int, new_bridge: bool, deadline: float) -> None:
         if self.open_fails:
             raise OpenError("the bridge did not bind the client endpoint")
-        self.opened.append((restarts, new_bridge))
+        self.opened.append((instance, restarts, new_bridge))
 
-    def ring_down(self, reason: str) -> None:
-        self.downs.append(reason)
+    def ring_down(self, instance: str, reason: str) -> None:
+        self.downs.append((instance, reason))
 
     def bridge_gone(self) -> None:
         self.bridge_files_removed += 1
@@ -108,13 +108,17 @@ class Recorder:
         self.said.append(text)
 
 
-RING = [ChildId("stage", 0), ChildId("stage", 1), ChildId("shard", 0)]
+RING = [ChildId("stage", 0, instance="a"), ChildId("stage", 1, instance="a"), ChildId("shard", 0, instance="a")]
+OTHER = [ChildId("stage", 2, instance="b"), ChildId("stage", 3, instance="b")]
 
 
-def supervisor(plumbing: Recorder, max_restarts: int = 3) -> RingSupervisor:
+def supervisor(plumbing: Recorder, max_restarts: int = 3, fleet: bool = False, pools=("", "")) -> RingSupervisor:
+    instances = [("a", pools[0], RING)] + ([("b", pools[1], OTHER)] if fleet else [])
     ring = RingSupervisor(
-        list(RING),
-        RestartPolicy(max_restarts, window_s=60.0, backoff_s=1.0),
+        [
+            Instance(name, pool, list(ids), RestartPolicy(max_restarts, window_s=60.0, backoff_s=1.0))  # type: ignore[arg-type]
+            for name, pool, ids in instances
+        ],
         Heartbeats(timeout_s=2.0),
         plumbing,
         ready_s=30.0,
@@ -130,51 +134,96 @@ def ready(ring: RingSupervisor, now: float) -> None:
     ring.note([Ready(c.id.role, c.id.index, c.process.pid) for c in ring.children], now)
 
 
+def failure(ring: RingSupervisor, now: float) -> Failure:
+    found = ring.failure(now)
+    assert found is not None
+    return found
+
+
 def test_children_are_typed_ids_named_as_their_sockets():
     assert [c.name for c in RING] == ["stage-0", "stage-1", "shard-0"] and BRIDGE.name == "bridge"
     assert ChildId("stage", 2, pool="decode") == ChildId("stage", 2)  # the pool follows from the index
-    assert ChildId("stage", 2, instance=1) != ChildId("stage", 2)
+    assert ChildId("stage", 2, instance="b") == ChildId("stage", 2)  # and so does the instance
 
 
-def test_start_up_spawns_the_ring_then_the_bridge_and_opens_once_all_are_ready():
+def test_start_up_spawns_the_instances_then_the_bridge_and_opens_once_all_are_ready():
+    plumbing = Recorder()
+    ring = supervisor(plumbing, fleet=True)
+    assert plumbing.spawned == [RING, OTHER, [BRIDGE]] and plumbing.opened == [(EVERY, 0, True)]
+    assert ring.settled and ring.serving and ring.ready and not ring.new_bridge
+
+
+def test_a_worker_that_dies_is_reported_and_its_instance_restarts_after_the_back_off():
     plumbing = Recorder()
     ring = supervisor(plumbing)
-    assert plumbing.spawned == [RING, [BRIDGE]] and plumbing.opened == [(0, True)]
-    assert ring.state == "up" and ring.ready and not ring.new_bridge
-
-
-def test_a_worker_that_dies_is_reported_and_the_ring_restarts_after_the_back_off():
-    plumbing = Recorder()
-    ring = supervisor(plumbing)
-    ring.stages[1].process.returncode = -signal.SIGKILL
-    reason = ring.failure(1.0)
-    assert reason is not None and reason.startswith("stage-1 (pid ") and reason.endswith("killed by signal 9")
-    assert ring.failed(reason, 1.0, serving=True)
-    assert plumbing.downs == [reason] and plumbing.killed == ["stage-0", "stage-1", "shard-0"]
-    assert ring.state == "down" and ring.stages == [] and ring.bridge is not None  # the bridge lives on
-    assert ring.step(1.0) and ring.state == "starting"  # the first failure restarts at once
-    assert plumbing.spawned[-1] == RING  # the ring, not the bridge
-    assert ring.step(2.0) and ring.state == "starting"  # not ready yet
+    a = ring.instance("a")
+    a.children[1].process.returncode = -signal.SIGKILL
+    found = failure(ring, 1.0)
+    assert found.reason.startswith("stage-1 (pid ") and found.reason.endswith("killed by signal 9")
+    assert found.instances == ("a",)
+    assert ring.failed(found, 1.0, serving=True)
+    assert plumbing.downs == [("a", found.reason)] and plumbing.killed == ["stage-0", "stage-1", "shard-0"]
+    assert a.state == "down" and a.children == [] and ring.bridge is not None  # the bridge lives on
+    assert ring.step(1.0) and a.state == "starting"  # the first failure restarts at once
+    assert plumbing.spawned[-1] == RING  # the instance, not the bridge
+    assert ring.step(2.0) and a.state == "starting"  # not ready yet
     ready(ring, 3.0)
-    assert ring.step(3.0) and ring.state == "up" and ring.restarts == 1
-    assert plumbing.opened[-1] == (1, False) and plumbing.said[-1] == "serving 2 stages; restarted 1 times"
-    ring.stages[0].process.returncode = 1  # the second failure within the window waits 1 s
-    assert ring.failed(ring.failure(4.0) or "", 4.0, serving=True)
-    assert ring.step(4.5) and ring.state == "down"
-    assert ring.step(5.0) and ring.state == "starting"
+    assert ring.step(3.0) and a.state == "up" and ring.restarts == 1
+    assert plumbing.opened[-1] == ("a", 1, False) and plumbing.said[-1] == "a serving again; restarted 1 times"
+    a.children[0].process.returncode = 1  # the second failure within the window waits 1 s
+    assert ring.failed(failure(ring, 4.0), 4.0, serving=True)
+    assert ring.step(4.5) and a.state == "down"
+    assert ring.step(5.0) and a.state == "starting"
 
 
-def test_a_dead_bridge_is_replaced_with_the_ring():
+def test_a_failure_stays_inside_its_instance():
     plumbing = Recorder()
-    ring = supervisor(plumbing)
-    ring.bridge.process.returncode = 1  # type: ignore[union-attr]
-    assert ring.failed(ring.failure(1.0) or "", 1.0, serving=True)
-    assert ring.bridge is None and plumbing.bridge_files_removed == 1 and plumbing.downs == []
+    ring = supervisor(plumbing, max_restarts=1, fleet=True)
+    a, b = ring.instance("a"), ring.instance("b")
+    b_children = list(b.children)
+    a.children[2].process.returncode = 1  # a's expert shard
+    found = failure(ring, 1.0)
+    assert found.instances == ("a",) and ring.failed(found, 1.0, serving=True)
+    assert plumbing.downs == [("a", found.reason)] and b.children == b_children and b.state == "up"
+    assert ring.serving and not ring.settled
     ring.step(1.0)
-    assert plumbing.spawned[-2:] == [RING, [BRIDGE]] and ring.new_bridge
     ready(ring, 2.0)
     ring.step(2.0)
-    assert plumbing.opened[-1] == (1, True) and ring.state == "up"
+    assert plumbing.opened[-1] == ("a", 1, False) and [c.name for c in a.children] == ["stage-0", "stage-1", "shard-0"]
+    a.children[0].process.returncode = 1  # a second failure within the window: a is done for
+    assert ring.failed(failure(ring, 3.0), 3.0, serving=True)
+    assert a.state == "failed" and ring.settled and ring.serving  # b serves on
+    assert ring.step(100.0) and a.children == []
+    b.children[0].process.returncode = 1
+    assert ring.failed(failure(ring, 101.0), 101.0, serving=True)  # b restarts...
+    b.children = ring.plumbing.spawn_children(OTHER)  # type: ignore[attr-defined]
+    b.state = "up"
+    b.children[1].process.returncode = 1
+    assert not ring.failed(failure(ring, 102.0), 102.0, serving=True)  # ...the pool's last instance is done for
+
+
+def test_a_disaggregated_plans_instances_fail_together():
+    plumbing = Recorder()
+    ring = supervisor(plumbing, fleet=True, pools=("prefill", "decode"))
+    ring.domains = {"a": ("a", "b"), "b": ("a", "b")}
+    ring.instance("b").children[0].process.returncode = 1
+    found = failure(ring, 1.0)
+    assert found.instances == ("a", "b")
+    assert ring.failed(found, 1.0, serving=True) and [d[0] for d in plumbing.downs] == ["a", "b"]
+
+
+def test_a_dead_bridge_takes_every_instance_and_is_replaced_with_them():
+    plumbing = Recorder()
+    ring = supervisor(plumbing, fleet=True)
+    ring.bridge.process.returncode = 1  # type: ignore[union-attr]
+    found = failure(ring, 1.0)
+    assert found.instances == ("a", "b") and ring.failed(found, 1.0, serving=True)
+    assert ring.bridge is None and plumbing.bridge_files_removed == 1 and plumbing.downs == []
+    ring.step(1.0)
+    assert plumbing.spawned[-3:] == [RING, OTHER, [BRIDGE]] and ring.new_bridge
+    ready(ring, 2.0)
+    ring.step(2.0)
+    assert plumbing.opened[-2:] == [("a", 1, True), ("b", 1, False)] and ring.settled
 
 
 def test_a_worker_that_hangs_is_killed_and_named():
@@ -183,43 +232,45 @@ def test_a_worker_that_hangs_is_killed_and_named():
     for now in (0.5, 1.0, 1.5, 2.0):  # the others keep beating; shard-0 is silent
         ring.note([Heartbeat(c.id.role, c.id.index, c.process.pid) for c in ring.children if c.name != "shard-0"], now)
         assert ring.failure(now) is None
-    reason = ring.failure(2.5)
-    assert reason is not None and reason.startswith("shard-0 (pid ") and "hung: no heartbeat for 2.5 s" in reason
-    assert plumbing.killed == ["shard-0"]
+    found = failure(ring, 2.5)
+    assert found.reason.startswith("shard-0 (pid ") and "hung: no heartbeat for 2.5 s" in found.reason
+    assert plumbing.killed == ["shard-0"] and found.instances == ("a",)
 
 
 def test_a_missing_host_is_the_failure_and_the_restart_waits_for_it():
     hosts = Hosts()
     plumbing = Recorder(hosts=hosts)
-    ring = supervisor(plumbing)
+    ring = supervisor(plumbing, fleet=True)
     hosts.lost, hosts.absent = "host b lost: silent for 5.0 s", ["b"]
-    assert ring.failure(1.0) == "host b lost: silent for 5.0 s"
-    assert ring.failed("host b lost: silent for 5.0 s", 1.0, serving=True)
+    ring.instance("b").children[1].process.returncode = -signal.SIGKILL  # the link marks its workers lost
+    found = failure(ring, 1.0)
+    assert found == Failure("host b lost: silent for 5.0 s", ("b",))
+    assert ring.failed(found, 1.0, serving=True)
     spawned = len(plumbing.spawned)
-    assert ring.step(100.0) and ring.state == "down" and len(plumbing.spawned) == spawned  # waits for kvasird join
+    assert ring.step(100.0) and ring.instance("b").state == "down" and len(plumbing.spawned) == spawned
     hosts.absent = []
-    assert ring.step(101.0) and ring.state == "starting"
+    assert ring.step(101.0) and ring.instance("b").state == "starting"
 
 
 def test_too_many_failures_within_the_window_give_up():
     plumbing = Recorder()
     ring = supervisor(plumbing, max_restarts=1)
-    assert ring.failed("stage-0 exited with code 1", 1.0, serving=True)
+    assert ring.failed(Failure("stage-0 exited with code 1", ("a",)), 1.0, serving=True)
     ring.step(1.0)
-    assert not ring.failed("stage-0 exited with code 1", 2.0, serving=True)
+    assert not ring.failed(Failure("stage-0 exited with code 1", ("a",)), 2.0, serving=True)
 
 
 def test_children_not_ready_in_time_or_a_bridge_that_cannot_open_count_as_failures():
     plumbing = Recorder()
     ring = supervisor(plumbing)
-    ring.failed("stage-0 exited with code 1", 1.0, serving=True)
+    ring.failed(Failure("stage-0 exited with code 1", ("a",)), 1.0, serving=True)
     ring.step(1.0)
-    assert ring.step(32.0) and ring.state == "down"  # 30 s passed, nobody ready: killed, a second failure
+    assert ring.step(32.0) and ring.instance("a").state == "down"  # 30 s passed, nobody ready: a second failure
     assert ring.last_failure == "not ready after 30 s: stage-0, stage-1, shard-0"
     ring.step(33.0)
     ready(ring, 33.5)
     plumbing.open_fails = True
-    assert ring.step(34.0) and ring.state == "down"
+    assert ring.step(34.0) and ring.instance("a").state == "down"
     assert ring.last_failure == "the bridge did not bind the client endpoint"
 
 
@@ -227,7 +278,7 @@ def test_a_failure_while_not_serving_gives_up_at_once():
     """SIGTERM came first (the daemon drains, or is still starting): no restart, nobody told."""
     plumbing = Recorder()
     ring = supervisor(plumbing)
-    assert not ring.failed("stage-1 exited with code 1", 1.0, serving=False)
+    assert not ring.failed(Failure("stage-1 exited with code 1", ("a",)), 1.0, serving=False)
     assert plumbing.downs == [] and ring.stages == []
 
 
@@ -235,7 +286,7 @@ def test_messages_from_a_replaced_child_are_ignored():
     plumbing = Recorder()
     ring = supervisor(plumbing)
     old_pid = ring.stages[0].process.pid
-    ring.failed("stage-0 exited with code 1", 1.0, serving=True)
+    ring.failed(Failure("stage-0 exited with code 1", ("a",)), 1.0, serving=True)
     ring.step(1.0)
     ring.note([Ready("stage", 0, old_pid)], 1.5)
     assert not ring.stages[0].ready
@@ -251,7 +302,9 @@ def launcher(tiny_models, tmp_path):
 
     plan = load_plan(write_plan(tmp_path / "plan.toml", tiny_models["llama"], [(0, 3), (3, 6)]))
     made = Launcher(plan, resolve_source(str(tiny_models["llama"])), tmp_path / "rt", setup_logging("critical"))
-    made.ring.stages = [child("stage", 0), child("stage", 1)]
+    ids = [ChildId("stage", 0, instance="ring"), ChildId("stage", 1, instance="ring")]
+    made.ring.instances = [Instance("ring", "", ids, RestartPolicy(3, 60.0))]
+    made.ring.instances[0].children = [child("stage", 0, "ring"), child("stage", 1, "ring")]
     made.ring.bridge = child("bridge")
     yield made
     made.sockets.end()
@@ -270,7 +323,7 @@ def test_sigterm_during_a_restart_stops_everything_without_draining(launcher):
     for c in launcher.children:
         c.ready = True
     launcher.state = "running"
-    launcher.ring.state = "starting"  # new stages loading after a failure
+    launcher.ring.instances[0].state = "starting"  # new stages loading after a failure
     launcher.request_stop(signal.SIGTERM)
     launcher.serve()
     assert launcher.state == "stopping" and launcher.exit_code == 0

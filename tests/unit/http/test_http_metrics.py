@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvasir.bridge.metrics import Metrics
@@ -69,3 +70,47 @@ def test_the_snapshot_reads_back_as_vllm_named_series():
     assert busy == {("stage", "0", ""): 6.0, ("stage", "1", ""): 6.0, ("shard", "1", "0"): 2.0}
     assert samples[("kvasir:handoff_bytes_total", model)] == 4096
     assert all(s.labels["model_name"] == "m" for f in families.values() for s in f.samples)
+
+
+def test_a_fleets_series_carry_the_instance():
+    from kvasir.wire.client import InstanceStats
+    from kvasir.wire.stats import PrefixCounters
+
+    stages = [msgspec.structs.replace(stage(k), instance="a" if k < 2 else "b") for k in range(4)]
+    shard = ShardStats(0, 3, (0, 4), 300, 10.0, 2.0, 8.0, 0.0, 3, 30, (10, 10, 5, 5))
+    instances = [
+        InstanceStats(name="a", pool="", state="serving", stages=[0, 1], requests=2, routed=9, restarts=1,
+                      prefix=PrefixCounters(queries=3, prompt_tokens=300, hit_tokens=240)),
+        InstanceStats(name="b", pool="", state="restarting", stages=[2, 3], routed=4),
+    ]  # fmt: skip
+    stats = DaemonStats(
+        uptime_s=1.0,
+        requests=13,
+        in_flight=2,
+        waiting_limit=10,
+        vocab_size=100,
+        max_seq_len=64,
+        stages=stages,
+        shards=[shard],
+        instances=instances,
+    )
+    families = {f.name: f for f in text_string_to_metric_families(render(stats, "m").decode())}
+
+    def by_instance(name: str) -> dict[str, float]:
+        return {s.labels["instance"]: s.value for s in families[name].samples if not s.name.endswith("_created")}
+
+    assert by_instance("kvasir:instance_serving") == {"a": 1.0, "b": 0.0}
+    assert by_instance("kvasir:instance_routed") == {"a": 9.0, "b": 4.0}
+    assert by_instance("kvasir:instance_restarts") == {"a": 1.0, "b": 0.0}
+    assert by_instance("kvasir:instance_prefix_cache_hit_tokens") == {"a": 240.0, "b": 0.0}
+    busy = {
+        (s.labels["role"], s.labels["stage"]): s.labels["instance"]
+        for s in families["kvasir:worker_busy_seconds"].samples
+    }
+    assert busy == {
+        ("stage", "0"): "a",
+        ("stage", "1"): "a",
+        ("stage", "2"): "b",
+        ("stage", "3"): "b",
+        ("shard", "3"): "b",
+    }

@@ -349,7 +349,7 @@ def check_the_launcher_passes_halves_between_its_children(launcher, edge: str, t
         process = subprocess.Popen(["sleep", "60"])
         at = f"ipc://{tmp_path}/stage-{k}.sock"
         inboxes.append(PullChannel(launcher.sockets.bind(zmq.PULL, at), Command))
-        launcher.ring.stages.append(
+        launcher.ring.instances[0].children.append(
             Child(ChildId("stage", k), process, PushChannel[Command](launcher.sockets.connect(zmq.PUSH, at)))
         )
     pids = [c.process.pid for c in launcher.ring.stages]
