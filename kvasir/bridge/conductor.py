@@ -15,6 +15,10 @@ prompt's blocks there, so its keys are entered at once and kept for ``PREDICTED_
 the head confirms them: a burst of requests sharing a prefix goes to one instance
 instead of being spread before the first has been computed.
 
+In a disaggregated plan the prefill instance is picked as above and the decode instance
+by its load: the fewest requests on it, then the most free KV blocks (as its head last
+reported them).
+
 Policy only: no sockets. The bridge tells it what it sends and what comes back.
 """
 
@@ -47,6 +51,7 @@ class Candidate:
     running: int = 0  # the bridge's requests on it now
     backlog: int = 0  # prompt tokens of those still waiting for their first token, less what was cached
     routed: int = 0  # requests sent to it since the daemon started
+    used: int = 0  # a decode instance: KV blocks its head holds (its last report)
     keys: dict[bytes, float] = field(default_factory=dict)  # prefix block key -> until when (inf: confirmed)
 
     def cached_tokens(self, keys: Sequence[bytes], now: float) -> int:
@@ -69,10 +74,39 @@ class Choice:
 
 
 class Conductor:
-    def __init__(self, policy: RoutePolicy, candidates: Iterable[Candidate]) -> None:
+    def __init__(
+        self, policy: RoutePolicy, candidates: Iterable[Candidate], decoders: Iterable[Candidate] = ()
+    ) -> None:
+        """``candidates``: the instances that admit requests (colocated, or prefill);
+        ``decoders``: a disaggregated plan's decode instances."""
         self.policy = policy
         self.candidates = {c.name: c for c in candidates}
+        self.decoders = {c.name: c for c in decoders}
         self._turn = itertools.count()
+
+    def pick_decode(self) -> str | None:
+        """The decode instance for a request (None: a colocated plan); raises
+        RequestError("restarting") when none serves."""
+        if not self.decoders:
+            return None
+        live = [c for c in self.decoders.values() if c.state == "serving"]
+        if not live:
+            raise RequestError("restarting", "no decode instance is serving: retry in a few seconds")
+        chosen = min(live, key=lambda c: (c.running + c.used / max(c.capacity, 1), c.routed))
+        chosen.running += 1
+        chosen.routed += 1
+        return chosen.name
+
+    def decode_ended(self, name: str) -> None:
+        chosen = self.decoders.get(name)
+        if chosen is not None:
+            chosen.running = max(0, chosen.running - 1)
+
+    def kv_used(self, name: str, blocks: int) -> None:
+        """A decode instance's head reported the KV blocks it holds."""
+        chosen = self.decoders.get(name)
+        if chosen is not None:
+            chosen.used = blocks
 
     def serving(self) -> list[Candidate]:
         return [c for c in self.candidates.values() if c.state == "serving"]
@@ -126,12 +160,15 @@ class Conductor:
         if chosen is not None:
             chosen.backlog = max(0, chosen.backlog - backlog)
 
-    def ended(self, name: str, backlog: int) -> None:
-        """A request ended (``backlog``: what it still had in the backlog, if no first token)."""
+    def ended(self, name: str, backlog: int, decode: str | None = None) -> None:
+        """A request ended (``backlog``: what it still had in the backlog, if no first
+        token; ``decode``: its decode instance)."""
         chosen = self.candidates.get(name)
         if chosen is not None:
             chosen.running = max(0, chosen.running - 1)
             chosen.backlog = max(0, chosen.backlog - backlog)
+        if decode is not None:
+            self.decode_ended(decode)
 
     def events(self, name: str, stored: Iterable[bytes], removed: Iterable[bytes], reset: bool) -> None:
         """An instance's head registered and evicted prefix blocks (``reset``: ``stored``
@@ -148,12 +185,12 @@ class Conductor:
 
     def down(self, name: str) -> None:
         """An instance failed: nothing is routed to it, its requests and cache are gone."""
-        chosen = self.candidates.get(name)
+        chosen = self.candidates.get(name) or self.decoders.get(name)
         if chosen is not None:
-            chosen.state, chosen.running, chosen.backlog, chosen.keys = "down", 0, 0, {}
+            chosen.state, chosen.running, chosen.backlog, chosen.keys, chosen.used = "down", 0, 0, {}, 0
 
     def up(self, name: str) -> None:
-        chosen = self.candidates.get(name)
+        chosen = self.candidates.get(name) or self.decoders.get(name)
         if chosen is not None:
             chosen.state = "serving"
 

@@ -12,6 +12,7 @@ import zmq
 from kvasir.bridge.conductor import Candidate, Choice, Conductor
 from kvasir.config.fleet import Ring
 from kvasir.config.plan import Plan
+from kvasir.errors import RequestError
 from kvasir.transport.channels import BatchedSocket
 from kvasir.transport.fabric import Sockets
 from kvasir.wire.client import InstanceStats
@@ -30,7 +31,9 @@ class Heads:
         self.conductor = Conductor(  # nothing is routed to an instance before the launcher says "serve"
             plan.route.policy,
             (Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks, "down") for ring in self.admitting),
+            (Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks, "down") for ring in self.decode),
         )
+        self.head_of = {ring.name: ring.first for ring in rings}
         self.pids: dict[str, frozenset[int]] = {}  # the serving instances' stage processes
         self.restarts: dict[str, int] = {}  # each instance's restarts so far
         self.failures: dict[str, str] = {}  # each instance's last failure
@@ -46,13 +49,16 @@ class Heads:
         self.sockets.attach(head, self.sockets.ends.stage_in(ring.first))
         return head, BatchedSocket(head)
 
-    def pick(self, prompt: Sequence[int], root: bytes) -> Choice:
-        """The instance for a request (RequestError "restarting" when none serves)."""
-        return self.conductor.pick(prompt, root, time.monotonic())
-
-    def decode_instance(self) -> str | None:
-        """The decode instance a disaggregated plan's request goes on to (None: colocated)."""
-        return self.decode[0].name if self.decode else None
+    def pick(self, prompt: Sequence[int], root: bytes) -> tuple[Choice, str | None]:
+        """The instance for a request, and in a disaggregated plan the decode instance it
+        goes on to (RequestError "restarting" when none serves)."""
+        decode = self.conductor.pick_decode()
+        try:
+            return self.conductor.pick(prompt, root, time.monotonic()), decode
+        except RequestError:
+            if decode is not None:
+                self.conductor.decode_ended(decode)
+            raise
 
     def send_now(self, instance: str, body: bytes) -> None:
         self._io[instance][1].send_now([body])

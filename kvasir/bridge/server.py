@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import deque
 from functools import partial
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kvasir.bridge.heads import Heads
 from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
 from kvasir.bridge.metrics import Metrics
 from kvasir.bridge.outbox import Outbox
+from kvasir.bridge.reports import Reports
 from kvasir.bridge.sockets import client_router, remote_router
 from kvasir.bridge.stats import daemon_stats
 from kvasir.bridge.streams import Streams
@@ -55,9 +55,7 @@ from kvasir.wire.client import (
 from kvasir.wire.control import BridgeSettings, Command, Drained, Heartbeat, Ready
 from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.head import CancelRequest, Enqueue
-from kvasir.wire.stats import BatchSpan
 
-TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
 PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
 
 
@@ -113,15 +111,13 @@ class Bridge:
         self.internal_errors = 0  # client messages whose handling raised (logged with their traceback)
         conductor = self.heads.conductor
         self.requests = Ledger(
-            ended=lambda record: conductor.ended(record.instance, record.backlog),
+            ended=lambda record: conductor.ended(record.instance, record.backlog, record.decode),
             started=lambda record: conductor.first_token(record.instance, record.backlog),
         )
         self.handoffs = HandoffLog()
         self.metrics = Metrics()
         self.streams = Streams(self.requests, self.metrics, self.outbox, self.publisher_io, self.encoder)
-        self.stage_stats: dict[int, StageStats] = {}
-        self.shard_stats: dict[int, ShardStats] = {}
-        self.timelines: dict[int, deque[BatchSpan]] = {}
+        self.reports = Reports(self.heads)
         self.started = time.monotonic()
         self.accepted = 0
         self.next_id = 1
@@ -216,7 +212,7 @@ class Bridge:
                     "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
                 )
             ids, sampling, root = self.submissions.read(msg, origin)
-            choice = self.heads.pick(ids, root)
+            choice, decode = self.heads.pick(ids, root)
         except RequestError as exc:
             await self._send(peer, ErrorEvent(code=exc.code, message=exc.message, key=msg.key))
             return
@@ -225,14 +221,14 @@ class Bridge:
         self.accepted += 1
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         record = Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok, sampling.logprobs >= 0)
-        record.routed(choice, self.heads.decode_instance())
+        record.routed(choice, decode)
         self.requests.add(rid, record)
         self.metrics.accepted(len(ids))
         client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
-        self.outbox.after_turn(
-            partial(self._enqueue, rid, self.encoder.encode(Enqueue(rid, tuple(ids), sampling, client, root)))
-        )
+        head = self.heads.head_of[decode] if decode is not None else -1
+        enqueue = Enqueue(rid, tuple(ids), sampling, client, root, head)
+        self.outbox.after_turn(partial(self._enqueue, rid, self.encoder.encode(enqueue)))
 
     def _enqueue(self, rid: int, body: bytes) -> None:
         """Hand a request to the head once its Accepted has left: one whose client could
@@ -291,14 +287,8 @@ class Bridge:
                 record = self.requests.get(rid)
                 if record is not None:
                     record.handoff = timings
-            case PrefixEvents(head=index, pid=pid) if self.heads.current(index, pid):
-                name = self.heads.instance_of[index]
-                self.heads.conductor.events(name, message.stored, message.removed, message.reset)
-            case StageStats() as stats if self.heads.current(stats.index, stats.pid):
-                self.timelines.setdefault(stats.index, deque(maxlen=TIMELINE_SPANS)).extend(stats.spans)
-                self.stage_stats[stats.index] = msgspec.structs.replace(stats, spans=())
-            case ShardStats() as stats if self.heads.current(stats.stage, stats.pid):
-                self.shard_stats[stats.number] = stats
+            case PrefixEvents() | StageStats() | ShardStats():
+                self.reports.note(message)
 
     async def _commands(self) -> None:
         decoder: Decoder[Command] = Decoder(Command)
@@ -363,11 +353,7 @@ class Bridge:
             if record is not None:
                 self.metrics.ended_early("stage_failed")
                 await self._send(record.peer, ErrorEvent(code="stage_failed", message=message, request_id=rid))
-        for index in [k for k in self.stage_stats if self.heads.instance_of.get(k) in names]:
-            del self.stage_stats[index]
-            self.timelines.pop(index, None)
-        for number in [n for n, s in self.shard_stats.items() if self.heads.instance_of.get(s.stage) in names]:
-            del self.shard_stats[number]
+        self.reports.forget(names)
 
     async def _heartbeat(self) -> None:
         beat = self.encoder.encode(Heartbeat("bridge", 0, os.getpid()))

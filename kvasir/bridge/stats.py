@@ -11,8 +11,9 @@ from kvasir.wire.client import DaemonStats, PrefixCacheStats
 def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
     """What ``kvasir stats`` shows: the bridge's (kvasir/bridge/server.py) own figures and
     the stages' latest reports."""
-    order = sorted(bridge.stage_stats)
-    stages = [bridge.stage_stats[k] for k in order]
+    reports = bridge.reports
+    order = sorted(reports.stages)
+    stages = [reports.stages[k] for k in order]
     return DaemonStats(
         uptime_s=time.monotonic() - bridge.started,
         requests=bridge.accepted,
@@ -22,8 +23,8 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         vocab_size=bridge.vocab_size,
         max_seq_len=bridge.max_seq_len,
         stages=stages,
-        shards=[bridge.shard_stats[k] for k in sorted(bridge.shard_stats)],
-        timeline=[list(bridge.timelines.get(k, ())) for k in order] if timeline else [],
+        shards=[reports.shards[k] for k in sorted(reports.shards)],
+        timeline=[list(reports.timelines.get(k, ())) for k in order] if timeline else [],
         state="draining" if bridge.draining else "restarting" if bridge.restarting is not None else "serving",
         restarts=bridge.heads.total_restarts(),
         last_failure=bridge.last_failure,
@@ -35,5 +36,5 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         hosts_missing=bridge.hosts_missing,
         metrics=bridge.metrics.snapshot(),
         prefix_cache=PrefixCacheStats.of(stages) if stages else None,
-        instances=bridge.heads.report(bridge.stage_stats),
+        instances=bridge.heads.report(reports.stages),
     )

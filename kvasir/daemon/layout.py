@@ -76,11 +76,6 @@ def lay_out(plan: Plan, source: ModelSource, prefix: str, log) -> Layout:
     """Lay out every edge (and the prefill caches), named from ``prefix``, and create the
     shared memory of this host's workers (the leader's, in a plan across hosts). On
     failure, whatever was already created is removed before the error goes on."""
-    if plan.disaggregated and len(plan.rings()) > 2:
-        raise LayoutError(
-            "this version serves one instance per pool in a disaggregated plan ([[prefill.stages]] and "
-            "[[decode.stages]]); several instances per pool pass `kvasir plan check` but do not start yet"
-        )
     layout = Layout()
     placement = Placement.of(plan)
     _edges(plan, source, prefix, log, layout, placement)
@@ -163,24 +158,30 @@ def _shards(source: ModelSource, prefix: str, layout: Layout, placement: Placeme
 
 
 def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout, placement: Placement) -> HandoffWiring:
-    """The prefill stages' caches, in shared memory the decode stages copy from."""
-    prefill, decode = (ring.plan for ring in plan.rings())  # one instance per pool (start refuses more, for now)
+    """Every prefill instance's stages' caches, in shared memory the decode stages copy from."""
+    rings = plan.rings()
+    prefill = [ring for ring in rings if ring.pool == "prefill"]
+    decode = [ring for ring in rings if ring.pool == "decode"]
     segments = []
-    for k, stage in enumerate(prefill.stages):
-        segment = KvSegment(
-            name=f"{prefix}-kv{k}",
-            layers=stage.layers,
-            num_blocks=prefill.kv.num_blocks,
-            block_size=prefill.kv.block_size,
-            kv_heads=source.kv_heads,
-            head_dim=source.head_dim,
-            dtype=prefill.model.dtype,
-        )
-        layout.segments(placement.stages[k]).kv.append(segment)
-        segments.append(segment)
+    for ring in prefill:
+        view = ring.plan
+        for k, stage in enumerate(view.stages, start=ring.first):  # the prefill stages come first globally
+            segment = KvSegment(
+                name=f"{prefix}-kv{k}",
+                layers=stage.layers,
+                num_blocks=view.kv.num_blocks,
+                block_size=view.kv.block_size,
+                kv_heads=source.kv_heads,
+                head_dim=source.head_dim,
+                dtype=view.model.dtype,
+            )
+            layout.segments(placement.stages[k]).kv.append(segment)
+            segments.append(segment)
     return HandoffWiring(
         prefill=segments,
-        decode=[stage.layers for stage in decode.stages],
+        decode=[stage.layers for ring in decode for stage in ring.plan.stages],
         lease_s=plan.handoff.lease_s,
         hosts=[host or "" for host in placement.stages] if placement.spans_hosts else [],
+        prefill_heads=[ring.first for ring in prefill],
+        decode_heads=[ring.first for ring in decode],
     )

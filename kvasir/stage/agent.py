@@ -99,6 +99,7 @@ class StageAgent:
         started = time.monotonic_ns()
         if inputs is None:
             self.engine.release(descriptor)
+            self.handoff.after(descriptor)  # no rows: it only forgets the released requests
             self.outlet.emit(descriptor, None)
             return
         output = self.engine.run(descriptor, inputs, self.outlet.scored(descriptor))

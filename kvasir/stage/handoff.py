@@ -35,6 +35,34 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
+class DecodeRoutes:
+    """Which decode instance each request of a prefill instance goes on to (its head's
+    global index), learned from the descriptors' new requests and forgotten once handed
+    on or released."""
+
+    def __init__(self, heads: list[int]) -> None:
+        self.heads = heads
+        self._by_request: dict[int, int] = {}
+
+    def learn(self, descriptor: BatchDescriptor) -> None:
+        for new in descriptor.new_requests:
+            head = new.decode_head
+            if head == -1 and len(self.heads) == 1:
+                head = self.heads[0]
+            if head not in self.heads:
+                raise BatchError(f"request {new.request_id} goes on to stage {head}, which is no decode head")
+            self._by_request[new.request_id] = head
+        for rid in descriptor.release:
+            self._by_request.pop(rid, None)
+
+    def take(self, rid: int) -> int:
+        """The request's decode head (it is handed on now)."""
+        head = self._by_request.pop(rid, None)
+        if head is None:
+            raise BatchError(f"request {rid} is handed on, but no descriptor said where to")
+        return head
+
+
 class NoHandoff:
     """A stage of a colocated plan: nothing to hand over (and the defaults of the others)."""
 
@@ -62,28 +90,32 @@ class HandoffSender(NoHandoff):
         index: int,
         layers: tuple[int, int],
         cache: PagedKVCache,
-        targets: list[PushChannel],
-        streams: list[KvStream] | None = None,
+        targets: dict[int, list[PushChannel]],
+        streams: dict[int, list[KvStream]] | None = None,
     ) -> None:
-        """``targets``: decode stages on this host (they copy from this stage's segment);
-        ``streams``: those on other hosts (the K/V goes to them, kvasir/stage/kv_remote.py)."""
+        """Per decode instance (by its head's index): ``targets``, its stages on this host
+        sharing layers with this one (they copy from this stage's segment); ``streams``,
+        those on other hosts (the K/V goes to them, kvasir/stage/kv_remote.py)."""
         self.index = index
         self.layers = layers
         self.cache = cache
         self.targets = targets
-        self.streams = streams or []
+        self.streams = streams or {}
+        self.routes = DecodeRoutes(sorted({*targets, *self.streams}))
         self.sent_bytes = 0  # K/V streamed to other hosts
 
     def after(self, descriptor: BatchDescriptor) -> None:
+        self.routes.learn(descriptor)
         for row in descriptor.rows:
             if row.emit:  # in the prefill pool, the row that ends the prompt
                 table = tuple(self.cache.table(row.request_id))
                 ready = KvReady(
                     row.request_id, self.index, self.layers, table, row.start + row.num_tokens, time.monotonic_ns()
                 )
-                for target in self.targets:
+                head = self.routes.take(row.request_id)
+                for target in self.targets.get(head, ()):
                     target.send(ready)
-                for stream in self.streams:
+                for stream in self.streams.get(head, ()):
                     self.sent_bytes += stream.send(ready)
 
 
@@ -124,12 +156,16 @@ class KvReceiver(NoHandoff):
             for source, segment in sharing
             if source not in self.sources
         }
+        self.expected = {  # per prefill instance (its head): its stages sharing layers with this one
+            head: frozenset(source for source, _ in sharing if source in wiring.ring_of(head))
+            for head in wiring.prefill_heads
+        }
         self.assembling: dict[int, dict[int, Assembly]] = {}  # request -> source -> its chunks so far
         self.expiry_s = expiry_s
         self.expired = 0  # partial hand-offs given up
         self.sockets = [inbox.socket]
         self.parts: dict[int, dict[int, KvReady]] = {}
-        self.placed: dict[int, tuple[int, ...]] = {}
+        self.placed: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}  # blocks, the stages to copy from
         self.dropped: OrderedDict[int, None] = OrderedDict()
         self.nbytes = 0  # KV bytes received
         self.copy_s = 0.0  # seconds spent copying them
@@ -159,8 +195,10 @@ class KvReceiver(NoHandoff):
                     if rid not in self.dropped:  # a drop may overtake the announcement (another socket)
                         self.parts.setdefault(rid, {})[source] = message
                     touched.add(rid)
-                case Placement(request_id=rid, blocks=blocks) if blocks:
-                    self.placed[rid] = blocks
+                case Placement(request_id=rid, blocks=blocks, prefill_head=head) if blocks:
+                    if head not in self.expected:
+                        raise BatchError(f"request {rid} placed from stage {head}, which is no prefill instance's head")
+                    self.placed[rid] = blocks, self.expected[head]
                     touched.add(rid)
                 case Placement(request_id=rid):
                     self._forget(rid)
@@ -171,11 +209,13 @@ class KvReceiver(NoHandoff):
 
     def _try(self, rid: int) -> bool:
         parts = self.parts.get(rid)
-        if rid not in self.placed or parts is None or len(parts) < len(self.sources) + len(self.remote):
+        placed = self.placed.get(rid)
+        if placed is None or parts is None or not placed[1] <= parts.keys():
             return False
+        blocks, sources = self.placed.pop(rid)
         started = time.monotonic_ns()
-        table = self.cache.extend(rid, self.placed.pop(rid))
-        nbytes = sum(self._copy(rid, part, table) for part in self.parts.pop(rid).values())
+        table = self.cache.extend(rid, blocks)
+        nbytes = sum(self._copy(rid, part, table) for source, part in self.parts.pop(rid).items() if source in sources)
         self.nbytes += nbytes
         held = time.monotonic_ns()
         self.head.send(KvHeld(rid, self.index, nbytes, held - started, held))

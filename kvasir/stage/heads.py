@@ -121,10 +121,18 @@ class PrefillHeadIntake(SchedulerIntake):
     wait for this loop); the head parks the request, holding its blocks, until adopted."""
 
     def __init__(
-        self, scheduler: Scheduler, inbox: PullChannel, bridge: PushChannel, decode_head: PushChannel, lease_s: float
+        self,
+        scheduler: Scheduler,
+        inbox: PullChannel,
+        bridge: PushChannel,
+        decode_heads: dict[int, PushChannel],
+        lease_s: float,
     ) -> None:
+        """``decode_heads``: every decode instance's head, by its global index; each
+        request goes on to the one its Enqueue names."""
         super().__init__(scheduler, inbox, bridge)
-        self.decode_head = decode_head
+        self.decode_heads = decode_heads
+        self.routes: OrderedDict[int, int] = OrderedDict()  # request -> its decode head (the recent ones)
         self.lease_s = lease_s
         self.handed: set[int] = set()  # parked: handed off, not yet adopted
         self.leases: OrderedDict[int, float] = OrderedDict()  # of those, placed by the decode head: since when
@@ -139,11 +147,15 @@ class PrefillHeadIntake(SchedulerIntake):
     def handle(self, message) -> None:
         scheduler = self.scheduler
         match message:
+            case Enqueue(request_id=rid, decode_head=head) if not self._route(rid, head):
+                self.bridge.send(
+                    RequestEnded(rid, "internal_error", f"no decode instance has its head at stage {head}")
+                )
             case CancelRequest(request_id=rid) if rid in self.handed:
-                self.decode_head.send(message)  # handed off: the decode head ends it
+                self._to_decode(rid, message)  # handed off: the decode head ends it
             case CancelRequest(request_id=rid) if not self._known(rid):
                 self.cancelled_early.add(rid)  # not here yet, or already adopted: the decode head ends it
-                self.decode_head.send(message)
+                self._to_decode(rid, message)
             case BatchResult(batch_id=batch) if batch not in scheduler.inflight:
                 self.inbox.drop(f"result for batch {batch}, which is not in flight")
             case BatchResult():
@@ -155,7 +167,7 @@ class PrefillHeadIntake(SchedulerIntake):
                         self._park(event.request_id)
                     elif event.request_id in prompt_done:  # its KV was announced to the decode stages
                         self.early.pop(event.request_id, None)
-                        self.decode_head.send(KvDrop(event.request_id))
+                        self._to_decode(event.request_id, KvDrop(event.request_id))
             case KvPlaced(request_id=rid) if rid in self.handed:
                 self.leases[rid] = time.monotonic()
             case Adopted(request_id=rid) if rid in self.handed:
@@ -168,6 +180,39 @@ class PrefillHeadIntake(SchedulerIntake):
                 pass  # the request ended here first (cancelled, or its lease ran out)
             case _:
                 super().handle(message)
+
+    def _route(self, rid: int, head: int) -> bool:
+        """Remember which decode instance a request goes on to (-1: the only one); False
+        when no decode instance has that head."""
+        if head == -1 and len(self.decode_heads) == 1:
+            head = next(iter(self.decode_heads))
+        if head not in self.decode_heads:
+            return False
+        self.routes[rid] = head
+        if len(self.routes) > ENDED_KEPT:
+            self.routes.popitem(last=False)
+        return True  # the base class admits it (the next case)
+
+    def _to_decode(self, rid: int, message) -> None:
+        """Send to the request's decode head; one this head no longer knows: to every one
+        (a decode head drops what it never heard of)."""
+        head = self.routes.get(rid)
+        for index, channel in self.decode_heads.items():
+            if head is None or index == head:
+                channel.send(message)
+
+    def take(self, room: bool) -> Work | None:
+        """As a head's, with each new request's decode instance in its descriptor (the
+        prefill stages and the tail hand its KV and first token there)."""
+        work = super().take(room)
+        if work is None or not work[0].new_requests:
+            return work
+        descriptor, tokens = work
+        routed = tuple(
+            msgspec.structs.replace(new, decode_head=self.routes.get(new.request_id, -1))
+            for new in descriptor.new_requests
+        )
+        return msgspec.structs.replace(descriptor, new_requests=routed), tokens
 
     def _prompt_ran(self, rid: int) -> bool:
         """Its last prompt chunk has run: the prefill stages announced its KV."""
@@ -192,7 +237,7 @@ class PrefillHeadIntake(SchedulerIntake):
             del self.leases[rid]
             self.handed.discard(rid)
             self.scheduler.retire(rid)
-            self.decode_head.send(KvDrop(rid))  # this head tells the bridge; the decode head drops it quietly
+            self._to_decode(rid, KvDrop(rid))  # this head tells the bridge; the decode head drops it quietly
             self.bridge.send(
                 RequestEnded(
                     rid, "stage_failed", f"the decode pool did not take the request's KV within {self.lease_s:g} s"
@@ -220,12 +265,15 @@ class DecodeHeadIntake(SchedulerIntake):
         scheduler: Scheduler,
         inbox: PullChannel,
         bridge: PushChannel,
-        prefill_head: PushChannel,
+        prefill_heads: dict[int, PushChannel],
         stages: list[PushChannel],
     ) -> None:
+        """``prefill_heads``: every prefill instance's head, by its global index (each
+        hand-off names the one it came from); ``stages``: this instance's stages' KV inboxes."""
         super().__init__(scheduler, inbox, bridge)
-        self.prefill_head = prefill_head
+        self.prefill_heads = prefill_heads
         self.stages = stages  # every decode stage's KV inbox, this one's included
+        self.sources: dict[int, int] = {}  # pending and placed requests: their prefill head
         self.pending: OrderedDict[int, Handoff] = OrderedDict()  # waiting for blocks
         self.placed: dict[int, Placed] = {}
         self.ended = Recent[int](ENDED_KEPT)  # cancelled or dropped before their hand-off arrived
@@ -237,9 +285,13 @@ class DecodeHeadIntake(SchedulerIntake):
 
     def handle(self, message) -> None:
         match message:
+            case Handoff(prefill_head=head) if head not in self.prefill_heads:
+                self.inbox.drop(f"hand-off from stage {head}, which is no prefill instance's head")
             case Handoff(request_id=rid) if self.ended.take(rid):
+                self.sources[rid] = message.prefill_head
                 self._drop(rid)  # a cancel or drop from the prefill head overtook it
             case Handoff(request_id=rid):  # timed on this head's clock (the prefill pool may be on another host)
+                self.sources[rid] = message.prefill_head
                 self.pending[rid] = msgspec.structs.replace(message, ready_ns=time.monotonic_ns())
             case KvHeld(request_id=rid) if rid in self.placed:
                 self._held(message)
@@ -266,9 +318,16 @@ class DecodeHeadIntake(SchedulerIntake):
             self._broadcast(Placement(rid, ()))  # its parts may have reached the stages
             self.ended.add(rid)
 
+    def _to_prefill(self, rid: int, message) -> None:
+        """Tell the prefill head a request came from (it is forgotten with its last word)."""
+        head = self.sources.get(rid)
+        if head is not None:
+            self.prefill_heads[head].send(message)
+
     def _drop(self, rid: int) -> None:
         self._broadcast(Placement(rid, ()))
-        self.prefill_head.send(Adopted(rid))  # the prefill pool may free the blocks
+        self._to_prefill(rid, Adopted(rid))  # the prefill pool may free the blocks
+        self.sources.pop(rid, None)
         if not self.quiet.take(rid):
             self.bridge.send(RequestEnded(rid, "cancelled"))
 
@@ -288,8 +347,8 @@ class DecodeHeadIntake(SchedulerIntake):
                 return  # the decode pool is full: the prefill pool keeps holding the KV
             del self.pending[handoff.request_id]
             self.placed[handoff.request_id] = Placed(handoff.ready_ns, set())
-            self._broadcast(Placement(handoff.request_id, tuple(blocks)))
-            self.prefill_head.send(KvPlaced(handoff.request_id))
+            self._broadcast(Placement(handoff.request_id, tuple(blocks), handoff.prefill_head))
+            self._to_prefill(handoff.request_id, KvPlaced(handoff.request_id))
 
     def _held(self, held: KvHeld) -> None:
         placed = self.placed[held.request_id]
@@ -302,7 +361,8 @@ class DecodeHeadIntake(SchedulerIntake):
         rid = held.request_id
         del self.placed[rid]
         self.scheduler.unpark(rid)
-        self.prefill_head.send(Adopted(rid))
+        self._to_prefill(rid, Adopted(rid))
+        self.sources.pop(rid, None)
         self.bridge.send(
             HandoffReport(rid, placed.nbytes, (placed.last_ns - placed.ready_ns) / 1e9, placed.copy_ns / 1e9)
         )

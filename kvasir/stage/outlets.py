@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from kvasir.ring.slots import SlotCredits, SlotError, SlotRing
+from kvasir.stage.handoff import DecodeRoutes
 from kvasir.stage.heads import Work
 from kvasir.stage.sampling import Sampler
 from kvasir.transport.channels import PullChannel, PushChannel
@@ -113,16 +114,28 @@ class PrefillTailOutlet(TailOutlet):
     """The prefill pool's tail: as a tail, and every request whose first token is not its
     last goes straight to the decode head (its KV is already on its way)."""
 
-    def __init__(self, sampler: Sampler, head: PushChannel, bridge: PushChannel, decode_head: PushChannel) -> None:
+    def __init__(
+        self, sampler: Sampler, head: PushChannel, bridge: PushChannel, decode_heads: dict[int, PushChannel], first: int
+    ) -> None:
+        """``decode_heads``: every decode instance's head by its global index; ``first``:
+        this prefill instance's head's."""
         super().__init__(sampler, head, bridge)
-        self.decode_head = decode_head
+        self.decode_heads = decode_heads
+        self.first = first
+        self.routes = DecodeRoutes(sorted(decode_heads))
+
+    def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None:
+        self.routes.learn(descriptor)
+        super().emit(descriptor, output)
 
     def sampled(self, descriptor: BatchDescriptor, result: BatchResult) -> None:
         lengths = {row.request_id: row.start + row.num_tokens for row in descriptor.rows if row.emit}
         now = time.monotonic_ns()
         for token in result.tokens:
+            head = self.routes.take(token.request_id)  # its prompt is done: handed on, or finished here
             if token.finish is None:
                 sampling, seed = self.sampler.spec(token.request_id)
-                self.decode_head.send(
-                    Handoff(token.request_id, lengths[token.request_id], token.token_id, sampling, seed, now)
+                handoff = Handoff(
+                    token.request_id, lengths[token.request_id], token.token_id, sampling, seed, now, self.first
                 )
+                self.decode_heads[head].send(handoff)

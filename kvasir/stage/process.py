@@ -90,7 +90,7 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
     source = resolve_source(plan.model.source)
     segment = None
     if settings.pool == "prefill":
-        segment = KvSegmentMap(w.handoff.prefill[w.local], create=False)
+        segment = KvSegmentMap(w.handoff.prefill[index], create=False)  # prefill stages come first globally
     engine = StageEngine(plan, w.local, source, storage=(segment.keys, segment.values) if segment else None)
     bridge = w.push(BridgeMessage, ends.bridge_in)
     commands = w.pull(Command, ends.command(f"stage-{index}"))
@@ -113,8 +113,7 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
             w.push(HeadMessage, ends.stage_in(w.head)),
         )
         if settings.pool == "prefill":
-            decode_head = w.push(HeadMessage, ends.stage_in(w.handoff.decode_head))
-            outlet: Outlet = PrefillTailOutlet(sampler, head, bridge, decode_head)
+            outlet: Outlet = PrefillTailOutlet(sampler, head, bridge, _heads(w, w.handoff.heads), settings.first)
         else:
             outlet = TailOutlet(sampler, head, bridge)
     else:
@@ -169,38 +168,50 @@ def _head_intake(w: Wiring, scheduler: Scheduler, bridge: PushChannel) -> Intake
     settings, ends = w.settings, w.ends
     inbox = w.pull(HeadMessage, ends.stage_in(settings.index))
     if settings.pool == "prefill":
-        decode_head = w.push(HeadMessage, ends.stage_in(w.handoff.decode_head))
-        return PrefillHeadIntake(scheduler, inbox, bridge, decode_head, w.handoff.lease_s)
+        return PrefillHeadIntake(scheduler, inbox, bridge, _heads(w, w.handoff.heads), w.handoff.lease_s)
     if settings.pool == "decode":
-        first = w.handoff.decode_head
-        stages = [w.push(KvMessage, ends.kv_in(first + j)) for j in range(len(w.handoff.decode))]
-        return DecodeHeadIntake(scheduler, inbox, bridge, w.push(HeadMessage, ends.stage_in(0)), stages)
+        mine = range(settings.first, settings.first + len(settings.plan.stages))
+        stages = [w.push(KvMessage, ends.kv_in(k)) for k in mine]
+        return DecodeHeadIntake(scheduler, inbox, bridge, _heads(w, w.handoff.prefill_heads), stages)
     return SchedulerIntake(scheduler, inbox, bridge)
+
+
+def _heads(w: Wiring, heads: list[int]) -> dict[int, PushChannel]:
+    """Push channels to other instances' heads, by their global index."""
+    return {head: w.push(HeadMessage, w.ends.stage_in(head)) for head in heads}
 
 
 def _handoff(w: Wiring, engine: StageEngine) -> HandoffRole:
     settings, ends = w.settings, w.ends
     layers = engine.spec.layers
     if settings.pool == "prefill":
-        wiring = w.handoff
-        targets, streams = [], []
-        for j, theirs in enumerate(wiring.decode):
-            target, span = wiring.decode_head + j, overlap(layers, theirs)
-            if span is None:
-                continue
-            if wiring.hosts and wiring.hosts[target] != wiring.hosts[settings.index]:
-                streams.append(KvStream(w.sockets.connect(zmq.PUSH, ends.kv_in(target)), engine.cache, layers, span))
-            else:
-                targets.append(w.push(KvMessage, ends.kv_in(target)))
-        return HandoffSender(settings.index, layers, engine.cache, targets, streams)
+        return _sender(w, engine)
     if settings.pool == "decode":
-        wiring = w.handoff
         inbox = KvInbox(w.pull(KvMessage, ends.kv_in(settings.index)), engine.cache, settings.plan.model.max_seq_len)
-        head = w.push(HeadMessage, ends.stage_in(wiring.decode_head))
+        head = w.push(HeadMessage, ends.stage_in(settings.first))
         return KvReceiver(
-            settings.index, layers, engine.cache, wiring, inbox, head, expiry_s=settings.plan.handoff.lease_s
+            settings.index, layers, engine.cache, w.handoff, inbox, head, expiry_s=settings.plan.handoff.lease_s
         )
     return NoHandoff()
+
+
+def _sender(w: Wiring, engine: StageEngine) -> HandoffSender:
+    """A prefill stage's hand-off: per decode instance, its stages sharing layers with this
+    one (on this host: they copy from this stage's segment; elsewhere: streamed)."""
+    wiring, layers, index = w.handoff, engine.spec.layers, w.settings.index
+    targets: dict[int, list[PushChannel]] = {head: [] for head in wiring.heads}
+    streams: dict[int, list[KvStream]] = {head: [] for head in wiring.heads}
+    for head in wiring.heads:
+        for target in wiring.ring_of(head):
+            span = overlap(layers, wiring.decode[target - len(wiring.prefill)])
+            if span is None:
+                continue
+            if wiring.hosts and wiring.hosts[target] != wiring.hosts[index]:
+                socket = w.sockets.connect(zmq.PUSH, w.ends.kv_in(target))
+                streams[head].append(KvStream(socket, engine.cache, layers, span))
+            else:
+                targets[head].append(w.push(KvMessage, w.ends.kv_in(target)))
+    return HandoffSender(index, layers, engine.cache, targets, streams)
 
 
 def run_stage(settings: StageSettings) -> None:

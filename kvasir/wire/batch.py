@@ -31,6 +31,7 @@ class NewRequest(Wire, frozen=True):
     prompt: tuple[int, ...] = ()  # the prompt's ids, for a request with prompt_logprobs only (the tail scores them)
     cached_tokens: int = 0  # prompt tokens the head found in the prefix cache (not computed)
     queued_ns: int = 0  # from its arrival at the head to its first batch (a duration: the head's clock)
+    decode_head: int = -1  # a prefill instance's request: the head of the decode instance its KV goes to
 
 
 class Row(Wire, frozen=True):

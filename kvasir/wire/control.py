@@ -29,16 +29,28 @@ class KvSegment(msgspec.Struct, frozen=True, kw_only=True):
 
 class HandoffWiring(msgspec.Struct, frozen=True, kw_only=True):
     """Who hands KV to whom in a disaggregated plan (the same for every stage): prefill
-    stage i has global index i, decode stage j has global index len(prefill) + j."""
+    stage i (of every prefill instance) has global index i, decode stage j global index
+    len(prefill) + j; each instance's stages follow its head's."""
 
     prefill: list[KvSegment]
     decode: list[tuple[int, int]]  # each decode stage's layers
     lease_s: float
     hosts: list[str] = []  # a plan across hosts: each stage's host, by global index
+    prefill_heads: list[int] = msgspec.field(default_factory=lambda: [0])  # each prefill instance's head (global index)
+    decode_heads: list[int] = []  # each decode instance's head (default: one, after the prefill stages)
 
     @property
-    def decode_head(self) -> int:
-        return len(self.prefill)
+    def heads(self) -> list[int]:
+        """Every decode instance's head."""
+        return self.decode_heads or [len(self.prefill)]
+
+    def ring_of(self, head: int) -> range:
+        """The global indices of the stages of the instance whose head is ``head``."""
+        heads = sorted({*self.prefill_heads, *self.heads})
+        if head not in heads:
+            raise ValueError(f"stage {head} is no instance's head")
+        later = [h for h in heads if h > head]
+        return range(head, later[0] if later else len(self.prefill) + len(self.decode))
 
 
 class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):

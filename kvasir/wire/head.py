@@ -22,6 +22,7 @@ class Enqueue(Tagged, frozen=True):
     cache_root: Annotated[bytes, msgspec.Meta(max_length=BLOCK_KEY_BYTES)] = (
         b""  # prefix-cache namespace (empty: shared)
     )
+    decode_head: int = -1  # a disaggregated plan: the head of the decode instance it goes on to
 
 
 class CancelRequest(Tagged, frozen=True):
@@ -45,6 +46,7 @@ class Handoff(Tagged, frozen=True):
     sampling: SamplingParams
     seed: int
     ready_ns: int  # when the prefill tail handed it over (the decode head restamps it on arrival: its own clock)
+    prefill_head: int = 0  # the head of the prefill instance it comes from (its KV's stages follow)
 
 
 class KvDrop(Tagged, frozen=True):

@@ -25,6 +25,7 @@ class Placement(Tagged, frozen=True):
 
     request_id: int
     blocks: tuple[int, ...]
+    prefill_head: int = 0  # the prefill instance whose stages announce its parts (their head's index)
 
 
 class KvChunk(Tagged, frozen=True):

@@ -14,7 +14,7 @@ import time
 from kvasir.client import AsyncClient
 from kvasir.wire.client import ErrorEvent, Finished
 from tests.integration.test_prefix_cache import finish, one
-from tests.support.daemon import BIN
+from tests.support.daemon import BIN, settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
 
 VOCAB = 320
@@ -131,3 +131,34 @@ def instance_back(daemon, name: str, timeout_s: float = 120.0):
             assert state.state == "serving", stats.instances
             return stats
         time.sleep(0.2)
+
+
+XPYD = {  # two prefill and two decode instances, each splitting the layers its own way
+    "prefill.p0": [(0, 3), (3, 6)],
+    "prefill.p1": [(0, 2), (2, 6)],
+    "decode.d0": [(0, 4), (4, 6)],
+    "decode.d1": [(0, 1), (1, 3), (3, 6)],
+}
+
+
+def test_two_prefill_by_two_decode_instances_are_exact_on_every_pair(tiny_models, start_daemon):
+    daemon = start_daemon(tiny_models["llama"], XPYD, route="round_robin", max_tokens=16).wait_ready()
+    model = reference_model(tiny_models["llama"])
+    prompts = random_prompts(VOCAB, [12, 30, 7, 19, 25, 9, 14, 21], seed=47)
+    ends = asyncio.run(finish(daemon.runtime_dir, prompts, 10))
+    pairs = set()
+    for prompt, end in zip(prompts, ends, strict=True):
+        assert end.token_ids == hf_greedy(model, prompt, 10), end.instances
+        if len(end.token_ids) > 1:  # one that ends at its first token never reaches a decode instance
+            assert end.instances[0] in ("p0", "p1") and end.instances[1] in ("d0", "d1")
+            assert end.handoff is not None and end.handoff.kv_bytes > 0
+        pairs.add(tuple(end.instances))
+    assert {pair[0] for pair in pairs} == {"p0", "p1"} and {pair[1] for pair in pairs if len(pair) > 1} == {"d0", "d1"}
+    stats = settled(daemon.runtime_dir)
+    assert [(i.name, i.pool, i.state) for i in stats.instances] == [
+        ("p0", "prefill", "serving"),
+        ("p1", "prefill", "serving"),
+        ("d0", "decode", "serving"),
+        ("d1", "decode", "serving"),
+    ]
+    assert all(s.kv.blocks == 0 and (s.head is None or s.head.handing_off == 0) for s in stats.stages), stats.stages

@@ -27,7 +27,7 @@ def decode():
     """A decode head with two decode stages: (intake, channels by name)."""
     ch = {name: FakeChannel() for name in ("inbox", "bridge", "prefill", "stage0", "stage1")}
     intake = DecodeHeadIntake(
-        Scheduler(plan(), 100), ch["inbox"], ch["bridge"], ch["prefill"], [ch["stage0"], ch["stage1"]]
+        Scheduler(plan(), 100), ch["inbox"], ch["bridge"], {0: ch["prefill"]}, [ch["stage0"], ch["stage1"]]
     )
     return intake, ch
 
@@ -108,7 +108,7 @@ def prefill():
     """A prefill head with one request whose prompt has run: (intake, channels, rid)."""
     ch = {name: FakeChannel() for name in ("inbox", "bridge", "decode")}
     intake = PrefillHeadIntake(
-        Scheduler(plan(), 100, reserve_output=False), ch["inbox"], ch["bridge"], ch["decode"], 5.0
+        Scheduler(plan(), 100, reserve_output=False), ch["inbox"], ch["bridge"], {2: ch["decode"]}, 5.0
     )
     rid = intake.scheduler.submit(list(range(3, 13)), SAMPLING)
     batch = intake.scheduler.next_batch()
