@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 
-from kvasir.client import AsyncClient
+from kvasir.client import AsyncClient, Client
 from kvasir.wire.client import ErrorEvent, Finished
 from tests.integration.test_prefix_cache import finish, one
 from tests.support.daemon import BIN, settled
@@ -122,9 +122,10 @@ def test_a_failure_stays_inside_its_instance(tiny_models, start_daemon):
 
 
 def instance_back(daemon, name: str, timeout_s: float = 120.0):
+    """The daemon's stats once instance ``name`` serves again after a restart."""
     deadline = time.monotonic() + timeout_s
     while True:
-        with daemon.client() as client:
+        with Client(daemon.runtime_dir) as client:
             stats = client.stats()
         state = next(i for i in stats.instances if i.name == name)
         if state.state == "serving" and state.restarts >= 1 or time.monotonic() > deadline:

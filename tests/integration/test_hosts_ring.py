@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 import time
 
 import pytest
@@ -36,32 +35,6 @@ num_blocks = 200
 [supervise]
 heartbeat_timeout_s = 3.0
 """
-
-
-@pytest.fixture
-def network():
-    net = Network(["a", "b", "c"])
-    yield net
-    net.close()
-
-
-@pytest.fixture
-def hosted(network, tmp_path, request):
-    """Start a leader and its followers; each host's log is printed when the test failed."""
-    started: list[HostedDaemon] = []
-
-    def start(plan_text: str, stages: int) -> HostedDaemon:
-        daemon = HostedDaemon(network, tmp_path, plan_text, stages)
-        started.append(daemon)
-        return daemon
-
-    yield start
-    report = getattr(request.node, "report_call", None)
-    for daemon in started:
-        codes = daemon.stop()
-        if report is not None and report.failed:
-            print(daemon.log(), file=sys.stderr)
-        assert all(code == 0 for code in codes.values()), (codes, daemon.log())
 
 
 def served_as_generate(daemon: HostedDaemon, model, lengths: list[int], seed: int, budget) -> list[Finished]:
