@@ -28,6 +28,7 @@ class RequestRecord:
     prompt_tokens: int = 0  # as the daemon counted them (finished requests)
     cached_tokens: int = 0  # of those, reused from the prefix cache
     output_ids: tuple[int, ...] = ()  # the reply's tokens (a conversation's next turn resends them)
+    instance: str = ""  # the instance that served it (a disaggregated plan's: its prefill instance)
 
     @property
     def e2e_s(self) -> float:

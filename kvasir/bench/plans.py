@@ -20,7 +20,7 @@ import msgspec
 from kvasir.bench.daemon import ManagedDaemon
 from kvasir.bench.metrics import attainment, handoff_figures, search_goodput
 from kvasir.bench.options import Slo
-from kvasir.bench.runner import LoadResult, run_load, stage_fractions, summary_data
+from kvasir.bench.runner import LoadResult, instance_figures, run_load, stage_fractions, summary_data
 from kvasir.bench.workload import Load
 from kvasir.client import AsyncClient
 from kvasir.config.plan import plan_toml
@@ -78,7 +78,14 @@ def _figures(results: list[LoadResult], slo) -> dict:
     summary = summary_data(records, sum(result.duration_s for result in results), slo)
     last = results[-1]
     stages = stage_fractions(last.stats_before, last.stats_after)
-    return {"summary": summary, "stages": stages, "pools": pool_fractions(stages), "handoff": handoff_figures(records)}
+    instances = instance_figures(records, sum(result.duration_s for result in results))
+    return {
+        "summary": summary,
+        "stages": stages,
+        "pools": pool_fractions(stages),
+        "handoff": handoff_figures(records),
+        **({"instances": instances} if len(instances) > 1 else {}),
+    }
 
 
 def pool_fractions(stages: list[dict]) -> dict:

@@ -59,6 +59,7 @@ def print_run(report: dict, echo: Echo) -> None:
         echo(prefix_line(s))
     if "handoff" in report:
         print_handoff(report["handoff"], echo)
+    print_instances(report.get("instances", {}), echo)
     print_stages(report["stages"], echo, shards=report.get("shards", ()))
 
 
@@ -88,6 +89,16 @@ def print_stages(stages: list[dict], echo: Echo, indent: str = "", shards=()) ->
             f"{indent}shard {sh['number']} (stage {sh['stage']}, experts [{sh['experts'][0]}, {sh['experts'][1]}))  "
             f"busy {sh['busy']:.0%}  starved {sh['starved']:.0%}  blocked {sh['blocked']:.0%}  "
             f"{sh['dispatches_per_s']:.1f} dispatches/s  {sh['tokens']} tokens routed"
+        )
+
+
+def print_instances(instances: dict, echo: Echo, indent: str = "") -> None:
+    """A fleet's figures per instance (kvasir/bench/runner.py instance_figures)."""
+    for name, i in instances.items():
+        echo(
+            f"{indent}instance {name}: {i['requests']} requests, {i['output_tokens_per_s']:.1f} output tokens/s, "
+            f"TTFT p50 {i['ttft_p50'] * 1e3:.1f} ms p99 {i['ttft_p99'] * 1e3:.1f} ms, "
+            f"prefix hit rate {i['prefix_hit_rate']:.1%}"
         )
 
 
@@ -155,6 +166,7 @@ def print_plans(report: dict, echo: Echo) -> None:
                 line += f"; goodput {entry['goodput']:.3g} requests/s (>= {slo['attain']:.0%}; figures above at {entry['shown_rate']:.3g})"
             echo(line)
         echo(prefix_line(s, "    "))
+        print_instances(entry.get("instances", {}), echo, "    ")
         if entry["handoff"] is not None:
             print_handoff(entry["handoff"], echo, "    ")
         for pool, f in entry["pools"].items():

@@ -38,6 +38,7 @@ async def one_request(
     ok = False
     handoff = None
     usage = (0, 0)
+    instance = ""
     async for event in stream:
         if isinstance(event, TokenOut):
             times.append(clock() - submitted)
@@ -45,10 +46,13 @@ async def one_request(
         elif isinstance(event, Finished):
             ok = True
             usage = (event.usage.prompt_tokens, event.usage.cached_tokens)
+            instance = event.instances[0] if event.instances else ""
             if event.handoff is not None:
                 handoff = (event.handoff.kv_bytes, event.handoff.seconds, event.handoff.copy_s)
     first = times[0] if times else clock() - submitted
-    return RequestRecord(submitted, first, tuple(times), len(times), ok, handoff, *usage, output_ids=tuple(ids))
+    return RequestRecord(
+        submitted, first, tuple(times), len(times), ok, handoff, *usage, output_ids=tuple(ids), instance=instance
+    )
 
 
 async def converse(send, conversation: list[Job]) -> list[RequestRecord]:
@@ -159,7 +163,25 @@ def ring_report(result: LoadResult, slo: tuple[float, float] | None) -> dict:
     shards = shard_fractions(before, after)
     handoff = handoff_figures(result.records)
     report |= {"shards": shards} if shards else {}  # a mixture of experts with expert shards
+    instances = instance_figures(result.records, result.duration_s)
+    report |= {"instances": instances} if len(instances) > 1 else {}  # a fleet
     return report | ({"handoff": handoff} if handoff else {})  # a disaggregated plan
+
+
+def instance_figures(records: list[RequestRecord], duration_s: float) -> dict[str, dict]:
+    """Per instance that served measured requests: its share of them, its output tokens/s,
+    TTFT and prefix hit rate."""
+    out = {}
+    for name in sorted({r.instance for r in records if r.instance}):
+        mine = summarise([r for r in records if r.instance == name], duration_s, None)
+        out[name] = {
+            "requests": mine.requests,
+            "output_tokens_per_s": mine.output_tokens_per_s,
+            "ttft_p50": mine.ttft.p50,
+            "ttft_p99": mine.ttft.p99,
+            "prefix_hit_rate": mine.prefix_hit_rate,
+        }
+    return out
 
 
 def summary_data(records, duration_s: float, slo: tuple[float, float] | None) -> dict:
@@ -185,6 +207,7 @@ def stage_fractions(before: DaemonStats, after: DaemonStats) -> list[dict]:
             {
                 "index": s.index,
                 "pool": s.pool,
+                "instance": s.instance,
                 "layers": list(s.layers),
                 "window_s": wall,
                 "busy": shares.busy,

@@ -22,7 +22,9 @@ class LengthSpec:
     drawn uniformly from a list ("1000,40,40,40": a quarter long prompts, the rest chats),
     or a heavy tail like chat traffic's ("lognormal:96:0.9:8:1024": log-normal with median
     96 and sigma 0.9, rounded and kept within 8..1024). For prompts, "shared:N+SPEC" puts
-    the same N tokens (one system prompt) before every prompt's own SPEC tokens. ``turns``
+    the same N tokens (one system prompt) before every prompt's own SPEC tokens, and
+    "shared:NxK+SPEC" one of K different ones (K tenants, each conversation one of them,
+    drawn at random). ``turns``
     (``kvasir bench load --turns``) groups the prompts into conversations: each later turn's
     SPEC tokens follow the whole history (earlier prompts and replies), resent."""
 
@@ -32,6 +34,7 @@ class LengthSpec:
     median: float | None = None  # log-normal: the median and the sigma of the log
     sigma: float = 0.0
     shared: int = 0  # prompts: tokens every prompt begins with, before its own
+    tenants: int = 1  # prompts: how many different shared beginnings (each conversation draws one)
     turns: int = 1  # prompts: turns of a conversation (the first turn starts with the shared tokens)
 
     @classmethod
@@ -61,11 +64,21 @@ class LengthSpec:
     @classmethod
     def _shared(cls, text: str) -> LengthSpec:
         shared, plus, own = text.removeprefix("shared:").partition("+")
-        if not plus or not shared.isdigit() or int(shared) < 1:
-            raise WorkloadError(f"length {text!r} is not shared:N+SPEC (N >= 1 shared tokens, then SPEC of its own)")
+        tokens, times, tenants = shared.partition("x")
+        if (
+            not plus
+            or not tokens.isdigit()
+            or int(tokens) < 1
+            or times
+            and not (tenants.isdigit() and int(tenants) >= 1)
+        ):
+            raise WorkloadError(
+                f"length {text!r} is not shared:N+SPEC or shared:NxK+SPEC (N >= 1 shared tokens, K >= 1 "
+                "different ones, then SPEC of its own)"
+            )
         if own.startswith("shared:"):
             raise WorkloadError(f"length {text!r}: one shared prefix only")
-        return replace(cls.parse(own), shared=int(shared))
+        return replace(cls.parse(own), shared=int(tokens), tenants=int(tenants) if times else 1)
 
     @classmethod
     def _lognormal(cls, text: str) -> LengthSpec:
@@ -89,7 +102,8 @@ class LengthSpec:
 
     def __str__(self) -> str:
         if self.shared:
-            return f"shared:{self.shared}+{replace(self, shared=0)}"
+            tenants = f"x{self.tenants}" if self.tenants > 1 else ""
+            return f"shared:{self.shared}{tenants}+{replace(self, shared=0, tenants=1)}"
         if self.median is not None:
             return f"lognormal:{self.median:g}:{self.sigma:g}:{self.low}:{self.high}"
         if self.choices:
@@ -108,15 +122,17 @@ class Job:
 
 def synthetic_jobs(count: int, prompt_len: LengthSpec, output_len: LengthSpec, vocab_size: int, seed: int) -> list[Job]:
     """Random token-id prompts (ids 3..vocab-1), reproducible by seed; with a shared
-    prefix, every conversation's first prompt begins with the same random tokens; with
-    turns, every ``turns`` consecutive jobs are one conversation."""
+    prefix, every conversation's first prompt begins with the same random tokens (one of
+    ``tenants`` such prefixes, drawn per conversation); with turns, every ``turns``
+    consecutive jobs are one conversation."""
     rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab_size) for _ in range(prompt_len.shared)]
+    prefixes = [[rng.randrange(3, vocab_size) for _ in range(prompt_len.shared)] for _ in range(prompt_len.tenants)]
     jobs = []
     for number in range(count):
         turn = number % prompt_len.turns
+        prefix = [] if turn else prefixes[rng.randrange(len(prefixes))] if len(prefixes) > 1 else prefixes[0]
         own = [rng.randrange(3, vocab_size) for _ in range(prompt_len.draw(rng))]
-        jobs.append(Job(own if turn else prefix + own, None, output_len.draw(rng), turn))
+        jobs.append(Job(prefix + own, None, output_len.draw(rng), turn))
     return jobs
 
 

@@ -20,7 +20,7 @@ PROMPT_LEN_HELP = (
     "Prompt tokens: N, LOW:HIGH (uniform), N,N,... (drawn from the list: 1000,40,40,40 mixes long prompts "
     "into chats) or lognormal:MEDIAN:SIGMA:LOW:HIGH (heavy-tailed like chat traffic, e.g. "
     "lognormal:96:0.9:8:1024); shared:N+SPEC starts every prompt with the same N tokens (a system prompt: "
-    "shared:1000+40)."
+    "shared:1000+40), shared:NxK+SPEC with one of K different ones (K tenants: shared:1000x8+40)."
 )
 TURNS_HELP = (
     "Multi-turn conversations of N turns: each later turn resends the conversation so far (earlier prompts and "

@@ -167,7 +167,11 @@ def test_shared_prefix_prompts_begin_alike_and_count_their_cache_hits():
     assert synthetic_jobs(3, LengthSpec(3, 3), LengthSpec(7, 7), 50, 1) == synthetic_jobs(
         3, LengthSpec.parse("3"), LengthSpec(7, 7), 50, 1
     )  # no prefix: the same draws as before
-    for bad in ("shared:0+4", "shared:x+4", "shared:4", "shared:4+shared:2+3"):
+    tenants = LengthSpec.parse("shared:10x3+2")
+    assert (tenants.shared, tenants.tenants, str(tenants)) == (10, 3, "shared:10x3+2")
+    heads = [tuple(job.token_ids[:10]) for job in synthetic_jobs(40, tenants, LengthSpec(2, 2), 50, 4) if job.token_ids]
+    assert len(set(heads)) == 3  # three tenants' system prompts, each conversation one of them
+    for bad in ("shared:0+4", "shared:x+4", "shared:4", "shared:4+shared:2+3", "shared:4x0+2", "shared:4x+2"):
         with pytest.raises(WorkloadError):
             LengthSpec.parse(bad)
     records = [
