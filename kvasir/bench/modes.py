@@ -143,6 +143,20 @@ def failover_mode(target: Target, workload: Workload, *, concurrency: int, round
         return {"failover": asyncio.run(run(runtime_dir))}
 
 
+def isolation_mode(target: Target, workload: Workload, *, concurrency: int) -> dict:
+    """Kill one instance's tail under a steady load; what the fleet kept serving."""
+    from kvasir.bench.isolation import run_isolation
+    from kvasir.client import AsyncClient
+
+    async def run(runtime_dir: Path):
+        async with await AsyncClient.connect(runtime_dir) as client:
+            jobs = workload.jobs(await _vocab(client))[workload.warmup :]
+            return await run_isolation(client, jobs, concurrency, target.say)
+
+    with target.daemon() as runtime_dir:
+        return {"isolation": asyncio.run(run(runtime_dir)), "workload": workload.report()}
+
+
 def plans_mode(paths: list[Path], workload: Workload, load: dict, *, rounds: int, slo, sweep, say) -> dict:
     """Several plans of one model on the same jobs: ``load`` is {"concurrency": N} or
     {"rate": R}; ``sweep`` = (first rate, bisection steps) searches each plan's goodput."""

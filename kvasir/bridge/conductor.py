@@ -19,6 +19,10 @@ In a disaggregated plan the prefill instance is picked as above and the decode i
 by its load: the fewest requests on it, then the most free KV blocks (as its head last
 reported them).
 
+A request that names a session (a conversation's or a user's id) goes where the
+session's earlier requests went, whatever the policy, while that instance serves
+(``affinity``); the conductor remembers the last ``SESSIONS_KEPT`` sessions.
+
 Policy only: no sockets. The bridge tells it what it sends and what comes back.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -36,6 +41,7 @@ from kvasir.sched.prefix import block_keys
 
 InstanceState = Literal["serving", "down"]
 BACKLOG_WEIGHT = 0.5  # what a queued prompt token costs a new request, against one of its own
+SESSIONS_KEPT = 1 << 16  # sessions whose instance the conductor remembers (least recently used forgotten)
 PREDICTED_S = 10.0  # an entered key the head does not confirm within this is forgotten
 CONFIRMED = math.inf
 
@@ -82,6 +88,7 @@ class Conductor:
         self.policy = policy
         self.candidates = {c.name: c for c in candidates}
         self.decoders = {c.name: c for c in decoders}
+        self.sessions: OrderedDict[bytes, str] = OrderedDict()  # session key -> its instance
         self._turn = itertools.count()
 
     def pick_decode(self) -> str | None:
@@ -111,14 +118,17 @@ class Conductor:
     def serving(self) -> list[Candidate]:
         return [c for c in self.candidates.values() if c.state == "serving"]
 
-    def pick(self, prompt: Sequence[int], root: bytes, now: float) -> Choice:
-        """The instance for a prompt (in the cache namespace ``root``); raises
-        RequestError("restarting") when none is serving."""
+    def pick(self, prompt: Sequence[int], root: bytes, now: float, session: bytes | None = None) -> Choice:
+        """The instance for a prompt (in the cache namespace ``root``; ``session``: its
+        session's key, for affinity); raises RequestError("restarting") when none is serving."""
         live = self.serving()
         if not live:
             raise RequestError("restarting", "no instance is serving: retry in a few seconds")
         keys = _Keys(prompt, root)
-        if self.policy == "round_robin":
+        home = self.sessions.get(session) if session is not None else None
+        if home is not None and self.candidates[home].state == "serving":
+            choice = Choice(home, "affinity: the instance of the session's earlier requests", backlog=len(prompt))
+        elif self.policy == "round_robin":
             chosen = live[next(self._turn) % len(live)]
             choice = Choice(chosen.name, "round_robin", backlog=len(prompt))
         elif self.policy == "least_loaded":
@@ -127,6 +137,11 @@ class Conductor:
         else:
             choice = self._cache_aware(live, keys, now)
         self._routed(self.candidates[choice.name], choice, keys, now)
+        if session is not None:
+            self.sessions[session] = choice.name
+            self.sessions.move_to_end(session)
+            if len(self.sessions) > SESSIONS_KEPT:
+                self.sessions.popitem(last=False)
         return choice
 
     def _cache_aware(self, live: list[Candidate], keys: _Keys, now: float) -> Choice:

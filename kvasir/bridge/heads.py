@@ -49,12 +49,14 @@ class Heads:
         self.sockets.attach(head, self.sockets.ends.stage_in(ring.first))
         return head, BatchedSocket(head)
 
-    def pick(self, prompt: Sequence[int], root: bytes) -> tuple[Choice, str | None]:
+    def pick(self, prompt: Sequence[int], root: bytes, session: str | None) -> tuple[Choice, str | None]:
         """The instance for a request, and in a disaggregated plan the decode instance it
-        goes on to (RequestError "restarting" when none serves)."""
+        goes on to (RequestError "restarting" when none serves). A session is known by
+        its id within the request's cache namespace, so two tenants' ids never meet."""
+        key = root + b"\x00" + session.encode() if session is not None else None
         decode = self.conductor.pick_decode()
         try:
-            return self.conductor.pick(prompt, root, time.monotonic()), decode
+            return self.conductor.pick(prompt, root, time.monotonic(), key), decode
         except RequestError:
             if decode is not None:
                 self.conductor.decode_ended(decode)

@@ -212,7 +212,7 @@ class Bridge:
                     "overloaded", f"this client already has {mine} requests in the daemon (bridge.max_per_client)"
                 )
             ids, sampling, root = self.submissions.read(msg, origin)
-            choice, decode = self.heads.pick(ids, root)
+            choice, decode = self.heads.pick(ids, root, msg.session)
         except RequestError as exc:
             await self._send(peer, ErrorEvent(code=exc.code, message=exc.message, key=msg.key))
             return

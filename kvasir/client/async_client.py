@@ -113,13 +113,16 @@ class AsyncClient:
         prompt_logprobs: int | None = None,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        session: str | None = None,
     ) -> RequestStream:
         """Send a request and return its stream at once (no reply awaited).
 
         ``cache_salt``: the request shares prefix-cache blocks only with requests of the
         same tenant giving the same salt. ``tenant``: a local client serving others (as the
         HTTP front does) names the caller whose cache namespace the request is in; the
-        daemon refuses it from remote clients, whose tenant is their CURVE key."""
+        daemon refuses it from remote clients, whose tenant is their CURVE key. ``session``:
+        a conversation's or a user's id; in a fleet its requests go to the instance its
+        first one went to, while that instance serves (docs/fleet.md)."""
         self._raise_if_failed()
         key = next(self._keys)
         message = Submit(
@@ -138,6 +141,7 @@ class AsyncClient:
             prompt_logprobs=prompt_logprobs,
             cache_salt=cache_salt,
             tenant=tenant,
+            session=session,
         )
         body = self._encode(message)  # a value msgpack cannot hold fails here, before a stream exists
         stream = RequestStream(key)

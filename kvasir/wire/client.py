@@ -43,6 +43,7 @@ class Submit(_Client, frozen=True, tag="submit"):
     prompt_logprobs: int | None = None  # N: the same for every prompt token after the first (PromptLogprobs events)
     cache_salt: Namespace | None = None  # share prefix-cache blocks only with requests giving the same salt
     tenant: Namespace | None = None  # local clients serving others (the HTTP front): the caller's cache namespace
+    session: Namespace | None = None  # a conversation's or user's id: its requests stay on one instance while it serves
 
 
 class Cancel(_Client, frozen=True, tag="cancel"):

@@ -355,3 +355,32 @@ def test_compare_two_plans_colocated_and_disaggregated(tiny_models, tmp_path):
     assert [s["pool"] for s in dis["stages"]] == ["prefill", "prefill", "decode", "decode"]
     assert "disagg/colocated output tokens/s" in plans["ratios"]
     assert plans["workload"]["prompt_len"] == "60,8,8"
+
+
+def test_isolation_kills_one_instance_and_the_other_serves_on(tiny_models, start_daemon):
+    fleet = {"a": [(0, 3), (3, 6)], "b": [(0, 2), (2, 6)]}
+    daemon = start_daemon(tiny_models["llama"], fleet, name="isolation", route="round_robin").wait_ready()
+    run = bench(
+        daemon.runtime_dir,
+        "isolation",
+        "--requests",
+        "400",
+        "--concurrency",
+        "8",
+        "--prompt-len",
+        "8",
+        "--output-len",
+        "24",
+        "--json",
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)["isolation"]
+    assert report["victim"] == {"instance": "a", "stage": 1}
+    assert report["failed"] > 0 and report["finished"]["b"] > 0 and report["restart_s"] > 0
+    assert report["tokens_per_s_during"] > 0 and report["tokens_per_s_before"] > 0  # b served all along
+    assert report["finished"].get("a", 0) > 0  # a served again before the load ended
+    from kvasir.bench.isolation import print_isolation
+
+    lines: list[str] = []
+    print_isolation(report, lines.append)
+    assert lines[0].startswith("killed stage 1 of instance a; it served again after") and len(lines) == 3

@@ -8,7 +8,7 @@ import click
 
 from kvasir.cli.bench.contests import compare, plans
 from kvasir.cli.bench.probes import hop, roofline
-from kvasir.cli.bench.runs import doors, failover, load, submit, sweep
+from kvasir.cli.bench.runs import doors, failover, isolation, load, submit, sweep
 
 # the flags of the single command before the subcommands, and where each went
 MOVED = {
@@ -45,5 +45,5 @@ def bench() -> None:
     """
 
 
-for command in (load, sweep, submit, failover, doors, compare, plans, hop, roofline):
+for command in (load, sweep, submit, failover, isolation, doors, compare, plans, hop, roofline):
     bench.add_command(command)

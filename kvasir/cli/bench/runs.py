@@ -1,4 +1,4 @@
-"""``kvasir bench load | sweep | submit | failover | doors``: runs against one daemon (the
+"""``kvasir bench load | sweep | submit | failover | isolation | doors``: runs against one daemon (the
 one at --runtime-dir, or one started from --plan for the run)."""
 
 from __future__ import annotations
@@ -94,6 +94,28 @@ def failover(*, target, workload, concurrency, rounds):
     positive("--rounds", rounds)
     report = failover_mode(target, workload, concurrency=concurrency, rounds=rounds)
     finish(target, report, printer=lambda r, echo: print_failover(r["failover"], echo))
+
+
+@click.command()
+@click.option("--concurrency", type=int, default=16, show_default=True, help="Requests kept in flight throughout.")
+@workload_options(turns=False)
+@target_options()
+@reporting
+def isolation(*, target, workload, concurrency):
+    """In a fleet (a plan with two or more instances): kill the first instance's tail
+    (SIGKILL) under a steady closed loop of --concurrency requests and report output
+    tokens/s before the kill and during that instance's restart, the restart's length and
+    how the requests ended on each instance (the daemon must run on this host). Give
+    enough --requests for the load to outlast the restart.
+
+    Exit code: 0 done, 1 a daemon it started failed, 2 bad arguments, 3 no daemon answers.
+    """
+    from kvasir.bench.isolation import print_isolation
+    from kvasir.bench.modes import isolation_mode
+
+    positive("--concurrency", concurrency)
+    report = isolation_mode(target, workload, concurrency=concurrency)
+    finish(target, report, printer=lambda r, echo: print_isolation(r["isolation"], echo))
 
 
 @click.command()

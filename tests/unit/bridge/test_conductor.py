@@ -88,3 +88,18 @@ def test_the_index_is_bounded_by_what_an_instance_can_hold():
     for k in range(10):
         c.pick(list(range(1000 * k, 1000 * k + 16)), b"", float(k))
         assert len(c.candidates["a"].keys) <= 8
+
+
+def test_a_session_stays_on_its_instance_while_it_serves(monkeypatch):
+    c = conductor("round_robin")
+    first = c.pick([1, 2], b"", 0.0, session=b"s1")
+    assert [c.pick([3], b"", 0.0, session=b"s1").name for _ in range(3)] == [first.name] * 3
+    again = c.pick([3], b"", 0.0, session=b"s1")
+    assert again.reason == "affinity: the instance of the session's earlier requests"
+    c.down(first.name)
+    moved = c.pick([4], b"", 0.0, session=b"s1")  # its instance failed: the policy picks anew, and it sticks
+    assert moved.name != first.name and c.pick([5], b"", 0.0, session=b"s1").name == moved.name
+    monkeypatch.setattr("kvasir.bridge.conductor.SESSIONS_KEPT", 2)
+    for k in range(5):
+        c.pick([6], b"", 0.0, session=f"s{k + 2}".encode())
+    assert len(c.sessions) == 2 and list(c.sessions) == [b"s5", b"s6"]
