@@ -1,11 +1,13 @@
 """``kvasir bench isolation``: in a fleet, a stage of one instance is killed under a steady
 load; what the others keep serving.
 
-A closed loop keeps ``concurrency`` requests in flight throughout. Once tokens flow, the
+A closed loop keeps ``concurrency`` requests in flight throughout (each worker sends the
+next job as soon as its request ends, cycling through the jobs). Once tokens flow, the
 first instance's tail is killed (SIGKILL, from this process: the daemon runs on this
-host) and the instance's restart is watched until it serves again. Reported: output
-tokens/s over the same span before the kill and during the restart (all instances
-together), how long the restart took, and how the requests ended on each instance.
+host) and the instance's restart is watched until it serves again; the loop runs on as
+long again, then stops taking new jobs. Reported: output tokens/s over the same span
+before the kill, during the restart and after it (all instances together), how long the
+restart took, and how the requests ended on each instance.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import signal
 import time
 
 from kvasir.bench.metrics import RequestRecord
-from kvasir.bench.runner import run_load
+from kvasir.bench.runner import one_request
 from kvasir.bench.workload import Job
 from kvasir.client import AsyncClient
 from kvasir.errors import KvasirError
@@ -34,44 +36,70 @@ async def run_isolation(client: AsyncClient, jobs: list[Job], concurrency: int, 
         )
     victim = stats.instances[0]
     stage = next(s for s in stats.stages if s.index == victim.stages[-1])
+    loop = _Loop(client, jobs)
     started = time.perf_counter()
-    load = asyncio.create_task(run_load(client, jobs, concurrency=concurrency, ignore_eos=True))
+    load = asyncio.gather(*(loop.worker(k) for k in range(concurrency)))
     await _flowing(client, stats, concurrency * FLOWING_TOKENS, load)
     say(f"killing stage {stage.index} (pid {stage.pid}) of instance {victim.name} under {concurrency} requests")
     killed = time.perf_counter()
     os.kill(stage.pid, signal.SIGKILL)
     back = await _back(client, victim.name, victim.restarts, load)
-    say(f"instance {victim.name} serves again after {back - killed:.1f} s; finishing the load")
-    result = await load
-    span = min(back - killed, killed - started)
-    before = _tokens_between(result.records, killed - span, killed) / span if span > 0 else 0.0
-    during = _tokens_between(result.records, killed, back) / (back - killed)
+    restart = back - killed
+    say(f"instance {victim.name} serves again after {restart:.1f} s; loading on for as long again")
+    await asyncio.sleep(restart)
+    loop.stop = True
+    await load
+    span = min(restart, killed - started)
+    rate = {
+        name: _tokens_between(loop.records, start, start + span) / span if span > 0 else 0.0
+        for name, start in (("before", killed - span), ("during", killed), ("after", back))
+    }
     return {
         "victim": {"instance": victim.name, "stage": stage.index},
-        "restart_s": back - killed,
-        "tokens_per_s_before": before,
-        "tokens_per_s_during": during,
-        "during_over_before": during / before if before > 0 else 0.0,
-        "finished": _finished(result.records),
-        "failed": sum(1 for r in result.records if not r.ok),
+        "restart_s": restart,
+        "tokens_per_s_before": rate["before"],
+        "tokens_per_s_during": rate["during"],
+        "tokens_per_s_after": rate["after"],
+        "during_over_before": rate["during"] / rate["before"] if rate["before"] > 0 else 0.0,
+        "finished": _finished(loop.records),
+        "failed": sum(1 for r in loop.records if not r.ok),
     }
 
 
-async def _flowing(client: AsyncClient, start: DaemonStats, tokens: int, load: asyncio.Task) -> None:
+class _Loop:
+    """A closed loop that runs until told to stop: each worker sends the next job as soon as
+    its request ends."""
+
+    def __init__(self, client: AsyncClient, jobs: list[Job]) -> None:
+        if not jobs:
+            raise KvasirError("isolation needs at least one job")
+        self.client, self.jobs = client, jobs
+        self.records: list[RequestRecord] = []
+        self.stop = False
+        self._next = 0
+
+    async def worker(self, k: int) -> None:
+        while not self.stop:
+            job = self.jobs[self._next % len(self.jobs)]
+            self._next += 1
+            self.records.append(await one_request(self.client, job, ignore_eos=True))
+
+
+async def _flowing(client: AsyncClient, start: DaemonStats, tokens: int, load: asyncio.Future) -> None:
     while (await client.stats()).tokens_out - start.tokens_out < tokens:
         if load.done():
-            raise KvasirError("the load ended before tokens flowed: give more --requests")
+            raise KvasirError("the load ended before tokens flowed")
         await asyncio.sleep(0.1)
 
 
-async def _back(client: AsyncClient, name: str, restarts: int, load: asyncio.Task) -> float:
+async def _back(client: AsyncClient, name: str, restarts: int, load: asyncio.Future) -> float:
     deadline = time.monotonic() + RESTART_TIMEOUT_S
     while time.monotonic() < deadline:
         state = next(i for i in (await client.stats()).instances if i.name == name)
         if state.state == "serving" and state.restarts > restarts:
             return time.perf_counter()
         if load.done():
-            raise KvasirError("the load ended before the instance was back: give more --requests")
+            raise KvasirError("the load ended before the instance was back")
         await asyncio.sleep(0.1)
     raise KvasirError(f"instance {name} was not serving again {RESTART_TIMEOUT_S:.0f} s after the kill")
 
@@ -94,7 +122,7 @@ def print_isolation(report: dict, echo) -> None:
     echo(f"killed stage {v['stage']} of instance {v['instance']}; it served again after {report['restart_s']:.1f} s")
     echo(
         f"output tokens/s before {report['tokens_per_s_before']:.1f}, during the restart "
-        f"{report['tokens_per_s_during']:.1f} ({report['during_over_before']:.2f}x)"
+        f"{report['tokens_per_s_during']:.1f} ({report['during_over_before']:.2f}x), after {report['tokens_per_s_after']:.1f}"
     )
     finished = ", ".join(f"{n} on {name}" for name, n in sorted(report["finished"].items()))
     echo(f"finished: {finished}; failed: {report['failed']}")

@@ -108,7 +108,7 @@ class Heads:
         """Each instance for ``kvasir stats``, with its head's latest report (by index)."""
         out = []
         for ring in self.rings:
-            candidate = self.conductor.candidates.get(ring.name)
+            candidate = self.conductor.candidates.get(ring.name) or self.conductor.decoders.get(ring.name)
             head = heads.get(ring.first)
             out.append(
                 InstanceStats(

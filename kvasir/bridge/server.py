@@ -202,7 +202,8 @@ class Bridge:
                 raise RequestError("shutting_down", "the daemon is shutting down and takes no new requests")
             if self.restarting is not None:
                 raise RequestError(
-                    "restarting", f"the ring is restarting after a failure ({self.restarting}): retry in a few seconds"
+                    "restarting",
+                    f"the daemon is restarting after a failure ({self.restarting}): retry in a few seconds",
                 )
             if len(self.requests) >= self.max_waiting:
                 raise RequestError("overloaded", f"{len(self.requests)} requests are already waiting or running")

@@ -162,4 +162,5 @@ def test_two_prefill_by_two_decode_instances_are_exact_on_every_pair(tiny_models
         ("d0", "decode", "serving"),
         ("d1", "decode", "serving"),
     ]
+    assert all(i.routed > 0 and i.requests == 0 for i in stats.instances), stats.instances
     assert all(s.kv.blocks == 0 and (s.head is None or s.head.handing_off == 0) for s in stats.stages), stats.stages

@@ -105,8 +105,8 @@ def isolation(*, target, workload, concurrency):
     """In a fleet (a plan with two or more instances): kill the first instance's tail
     (SIGKILL) under a steady closed loop of --concurrency requests and report output
     tokens/s before the kill and during that instance's restart, the restart's length and
-    how the requests ended on each instance (the daemon must run on this host). Give
-    enough --requests for the load to outlast the restart.
+    how the requests ended on each instance (the daemon must run on this host). The load
+    cycles through the --requests jobs and runs until the restart is over and as long again.
 
     Exit code: 0 done, 1 a daemon it started failed, 2 bad arguments, 3 no daemon answers.
     """
