@@ -24,7 +24,7 @@ from kvasir.client import AsyncClient
 from kvasir.errors import KvasirError
 from kvasir.wire.client import DaemonStats
 
-FLOWING_TOKENS = 4  # output tokens per request in flight before the kill: the loop is steady
+FLOWING_TOKENS = 48  # output tokens per request in flight before the kill: the loop is steady by then
 RESTART_TIMEOUT_S = 600.0
 
 
