@@ -73,10 +73,12 @@ class CpuBudget:
         except FileNotFoundError:
             return []
 
-    def usage_s(self) -> float:
-        """CPU seconds its processes used (the cpuacct controller, where it is mounted with cpu)."""
-        accounted = self.path / "cpuacct.usage"
-        return int(accounted.read_text()) / 1e9 if accounted.exists() else 0.0
+    def throttled(self) -> float:
+        """The share of scheduler periods in which it used up its quota (and was held back):
+        near 1, the host is bound by its budget."""
+        fields = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines() if line.strip())
+        periods = int(fields.get("nr_periods", 0))
+        return int(fields.get("nr_throttled", 0)) / periods if periods else 0.0
 
     def remove(self) -> None:
         """Kill what still runs in it and remove it."""
@@ -132,9 +134,9 @@ class EmulatedCluster:
         inside = ["ip", "netns", "exec", self.network.namespace(name), *(str(part) for part in command)]
         return subprocess.Popen(self.budgets[name].wrap(inside), **kwargs)
 
-    def usage_s(self) -> dict[str, float]:
-        """CPU seconds each host used so far."""
-        return {name: budget.usage_s() for name, budget in self.budgets.items()}
+    def throttled(self) -> dict[str, float]:
+        """Each host's share of periods held back by its budget so far."""
+        return {name: budget.throttled() for name, budget in self.budgets.items()}
 
     def close(self) -> None:
         for budget in self.budgets.values():

@@ -53,7 +53,7 @@ class BridgeSpec(_Section, frozen=True):
 
 
 class SuperviseSpec(_Section, frozen=True):
-    max_restarts: int = 5  # ring restarts allowed within restart_window_s before the daemon gives up
+    max_restarts: int = 5  # restarts of one instance within restart_window_s; past them the instance is done for
     restart_window_s: float = 600.0
     heartbeat_timeout_s: float = 30.0  # a child silent this long is hung: killed and restarted
 

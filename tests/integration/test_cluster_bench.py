@@ -42,6 +42,13 @@ def test_each_host_runs_in_its_namespace_within_its_budget_and_close_removes_it_
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         assert cluster.address("a") in shown.stdout
+        busy = cluster.run("a", ["sh", "-c", "while :; do :; done"])
+        for _ in range(50):
+            if cluster.throttled()["a"] > 0.5:
+                break
+            subprocess.run(["sleep", "0.1"])
+        busy.kill()
+        assert cluster.throttled()["a"] > 0.5 and cluster.throttled()["b"] == 0.0  # a quarter core: held back
         with pytest.raises(ClusterError, match="'c' is not a host"):
             cluster.run("c", ["true"])
     finally:
