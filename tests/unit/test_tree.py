@@ -43,3 +43,12 @@ def test_every_cited_module_path_exists():
         if not (ROOT / name).is_file()
     }
     assert not missing, sorted(missing)
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by their base name (the test folders are not packages):
+    two with one name stop the whole run at collection."""
+    names: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in names.items() if len(paths) > 1}
