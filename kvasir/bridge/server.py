@@ -334,7 +334,7 @@ class Bridge:
             self.last_failure, self.last_failure_at = command.message, time.monotonic()
         self.heads.serve(command.instance, command.pids, command.restarts)
         self.restarting = None
-        self.log.info("serving", instance=command.instance, restarts=command.restarts)
+        self.log.info("accepting clients", instance=command.instance, restarts=command.restarts)
 
     async def _ring_down(self, instance: str, reason: str) -> None:
         """An instance failed and is being restarted (""; every instance): end its requests
