@@ -52,7 +52,7 @@ class Candidate:
 
     name: str
     block_size: int  # its prefix cache's block size
-    capacity: int  # its KV blocks: the index holds no more keys than this (and the predicted ones)
+    capacity: int  # its KV blocks (the index keeps at most twice as many keys, confirmed and predicted)
     state: InstanceState = "serving"
     running: int = 0  # the bridge's requests on it now
     backlog: int = 0  # prompt tokens of those still waiting for their first token, less what was cached
