@@ -27,8 +27,10 @@ from kvasir.bench.netns import Network, netns_unavailable
 from kvasir.errors import KvasirError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+ACCT_ROOT = Path("/sys/fs/cgroup/cpuacct")  # where the CPU time each host used is counted (if mounted apart)
 PERIOD_US = 100_000
-JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the cgroup (its procs file, $0), then become the command
+# sh: join the budget's cgroup ($0) and the accounting one ($1), then become the command
+JOIN = 'echo $$ > "$0" && echo $$ > "$1" && shift && exec "$@"'
 
 
 class ClusterError(KvasirError):
@@ -56,16 +58,31 @@ class CpuBudget:
     def path(self) -> Path:
         return CPU_ROOT / self.name
 
+    @property
+    def accounting(self) -> Path:
+        """The cgroup counting its CPU time: the budget's own where ``cpuacct`` is mounted with ``cpu``."""
+        if (self.path / "cpuacct.usage").exists() or not (ACCT_ROOT / "cpuacct.usage").exists():
+            return self.path
+        return ACCT_ROOT / self.name
+
     def make(self) -> None:
         if not 0.01 <= self.cores <= os.cpu_count():  # type: ignore[operator]
             raise ClusterError(f"a host's budget is 0.01 to {os.cpu_count()} cores, not {self.cores:g}")
         self.path.mkdir(exist_ok=True)
         (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (self.path / "cpu.cfs_quota_us").write_text(str(round(self.cores * PERIOD_US)))
+        self.accounting.mkdir(exist_ok=True)
 
     def wrap(self, command: list[str]) -> list[str]:
         """``command``, started inside the budget (before it runs anything)."""
-        return ["sh", "-c", JOIN, str(self.path / "cgroup.procs"), *command]
+        return ["sh", "-c", JOIN, str(self.path / "cgroup.procs"), str(self.accounting / "cgroup.procs"), *command]
+
+    def used_s(self) -> float:
+        """Seconds of CPU its processes used so far (0 where no ``cpuacct`` counts them)."""
+        try:
+            return int((self.accounting / "cpuacct.usage").read_text()) / 1e9
+        except FileNotFoundError:
+            return 0.0
 
     def pids(self) -> list[int]:
         try:
@@ -92,10 +109,33 @@ class CpuBudget:
                 except ProcessLookupError:
                     pass
             time.sleep(0.1)
-        try:
-            self.path.rmdir()
-        except FileNotFoundError:
-            pass
+        for path in {self.path, self.accounting}:
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+
+
+def machine_busy_s() -> float:
+    """Seconds of CPU the whole machine spent on anything but idling (``/proc/stat``)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user .. steal (guest time is in user)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """CPU seconds used so far by each host (``hosts``) and by the whole machine, at ``at``."""
+
+    at: float
+    hosts: dict[str, float]
+    machine: float
+
+    def cores(self, before: Usage) -> tuple[dict[str, float], float]:
+        """The cores each host and the machine used on average from ``before`` to this one."""
+        wall = max(self.at - before.at, 1e-9)
+        hosts = {name: (used - before.hosts.get(name, 0.0)) / wall for name, used in self.hosts.items()}
+        return hosts, (self.machine - before.machine) / wall
 
 
 @dataclass
@@ -137,6 +177,10 @@ class EmulatedCluster:
     def throttled(self) -> dict[str, float]:
         """Each host's share of periods held back by its budget so far."""
         return {name: budget.throttled() for name, budget in self.budgets.items()}
+
+    def usage(self) -> Usage:
+        """The CPU time each host and the whole machine used so far: two of them make ``cores``."""
+        return Usage(time.monotonic(), {name: b.used_s() for name, b in self.budgets.items()}, machine_busy_s())
 
     def close(self) -> None:
         for budget in self.budgets.values():

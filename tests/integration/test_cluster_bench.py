@@ -42,6 +42,7 @@ def test_each_host_runs_in_its_namespace_within_its_budget_and_close_removes_it_
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         assert cluster.address("a") in shown.stdout
+        before = cluster.usage()
         busy = cluster.run("a", ["sh", "-c", "while :; do :; done"])
         for _ in range(50):
             if cluster.throttled()["a"] > 0.5:
@@ -49,6 +50,9 @@ def test_each_host_runs_in_its_namespace_within_its_budget_and_close_removes_it_
             subprocess.run(["sleep", "0.1"])
         busy.kill()
         assert cluster.throttled()["a"] > 0.5 and cluster.throttled()["b"] == 0.0  # a quarter core: held back
+        hosts, machine = cluster.usage().cores(before)
+        assert 0 < hosts["a"] <= 0.25 * 1.5 and hosts["b"] < hosts["a"]  # counted, and within its budget
+        assert machine >= hosts["a"] * 0.9
         with pytest.raises(ClusterError, match="'c' is not a host"):
             cluster.run("c", ["true"])
     finally:
