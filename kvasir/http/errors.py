@@ -10,6 +10,7 @@ import msgspec
 from kvasir.errors import KvasirError
 from kvasir.http.schema import ErrorBody, ErrorDetail
 
+UNKNOWN = "Object contains unknown field `"
 RETRY_AFTER_S = 5  # what a 503 asks the client to wait
 
 # bridge error code -> (HTTP status, OpenAI error type)
@@ -68,6 +69,10 @@ def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiEr
         return invalid(f"the body is not valid JSON: {exc}")
     text, sep, where = str(exc).rpartition(" - at `")
     if not sep:
-        return invalid(str(exc))
-    param = where.rstrip("`").removeprefix("$").lstrip(".") or None
-    return invalid(f"{param}: {text}" if param else text, param)
+        text, where = str(exc), ""
+    at = where.rstrip("`").removeprefix("$").lstrip(".")
+    if text.startswith(UNKNOWN) and text.endswith("`"):  # msgspec's "Object contains unknown field `name`"
+        unknown = text[len(UNKNOWN) : -1]
+        param = f"{at}.{unknown}" if at else unknown
+        return invalid(f"{param}: this server knows no such field, and refuses what it would not honour", param)
+    return invalid(f"{at}: {text}" if at else text, at or None)

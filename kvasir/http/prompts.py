@@ -59,7 +59,7 @@ class Prompts:
         if not messages:
             raise invalid("messages is empty: give at least one message", "messages")
         plain = [self._message(k, message) for k, message in enumerate(messages)]
-        self._check("".join(m["content"] for m in plain), "messages")
+        self._check("".join(m["content"] + m.get("name", "") for m in plain), "messages")
         return Prompt(self._encode(lambda: encode_chat(self._need(), plain)), None)
 
     def token_text(self, token: int) -> str:
@@ -110,4 +110,7 @@ class Prompts:
             if any(part.type != "text" for part in content):
                 raise invalid(f"messages[{k}].content: only text parts are served by this model", "messages")
             content = "".join(part.text for part in content)
-        return {"role": message.role, "content": content or ""}
+        plain = {"role": message.role, "content": content or ""}
+        if message.name is not None:  # for templates that render it (others leave it out)
+            plain["name"] = message.name
+        return plain

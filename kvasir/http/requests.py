@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvasir.http.errors import ApiError, invalid
+from kvasir.http.fields import CHAT_ONLY, COMPLETION_ONLY, MESSAGE_UNSERVED, UNSERVED, Unserved
 from kvasir.http.generation import Submission
 from kvasir.http.prompts import Prompt, Prompts
 from kvasir.http.schema import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
@@ -51,6 +54,7 @@ class Planned:
 
 def plan_completion(req: CompletionRequest, prompts: Prompts, served: Served) -> Planned:
     _common(req, served)
+    refuse_unserved(req, COMPLETION_ONLY)
     count = prompts.count(req.prompt)
     if count * req.n > served.max_choices:  # before any text is tokenized
         raise invalid(
@@ -67,6 +71,9 @@ def plan_completion(req: CompletionRequest, prompts: Prompts, served: Served) ->
 
 def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
     _common(req, served)
+    refuse_unserved(req, CHAT_ONLY)
+    for k, message in enumerate(req.messages):
+        refuse_unserved(message, MESSAGE_UNSERVED, f"messages[{k}].")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs = true", "top_logprobs")
     prompt = prompts.chat(req.messages)
@@ -83,6 +90,7 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
 
 
 def _common(req: _Sampling, served: Served) -> None:
+    refuse_unserved(req, UNSERVED)
     if req.model is not None and req.model != served.model_name:
         raise ApiError(
             "model_not_found",
@@ -97,6 +105,17 @@ def _common(req: _Sampling, served: Served) -> None:
             "(a plan enables it with http.allow_ignore_eos = true)",
             "ignore_eos",
         )
+
+
+def refuse_unserved(body: Any, entries: tuple[Unserved, ...], where: str = "") -> None:
+    """A 400 naming the first of ``entries`` that ``body`` gives at a value that would change the output."""
+    for entry in entries:
+        value = getattr(body, entry.name)
+        if entry.refused(value):
+            param = f"{where}{entry.name}"
+            shown = msgspec.json.encode(value).decode(errors="replace")
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise invalid(f"{param}: {entry.why} (got {shown})", param)
 
 
 def _check_max_tokens(max_tokens: int, served: Served, param: str) -> None:
@@ -134,4 +153,5 @@ def _options(req: _Sampling, max_tokens: int, j: int) -> dict[str, Any]:
         "stop_token_ids": req.stop_token_ids or [],
         "ignore_eos": req.ignore_eos,
         "cache_salt": req.cache_salt,
+        "session": req.prompt_cache_key,  # affinity: requests with one key stay on one instance
     }

@@ -1,16 +1,19 @@
 """The OpenAI request and response bodies the HTTP front speaks, as msgspec Structs.
 
-Requests ignore fields they do not know (as other OpenAI-compatible servers do) and
-refuse wrong types with a message naming the field; responses and stream chunks are
-encoded straight from Structs (one encode per token on the streaming path).
+Requests refuse fields they do not know and wrong types with a message naming the field;
+every field of the OpenAI and vLLM schemas Kvasir does not honour is declared (any JSON
+value) and refused where its value would change the output (kvasir/http/fields.py).
+Responses and stream chunks are encoded straight from Structs (one encode per token on
+the streaming path).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
+from kvasir.http.fields import IGNORED, MESSAGE_UNSERVED, UNSERVED, declared
 from kvasir.sched.validation import MAX_SEED
 from kvasir.wire.base import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from kvasir.wire.client import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, Namespace
@@ -41,12 +44,25 @@ StopForm = (
 )
 
 
-class StreamOptions(msgspec.Struct, frozen=True):
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM's usage in every chunk: not served
 
 
-class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """The fields completions and chat share."""
+if TYPE_CHECKING:  # their fields are read by name (kvasir/http/requests.py refuse_unserved)
+
+    class _Unserved(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True): ...
+
+    class _MessageUnserved(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True): ...
+
+else:
+    STRICT = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
+    _Unserved = msgspec.defstruct("_Unserved", declared(UNSERVED, ignored=(*IGNORED, "add_special_tokens")), **STRICT)
+    _MessageUnserved = msgspec.defstruct("_MessageUnserved", declared(MESSAGE_UNSERVED), **STRICT)
+
+
+class _Sampling(_Unserved, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The fields completions and chat share (and, from ``_Unserved``, those not served)."""
 
     model: str | None = None
     max_tokens: Count | None = None
@@ -60,7 +76,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    prompt_cache_key: Namespace | None = None  # OpenAI's: requests giving the same key stay on one instance
     return_token_ids: bool = False  # vLLM's extension: each choice's output token ids (whole responses)
     cache_salt: Namespace | None = None  # vLLM's: share cached prompt blocks only with requests giving the same salt
 
@@ -71,7 +87,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(_Sampling, frozen=True, kw_only=True):
+class CompletionRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
     prompt: PromptForm
     echo: bool = False
     logprobs: NumLogprobs | None = None
@@ -82,15 +98,16 @@ class TextPart(msgspec.Struct, frozen=True):
     text: str = ""
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ChatMessage(_MessageUnserved, frozen=True, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: Text | Annotated[list[TextPart], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     name: str | None = None
 
 
-class ChatRequest(_Sampling, frozen=True, kw_only=True):
+class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
     max_completion_tokens: Count | None = None  # the newer name of max_tokens
+    echo: Any = None  # vLLM's chat echo: refused unless false (kvasir/http/fields.py)
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
 

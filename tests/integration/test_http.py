@@ -153,6 +153,14 @@ def test_errors_surface_as_the_sdks_exceptions(http_daemon):
     with pytest.raises(openai.BadRequestError) as typed:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"top_k": "many"})
     assert typed.value.body["param"] == "top_k"
+    with pytest.raises(openai.BadRequestError) as unserved:  # changes the output, not served: never ignored
+        client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=2, frequency_penalty=0.4
+        )
+    assert unserved.value.body["param"] == "frequency_penalty"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"temprature": 0})
+    assert unknown.value.body["param"] == "temprature" and "no such field" in unknown.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-17", prompt="x", max_tokens=2)
 

@@ -127,7 +127,7 @@ def test_a_body_that_does_not_arrive_is_a_408(front):
         (completion(logprobs=-1), b"logprobs"),
         (completion(prompt=[5, 2**32], echo=True), b"prompt"),
         (completion(prompt=[5, 10**6], echo=True), b"not a token of this model"),
-        (b'{"prompt": [5], "unknown": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"nested too deeply"),
+        (b'{"prompt": [5], "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"nested too deeply"),
     ],
 )
 def test_values_out_of_range_are_400s_naming_them(front, body, says):

@@ -11,17 +11,6 @@ from kvasir.http.errors import ApiError, from_validation
 from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Served, plan_chat, plan_completion
 from kvasir.http.schema import ChatRequest, CompletionRequest
-from tests.support.models import save_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    save_tiny_tokenizer(folder)
-    return AutoTokenizer.from_pretrained(folder)
-
 
 SERVED = Served.of("tiny", 64, 4096, None)
 IDS = Prompts(None, 64, 1000)  # a model without a tokenizer: token ids only

@@ -1,0 +1,115 @@
+"""Every request field the OpenAI and vLLM schemas define that Kvasir does not (yet) honour.
+
+Nothing that would change the output is ignored: each field here is accepted only at a
+value that changes nothing (``null``, a zero penalty, ``false``...) and otherwise refused
+with a 400 naming it (``param``); a field no schema here defines is refused too
+(kvasir/http/errors.py ``from_validation``); kvasir/http/requests.py checks the values. Fields with no effect on the output at all
+(``user``, ``metadata``, ``store``...) are accepted and ignored: ``IGNORED``.
+
+The request Structs (kvasir/http/schema.py) declare each of these names, typed as any
+JSON value, so that a value is checked here with a reason rather than as an unknown key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# no effect on what the model generates: accepted, never acted on
+IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_retention", "request_id")
+
+
+@dataclass(frozen=True)
+class Unserved:
+    """A field Kvasir does not serve: ``why`` in words, ``neutral`` the values that change nothing."""
+
+    name: str
+    why: str
+    neutral: tuple[Any, ...] = (None,)
+
+    def refused(self, value: Any) -> bool:
+        return not any(value == quiet and type(value) is type(quiet) for quiet in self.neutral)
+
+
+TOOLS = "tool calling is not served yet"
+GRAMMAR = "structured output is not served yet"
+PENALTY = "penalties are not served yet"
+TEMPLATE = "chat template options are not served yet"
+
+UNSERVED: tuple[Unserved, ...] = (
+    # OpenAI completions
+    Unserved("best_of", "best_of is not served (sample n choices instead)", (None, 1)),
+    Unserved("suffix", "insertion after a suffix is not served", (None, "")),
+    Unserved("frequency_penalty", PENALTY, (None, 0, 0.0)),
+    Unserved("presence_penalty", PENALTY, (None, 0, 0.0)),
+    Unserved("logit_bias", "logit_bias is not served yet", (None, {})),
+    # OpenAI chat
+    Unserved("audio", "audio output is not served: this is a text model"),
+    Unserved("modalities", "only text output is served", (None, ["text"])),
+    Unserved("prediction", "predicted outputs are not served"),
+    Unserved("reasoning_effort", "reasoning effort is not served"),
+    Unserved("verbosity", "verbosity is not served"),
+    Unserved("web_search_options", "web search is not served"),
+    Unserved("response_format", GRAMMAR, (None, {"type": "text"})),
+    Unserved("tools", TOOLS, (None, [])),
+    Unserved("tool_choice", TOOLS, (None, "none")),
+    Unserved("parallel_tool_calls", TOOLS, (None, True, False)),  # no effect without tools
+    Unserved("functions", TOOLS, (None, [])),
+    Unserved("function_call", TOOLS, (None, "none")),
+    # vLLM's sampling extensions
+    Unserved("use_beam_search", "beam search is not served", (None, False)),
+    Unserved("length_penalty", "length_penalty is for beam search, which is not served", (None, 1, 1.0)),
+    Unserved("min_p", "min_p is not served yet", (None, 0, 0.0)),
+    Unserved("repetition_penalty", PENALTY, (None, 1, 1.0)),
+    Unserved("min_tokens", "min_tokens is not served yet", (None, 0)),
+    Unserved("bad_words", "bad_words is not served yet", (None, [])),
+    Unserved("allowed_token_ids", "allowed_token_ids is not served"),
+    Unserved("include_stop_str_in_output", "include_stop_str_in_output is not served yet", (None, False)),
+    Unserved("skip_special_tokens", "special tokens are always skipped in the text", (None, True)),
+    Unserved("spaces_between_special_tokens", "special tokens are always skipped in the text", (None, True)),
+    Unserved("truncate_prompt_tokens", "prompts are never truncated: a prompt too long is refused"),
+    Unserved("prompt_logprobs", "prompt log-probabilities come with echo and logprobs (completions)"),
+    Unserved("logits_processors", "logits processors are not served"),
+    Unserved("return_tokens_as_token_ids", "tokens are returned as text", (None, False)),
+    Unserved("priority", "request priorities are not served", (None, 0)),
+    Unserved("kv_transfer_params", "KV transfer between servers is not served"),
+    Unserved("vllm_xargs", "vLLM's extra arguments are not served"),
+    Unserved("structured_outputs", GRAMMAR),
+    Unserved("guided_json", GRAMMAR),
+    Unserved("guided_regex", GRAMMAR),
+    Unserved("guided_choice", GRAMMAR),
+    Unserved("guided_grammar", GRAMMAR),
+    Unserved("guided_decoding_backend", GRAMMAR),
+    Unserved("guided_whitespace_pattern", GRAMMAR),
+    # vLLM's chat extensions
+    Unserved("add_generation_prompt", TEMPLATE, (None, True)),
+    Unserved("continue_final_message", TEMPLATE, (None, False)),
+    Unserved("documents", TEMPLATE),
+    Unserved("chat_template", TEMPLATE),
+    Unserved("chat_template_kwargs", TEMPLATE, (None, {})),
+    Unserved("mm_processor_kwargs", "this model takes text only", (None, {})),
+)
+# per endpoint: chat's echo (vLLM: prepend the last message) is not the completions echo
+# that is served; a plain prompt gets the model's special tokens (a BOS), a chat's template
+# places its own
+SPECIAL = "the special tokens a prompt gets are not chosen per request"
+CHAT_ONLY = (
+    Unserved("echo", "echo is served by /v1/completions only", (None, False)),
+    Unserved("add_special_tokens", SPECIAL, (None, False)),
+)
+COMPLETION_ONLY = (Unserved("add_special_tokens", SPECIAL, (None, True)),)
+
+# message fields of other roles' turns: refused until tool calling is served
+MESSAGE_UNSERVED = (
+    Unserved("tool_calls", TOOLS, (None, [])),
+    Unserved("tool_call_id", TOOLS),
+    Unserved("function_call", TOOLS),
+    Unserved("reasoning_content", "reasoning content in a message is not served yet"),
+    Unserved("refusal", "an assistant's refusal in a message is not served", (None, "")),
+    Unserved("audio", "audio is not served: this is a text model"),
+)
+
+
+def declared(entries: tuple[Unserved, ...], *, ignored: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """The Struct fields (``msgspec.defstruct``) that let each name decode as any JSON value."""
+    return [(name, Any, None) for name in ignored] + [(entry.name, Any, None) for entry in entries]

@@ -1,0 +1,219 @@
+"""Every field of the OpenAI completions and chat request schemas and vLLM's extensions is
+honoured or refused with a 400 naming it; only fields with no effect on the output are
+accepted and ignored (kvasir/http/fields.py). The lists below are written from the
+schemas themselves, not from the code: a field the front drops silently fails here."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from kvasir.http.errors import ApiError, from_validation
+from kvasir.http.prompts import Prompts
+from kvasir.http.requests import Served, plan_chat, plan_completion
+from kvasir.http.schema import ChatRequest, CompletionRequest
+
+SERVED = Served.of("tiny", 64, 4096, None, allow_ignore_eos=True)
+SUBMITS = "changes the submissions"
+FRONT = "honoured by the front's answer"  # streaming, echo, logprobs, stop strings...
+IGNORED = "accepted, no effect on the output"
+REFUSED = "refused, naming the field"
+
+# field -> (a value that would act, what the front must do with it)
+SHARED = {
+    "model": ("tiny", FRONT),
+    "max_tokens": (5, SUBMITS),
+    "temperature": (0.5, SUBMITS),
+    "top_p": (0.5, SUBMITS),
+    "n": (2, SUBMITS),
+    "seed": (7, SUBMITS),
+    "stop": (["x"], FRONT),
+    "stream": (True, FRONT),
+    "stream_options": ({"include_usage": True}, FRONT),
+    "user": ("someone", IGNORED),
+    "frequency_penalty": (0.5, REFUSED),
+    "presence_penalty": (0.5, REFUSED),
+    "logit_bias": ({"5": 10}, REFUSED),
+    "response_format": ({"type": "json_object"}, REFUSED),
+    # vLLM's sampling extensions
+    "top_k": (3, SUBMITS),
+    "stop_token_ids": ([3], SUBMITS),
+    "ignore_eos": (True, SUBMITS),
+    "return_token_ids": (True, FRONT),
+    "cache_salt": ("salt", SUBMITS),
+    "use_beam_search": (True, REFUSED),
+    "min_p": (0.1, REFUSED),
+    "repetition_penalty": (1.2, REFUSED),
+    "length_penalty": (0.5, REFUSED),
+    "include_stop_str_in_output": (True, REFUSED),
+    "min_tokens": (3, REFUSED),
+    "skip_special_tokens": (False, REFUSED),
+    "spaces_between_special_tokens": (False, REFUSED),
+    "truncate_prompt_tokens": (8, REFUSED),
+    "prompt_logprobs": (1, REFUSED),
+    "allowed_token_ids": ([1, 2], REFUSED),
+    "bad_words": (["x"], REFUSED),
+    "logits_processors": (["x"], REFUSED),
+    "return_tokens_as_token_ids": (True, REFUSED),
+    "priority": (1, REFUSED),
+    "request_id": ("abc", IGNORED),
+    "kv_transfer_params": ({"a": 1}, REFUSED),
+    "vllm_xargs": ({"a": 1}, REFUSED),
+    "structured_outputs": ({"choice": ["a"]}, REFUSED),
+    "guided_json": ({"type": "object"}, REFUSED),
+    "guided_regex": ("a+", REFUSED),
+    "guided_choice": (["a"], REFUSED),
+    "guided_grammar": ("root ::= 'a'", REFUSED),
+    "guided_decoding_backend": ("xgrammar", REFUSED),
+    "guided_whitespace_pattern": (" ", REFUSED),
+}
+COMPLETIONS = {
+    **SHARED,
+    "echo": (True, FRONT),
+    "logprobs": (2, SUBMITS),
+    "best_of": (3, REFUSED),
+    "suffix": ("end", REFUSED),
+    "add_special_tokens": (False, REFUSED),
+}
+CHAT = {
+    **SHARED,
+    "max_completion_tokens": (5, SUBMITS),
+    "logprobs": (True, SUBMITS),
+    "top_logprobs": (2, REFUSED),  # without logprobs: refused (with it, honoured: test below)
+    "metadata": ({"k": "v"}, IGNORED),
+    "store": (True, IGNORED),
+    "service_tier": ("auto", IGNORED),
+    "safety_identifier": ("h", IGNORED),
+    "prompt_cache_key": ("conversation-1", SUBMITS),  # instance affinity
+    "prompt_cache_retention": ("24h", IGNORED),
+    "audio": ({"voice": "alloy", "format": "wav"}, REFUSED),
+    "modalities": (["text", "audio"], REFUSED),
+    "prediction": ({"type": "content", "content": "x"}, REFUSED),
+    "reasoning_effort": ("low", REFUSED),
+    "verbosity": ("low", REFUSED),
+    "web_search_options": ({}, REFUSED),
+    "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSED),
+    "tool_choice": ("required", REFUSED),
+    "parallel_tool_calls": (False, IGNORED),  # no effect without tools, which are refused
+    "functions": ([{"name": "f"}], REFUSED),
+    "function_call": ("auto", REFUSED),
+    # vLLM's chat extensions
+    "echo": (True, REFUSED),
+    "add_special_tokens": (True, REFUSED),
+    "add_generation_prompt": (False, REFUSED),
+    "continue_final_message": (True, REFUSED),
+    "documents": ([{"text": "d"}], REFUSED),
+    "chat_template": ("{{ messages }}", REFUSED),
+    "chat_template_kwargs": ({"enable_thinking": False}, REFUSED),
+    "mm_processor_kwargs": ({"a": 1}, REFUSED),
+}
+MESSAGE_FIELDS = {
+    "name": ("bob", FRONT),  # given to the chat template (which may or may not render it)
+    "tool_calls": ([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}], REFUSED),
+    "tool_call_id": ("c", REFUSED),
+    "function_call": ({"name": "f", "arguments": "{}"}, REFUSED),
+    "reasoning_content": ("hm", REFUSED),
+    "refusal": ("no", REFUSED),
+    "audio": ({"id": "a"}, REFUSED),
+}
+
+
+def completions_plan(body: dict):
+    req = msgspec.json.decode(json.dumps({"prompt": [1, 2, 3], **body}), type=CompletionRequest)
+    return plan_completion(req, Prompts(None, 64, 1000), SERVED)
+
+
+@pytest.fixture(scope="module")
+def chat_plan(tiny_tokenizer):
+    prompts = Prompts(tiny_tokenizer, 64, len(tiny_tokenizer))
+
+    def plan(body: dict, message: dict | None = None):
+        messages = [{"role": "user", "content": "hi", **(message or {})}]
+        req = msgspec.json.decode(json.dumps({"messages": messages, **body}), type=ChatRequest)
+        return plan_chat(req, prompts, SERVED)
+
+    return plan
+
+
+def outcome(plan, body: dict) -> tuple[str, object]:
+    """What the front made of ``body``: ("refused", param) or ("planned", submissions)."""
+    try:
+        planned = plan(body)
+    except ApiError as refused:
+        return "refused", refused.param
+    except msgspec.ValidationError as exc:
+        return "refused", from_validation(exc).param
+    return "planned", [(s.prompt, s.options) for s in planned.submissions]
+
+
+def check(plan, field: str, value, expected: str) -> None:
+    default = outcome(plan, {})
+    got = outcome(plan, {field: value})
+    if expected == REFUSED:
+        assert got == ("refused", field), f"{field}={value!r} should be refused naming it, got {got}"
+    elif expected == SUBMITS:
+        assert got[0] == "planned" and got != default, f"{field}={value!r} did not reach the submissions"
+    elif expected == IGNORED:
+        assert got == default, f"{field}={value!r} is ignored yet changed the submissions"
+    else:
+        assert got[0] == "planned", f"{field}={value!r} was refused: {got}"
+
+
+@pytest.mark.parametrize(("field", "case"), COMPLETIONS.items(), ids=list(COMPLETIONS))
+def test_every_completions_field_is_honoured_or_refused(field, case):
+    check(completions_plan, field, *case)
+
+
+@pytest.mark.parametrize(("field", "case"), CHAT.items(), ids=list(CHAT))
+def test_every_chat_field_is_honoured_or_refused(chat_plan, field, case):
+    check(chat_plan, field, *case)
+
+
+@pytest.mark.parametrize(("field", "case"), MESSAGE_FIELDS.items(), ids=list(MESSAGE_FIELDS))
+def test_every_message_field_is_honoured_or_refused(chat_plan, field, case):
+    value, expected = case
+    got = outcome(lambda body: chat_plan(body, {field: value}), {})
+    if expected == REFUSED:
+        assert got == ("refused", f"messages[0].{field}")
+    else:
+        assert got[0] == "planned"
+
+
+def test_fields_nobody_defines_are_refused_naming_them(chat_plan):
+    assert outcome(completions_plan, {"temprature": 0.5}) == ("refused", "temprature")
+    assert outcome(chat_plan, {"frequency_penality": 1}) == ("refused", "frequency_penality")
+    nested = outcome(lambda body: chat_plan(body, {"colour": "red"}), {})
+    assert nested == ("refused", "messages[0].colour")
+    assert outcome(completions_plan, {"stream_options": {"continuous_usage_stats": True}})[0] == "refused"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frequency_penalty", 0),
+        ("presence_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("logit_bias", {}),
+        ("response_format", {"type": "text"}),
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("skip_special_tokens", True),
+        ("min_tokens", 0),
+        ("use_beam_search", False),
+        ("best_of", 1),
+    ],
+)
+def test_a_field_not_served_is_accepted_at_a_value_that_changes_nothing(field, value):
+    assert outcome(completions_plan, {field: value}) == outcome(completions_plan, {})
+
+
+def test_top_logprobs_is_honoured_with_logprobs(chat_plan):
+    plain, scored = outcome(chat_plan, {"logprobs": True}), outcome(chat_plan, {"logprobs": True, "top_logprobs": 3})
+    assert scored[0] == "planned" and scored != plain
+
+
+def test_a_refusal_says_why_and_shows_the_value():
+    with pytest.raises(ApiError, match=r"presence_penalty: penalties are not served yet \(got 0.5\)"):
+        completions_plan({"presence_penalty": 0.5})
