@@ -17,8 +17,9 @@ class IncrementalDetokenizer:
     remaining bytes are in the next token — is held back until it is complete.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens  # leave special tokens (end of sequence...) out of the text
         self.ids: list[int] = []
         self._prefix = 0  # start of the decoding context
         self._read = 0  # tokens whose text has been emitted
@@ -26,8 +27,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
-        after = decode(self.ids[self._prefix :], skip_special_tokens=True)
+        before = decode(self.ids[self._prefix : self._read], skip_special_tokens=self.skip)
+        after = decode(self.ids[self._prefix :], skip_special_tokens=self.skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self._prefix = self._read
@@ -36,8 +37,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text still held back (at the end of a request), complete or not."""
-        before = self.tokenizer.decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[self._prefix :], skip_special_tokens=True)
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read], skip_special_tokens=self.skip)
+        after = self.tokenizer.decode(self.ids[self._prefix :], skip_special_tokens=self.skip)
         self._prefix = self._read = len(self.ids)
         return after[len(before) :]
 

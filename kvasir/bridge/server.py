@@ -220,7 +220,7 @@ class Bridge:
         rid = self.next_id
         self.next_id += 1
         self.accepted += 1
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        detok = IncrementalDetokenizer(self.tokenizer, msg.skip_special_tokens) if self.tokenizer is not None else None
         record = Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok, sampling.logprobs >= 0)
         record.routed(choice, decode)
         self.requests.add(rid, record)

@@ -18,7 +18,7 @@ from kvasir.config.sections import PrefixShare
 from kvasir.errors import RequestError
 from kvasir.sched.prefix import namespace_root
 from kvasir.sched.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling
-from kvasir.wire.base import MAX_LOGPROBS
+from kvasir.wire.base import MAX_BAD_WORD_TOKENS, MAX_LOGPROBS
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.client import Submit
 from kvasir.wire.decoding import Decoder, Malformed
@@ -82,9 +82,35 @@ class Submissions:
             ignore_eos=msg.ignore_eos,
             logprobs=-1 if msg.logprobs is None else msg.logprobs,
             prompt_logprobs=-1 if msg.prompt_logprobs is None else msg.prompt_logprobs,
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty,
+            min_p=msg.min_p,
+            logit_bias=tuple(sorted(msg.logit_bias.items())),
+            min_tokens=msg.min_tokens,
+            bad_words=self._bad_words(msg.bad_words),
         )
         check_sampling(sampling, self.vocab_size)
         return ids, sampling
+
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids as the model would write it, alone and after a space
+        (as vLLM does): both spellings are barred."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise RequestError("invalid_request", "bad_words needs a tokenizer, which this model has not")
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise RequestError(
+                        "invalid_request", f"bad word {word[:40]!r} is over {MAX_BAD_WORD_TOKENS} tokens"
+                    )
+                if ids:
+                    found[ids] = None
+        return tuple(found)
 
     def key_of(self, body: bytes) -> int | None:
         """The key of a submission or stats query that did not decode, when it has one."""

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -114,6 +115,7 @@ class AsyncClient:
         cache_salt: str | None = None,
         tenant: str | None = None,
         session: str | None = None,
+        **shaping: Any,
     ) -> RequestStream:
         """Send a request and return its stream at once (no reply awaited).
 
@@ -122,7 +124,11 @@ class AsyncClient:
         HTTP front does) names the caller whose cache namespace the request is in; the
         daemon refuses it from remote clients, whose tenant is their CURVE key. ``session``:
         a conversation's or a user's id; in a fleet its requests go to the instance its
-        first one went to, while that instance serves (docs/fleet.md)."""
+        first one went to, while that instance serves (docs/fleet.md). ``shaping``: the
+        logits' processing, vLLM's meanings: ``presence_penalty``, ``frequency_penalty``,
+        ``repetition_penalty``, ``min_p``, ``logit_bias`` ({token id: bias}),
+        ``min_tokens``, ``bad_words`` (texts), ``skip_special_tokens`` (kvasir/wire/client.py
+        ``Submit``); a name it does not have is a TypeError."""
         self._raise_if_failed()
         key = next(self._keys)
         message = Submit(
@@ -142,6 +148,7 @@ class AsyncClient:
             cache_salt=cache_salt,
             tenant=tenant,
             session=session,
+            **shaping,
         )
         body = self._encode(message)  # a value msgpack cannot hold fails here, before a stream exists
         stream = RequestStream(key)

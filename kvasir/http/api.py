@@ -188,7 +188,9 @@ class Api:
         caller = request[CALLER]
         tenant = caller if self.keys is not None else "open"  # without keys, one tenant: nobody is told apart
         with self.callers.share(caller, len(planned.submissions)):
-            generation = await Generation.start(self.gateway.client(), planned.submissions, planned.stops, tenant)
+            generation = await Generation.start(
+                self.gateway.client(), planned.submissions, planned.stops, tenant, planned.include_stop
+            )
             try:
                 if stream:
                     return await self._stream(request, generation, shape, planned, include_usage)

@@ -70,7 +70,7 @@ def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiEr
     text, sep, where = str(exc).rpartition(" - at `")
     if not sep:
         text, where = str(exc), ""
-    at = where.rstrip("`").removeprefix("$").lstrip(".")
+    at = where.rstrip("`").removeprefix("$").lstrip(".").replace("[...]", "")  # a map's value: the map
     if text.startswith(UNKNOWN) and text.endswith("`"):  # msgspec's "Object contains unknown field `name`"
         unknown = text[len(UNKNOWN) : -1]
         param = f"{at}.{unknown}" if at else unknown

@@ -33,16 +33,12 @@ class Unserved:
 
 TOOLS = "tool calling is not served yet"
 GRAMMAR = "structured output is not served yet"
-PENALTY = "penalties are not served yet"
 TEMPLATE = "chat template options are not served yet"
 
 UNSERVED: tuple[Unserved, ...] = (
     # OpenAI completions
     Unserved("best_of", "best_of is not served (sample n choices instead)", (None, 1)),
     Unserved("suffix", "insertion after a suffix is not served", (None, "")),
-    Unserved("frequency_penalty", PENALTY, (None, 0, 0.0)),
-    Unserved("presence_penalty", PENALTY, (None, 0, 0.0)),
-    Unserved("logit_bias", "logit_bias is not served yet", (None, {})),
     # OpenAI chat
     Unserved("audio", "audio output is not served: this is a text model"),
     Unserved("modalities", "only text output is served", (None, ["text"])),
@@ -59,13 +55,7 @@ UNSERVED: tuple[Unserved, ...] = (
     # vLLM's sampling extensions
     Unserved("use_beam_search", "beam search is not served", (None, False)),
     Unserved("length_penalty", "length_penalty is for beam search, which is not served", (None, 1, 1.0)),
-    Unserved("min_p", "min_p is not served yet", (None, 0, 0.0)),
-    Unserved("repetition_penalty", PENALTY, (None, 1, 1.0)),
-    Unserved("min_tokens", "min_tokens is not served yet", (None, 0)),
-    Unserved("bad_words", "bad_words is not served yet", (None, [])),
     Unserved("allowed_token_ids", "allowed_token_ids is not served"),
-    Unserved("include_stop_str_in_output", "include_stop_str_in_output is not served yet", (None, False)),
-    Unserved("skip_special_tokens", "special tokens are always skipped in the text", (None, True)),
     Unserved("spaces_between_special_tokens", "special tokens are always skipped in the text", (None, True)),
     Unserved("truncate_prompt_tokens", "prompts are never truncated: a prompt too long is refused"),
     Unserved("prompt_logprobs", "prompt log-probabilities come with echo and logprobs (completions)"),

@@ -54,25 +54,36 @@ class StopText:
     """Finds stop strings in streamed text. Text that could be the start of a stop string
     is held back until the next delta shows it is not (it is never sent, then retracted)."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [stop for stop in stops if stop]
+        self.include = include  # vLLM's include_stop_str_in_output: the stop string ends the text
         self.hold = max((len(stop) for stop in self.stops), default=1) - 1
         self.pending = ""
 
-    def push(self, delta: str) -> tuple[str, bool]:
-        """The text that can go out now, and whether a stop string ended the choice."""
+    def push(self, delta: str, armed: bool = True) -> tuple[str, bool]:
+        """The text that can go out now, and whether a stop string ended the choice (not
+        before ``armed``: vLLM's min_tokens holds stop strings off too)."""
         if not self.stops:
             return delta, False
         self.pending += delta
-        found = [at for at in (self.pending.find(stop) for stop in self.stops) if at >= 0]
-        if found:
-            out, self.pending = self.pending[: min(found)], ""
+        found = self._find() if armed else None
+        if found is not None:
+            at, end = found
+            out, self.pending = self.pending[: end if self.include else at], ""
             return out, True
         keep = len(self.pending) - self.hold
         if keep <= 0:
             return "", False
         out, self.pending = self.pending[:keep], self.pending[keep:]
         return out, False
+
+    def _find(self) -> tuple[int, int] | None:
+        """Where the first stop string in the pending text starts and ends (the longest starting there)."""
+        hits = [(at, -len(stop)) for stop in self.stops if (at := self.pending.find(stop)) >= 0]
+        if not hits:
+            return None
+        at, minus = min(hits)
+        return at, at - minus
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
@@ -110,7 +121,12 @@ class Generation:
 
     @classmethod
     async def start(
-        cls, client: AsyncClient, submissions: list[Submission], stops: list[str], tenant: str
+        cls,
+        client: AsyncClient,
+        submissions: list[Submission],
+        stops: list[str],
+        tenant: str,
+        include_stop: bool = False,
     ) -> Generation:
         """Submit every choice for ``tenant`` (whose prefix-cache namespace it is in) and
         wait until the bridge accepted them all (ApiError, with the accepted ones
@@ -119,7 +135,7 @@ class Generation:
         try:
             for sub in submissions:
                 stream = await client.submit(token_ids=sub.prompt, tenant=tenant, **sub.options)
-                generation.choices.append(Choice(sub, stream, aiter(stream), StopText(stops)))
+                generation.choices.append(Choice(sub, stream, aiter(stream), StopText(stops, include_stop)))
             for choice in generation.choices:
                 first = await anext(choice.events)
                 if isinstance(first, ErrorEvent):
@@ -194,7 +210,9 @@ class Generation:
                 choice.ids.append(token)
                 scores: tuple[Score, ...] = () if logprob is None else ((token, logprob, top or []),)
                 choice.scores.extend(scores)
-                out, stopped = choice.stops.push(text)
+                out, stopped = choice.stops.push(
+                    text, len(choice.ids) >= choice.submission.options.get("min_tokens", 0)
+                )
                 if stopped:
                     await self.close_one(choice)
                     return Piece(index, out, "stop", scores=scores)

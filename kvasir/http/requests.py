@@ -42,6 +42,7 @@ class Planned:
     prompts: list[Prompt]
     submissions: list[Submission]
     stops: list[str]
+    include_stop: bool = False  # vLLM's include_stop_str_in_output
 
     @property
     def prompt_tokens(self) -> int:
@@ -134,7 +135,7 @@ def _planned(
         for j in range(req.n):
             options = {**_options(req, limit, j), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
             submissions.append(Submission(k * req.n + j, prompt.ids, options))
-    return Planned(given, submissions, req.stops)
+    return Planned(given, submissions, req.stops, req.include_stop_str_in_output)
 
 
 def _options(req: _Sampling, max_tokens: int, j: int) -> dict[str, Any]:
@@ -154,4 +155,24 @@ def _options(req: _Sampling, max_tokens: int, j: int) -> dict[str, Any]:
         "ignore_eos": req.ignore_eos,
         "cache_salt": req.cache_salt,
         "session": req.prompt_cache_key,  # affinity: requests with one key stay on one instance
+        **_shaping(req),
+    }
+
+
+def _shaping(req: _Sampling) -> dict[str, Any]:
+    """The logits' processing the request asks for (the bridge checks what the schema does not)."""
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit() or len(key) > 10:
+            raise invalid(f"logit_bias keys are token ids, got {key[:20]!r}", "logit_bias")
+        bias[int(key)] = value
+    return {
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        "min_p": req.min_p or 0.0,
+        "logit_bias": bias,
+        "min_tokens": req.min_tokens or 0,
+        "bad_words": req.bad_words or [],
+        "skip_special_tokens": req.skip_special_tokens,
     }

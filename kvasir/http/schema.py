@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from kvasir.http.fields import IGNORED, MESSAGE_UNSERVED, UNSERVED, declared
-from kvasir.sched.validation import MAX_SEED
-from kvasir.wire.base import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from kvasir.sched.validation import MAX_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED
+from kvasir.wire.base import MAX_BAD_WORD_CHARS, MAX_BAD_WORD_TEXTS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from kvasir.wire.client import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, Namespace
 
 MAX_STOP_STRINGS = 16
@@ -24,6 +24,10 @@ MAX_CHOICES = 16  # n
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_MESSAGES = 4096
 MAX_INT32 = (1 << 31) - 1
+
+Penalty = Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+Bias = Annotated[float, msgspec.Meta(ge=-MAX_BIAS, le=MAX_BIAS)]
+BadWord = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 
 # integers as the daemon can hold them: a value out of range is a 400 naming its field, never
 # an overflow further in (msgpack holds 64 bits, a tokenizer 32)
@@ -77,6 +81,16 @@ class _Sampling(_Unserved, frozen=True, kw_only=True, forbid_unknown_fields=True
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_cache_key: Namespace | None = None  # OpenAI's: requests giving the same key stay on one instance
+    # the logits' processing (kvasir/stage/logits.py); the bridge checks token ids against the model
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    logit_bias: Annotated[dict[str, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] | None = None
+    bad_words: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORD_TEXTS)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended a choice stays in its text
     return_token_ids: bool = False  # vLLM's extension: each choice's output token ids (whole responses)
     cache_salt: Namespace | None = None  # vLLM's: share cached prompt blocks only with requests giving the same salt
 

@@ -36,6 +36,7 @@ class RequestState:
     arrived_ns: int = field(default_factory=time.monotonic_ns)  # when the head took it
     draft: list[int] = field(default_factory=list)  # proposed next tokens, for its next decode row
     drafted: int = 0  # drafts in its batch in flight (their K/V is kept only as far as confirmed)
+    context: tuple[int, ...] = ()  # a decode pool's request: its prompt's ids where the sampling reads them
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

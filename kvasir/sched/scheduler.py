@@ -255,20 +255,24 @@ class Scheduler:
         tokens.extend(state.tokens(start, count))
         tokens.extend(draft)
         if not state.announced:
-            prompt = tuple(state.prompt) if state.sampling.prompt_logprobs >= 0 else ()
-            new.append(
-                NewRequest(
-                    state.request_id,
-                    state.sampling,
-                    state.seed,
-                    len(state.output),
-                    prompt,
-                    state.cached_tokens,
-                    time.monotonic_ns() - state.arrived_ns,
-                )
-            )
+            new.append(self._announce(state))
             state.announced = True
         return Row(state.request_id, start, count + len(draft), growth, emit=emit, draft=draft)
+
+    @staticmethod
+    def _announce(state: RequestState) -> NewRequest:
+        """The request's spec for the tail, with its prompt and output so far where its sampling reads them."""
+        sampling = state.sampling
+        return NewRequest(
+            state.request_id,
+            sampling,
+            state.seed,
+            len(state.output),
+            tuple(state.prompt or state.context) if sampling.needs_prompt else (),
+            state.cached_tokens,
+            time.monotonic_ns() - state.arrived_ns,
+            output=tuple(state.output) if sampling.needs_output else (),
+        )
 
     def _drafts(self, state: RequestState, room: int) -> tuple[int, ...]:
         """The proposed drafts that fit: in the batch's token budget, in the request's KV
@@ -342,10 +346,17 @@ class Scheduler:
         return state
 
     def reserve(
-        self, request_id: int, prompt_len: int, output: list[int], sampling: SamplingParams, seed: int
+        self,
+        request_id: int,
+        prompt_len: int,
+        output: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        context: tuple[int, ...] = (),
     ) -> list[int] | None:
         """Take in a request whose prompt KV is computed elsewhere: reserve its blocks and
-        park it (``unpark`` once every stage holds the KV). None when the cache is full."""
+        park it (``unpark`` once every stage holds the KV). None when the cache is full.
+        ``context``: the prompt's ids where its sampling reads them (not its KV's)."""
         if request_id in self.running or request_id in self.waiting:
             raise RequestError("invalid_request", f"request id {request_id} is already in use")
         total = min(prompt_len + sampling.max_tokens, self.max_seq_len)
@@ -353,7 +364,9 @@ class Scheduler:
         blocks = self.cache.take([], need)
         if blocks is None:
             return None
-        state = RequestState(request_id, [], sampling, seed, need, prompt_len, output=list(output), blocks=blocks)
+        state = RequestState(
+            request_id, [], sampling, seed, need, prompt_len, output=list(output), blocks=blocks, context=context
+        )
         state.blocks_sent = need  # the placement gave every stage the whole table
         state.computed = prompt_len
         state.parked = True

@@ -6,11 +6,14 @@ import math
 from collections.abc import Sequence
 
 from kvasir.errors import RequestError
-from kvasir.wire.base import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from kvasir.wire.base import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from kvasir.wire.batch import SamplingParams
 
 MAX_SEED = 2**63 - 1
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer makes tokens longer than this on average
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range, [-2, 2]
+MAX_REPETITION_PENALTY = 10.0
+MAX_BIAS = 100.0  # logit_bias values: OpenAI's range, [-100, 100]
 
 
 def _is_int(value: object) -> bool:
@@ -87,4 +90,59 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         if not _is_int(tok) or not 0 <= tok < vocab_size:
             raise RequestError(
                 "invalid_request", f"stop token id {tok!r} is not a token id of this model (0 <= id < {vocab_size})"
+            )
+    check_shaping(params, vocab_size)
+
+
+def _number_in(value: object, low: float, high: float) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and low <= value <= high
+    )
+
+
+def _token_in(tok: object, vocab_size: int) -> bool:
+    return _is_int(tok) and 0 <= tok < vocab_size  # type: ignore[operator]
+
+
+def check_shaping(params: SamplingParams, vocab_size: int) -> None:
+    """Raise RequestError for penalties, ``min_p``, ``logit_bias``, ``min_tokens`` or bad
+    words out of range (kvasir/stage/logits.py applies them)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _number_in(getattr(params, name), -MAX_PENALTY, MAX_PENALTY):
+            raise RequestError("invalid_request", f"{name} must be a number in [-2, 2], got {getattr(params, name)!r}")
+    rep = params.repetition_penalty
+    if not _number_in(rep, 0, MAX_REPETITION_PENALTY) or rep == 0:
+        raise RequestError("invalid_request", f"repetition_penalty must be a number in (0, 10], got {rep!r}")
+    if not _number_in(params.min_p, 0, 1):
+        raise RequestError("invalid_request", f"min_p must be a number in [0, 1], got {params.min_p!r}")
+    if not _is_int(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
+        raise RequestError(
+            "invalid_request",
+            f"min_tokens must be an integer in [0, max_tokens = {params.max_tokens}], got {params.min_tokens!r}",
+        )
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise RequestError(
+            "invalid_request", f"logit_bias biases at most {MAX_LOGIT_BIAS} tokens, got {len(params.logit_bias)}"
+        )
+    for tok, bias in params.logit_bias:
+        if not _token_in(tok, vocab_size) or not _number_in(bias, -MAX_BIAS, MAX_BIAS):
+            raise RequestError(
+                "invalid_request",
+                f"logit_bias {tok!r}: {bias!r} must be a token id of this model (0 <= id < {vocab_size}) "
+                "and a bias in [-100, 100]",
+            )
+    _check_bad_words(params.bad_words, vocab_size)
+
+
+def _check_bad_words(words: tuple[tuple[int, ...], ...], vocab_size: int) -> None:
+    if len(words) > MAX_BAD_WORDS:
+        raise RequestError("invalid_request", f"at most {MAX_BAD_WORDS} bad words, got {len(words)}")
+    for word in words:
+        if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS or not all(_token_in(tok, vocab_size) for tok in word):
+            raise RequestError(
+                "invalid_request",
+                f"a bad word is 1 to {MAX_BAD_WORD_TOKENS} token ids of this model (0 <= id < {vocab_size}), got {word!r}",
             )

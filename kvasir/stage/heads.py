@@ -341,7 +341,12 @@ class DecodeHeadIntake(SchedulerIntake):
         while self.pending:
             handoff = next(iter(self.pending.values()))
             blocks = self.scheduler.reserve(
-                handoff.request_id, handoff.prompt_len, [handoff.first_token], handoff.sampling, handoff.seed
+                handoff.request_id,
+                handoff.prompt_len,
+                [handoff.first_token],
+                handoff.sampling,
+                handoff.seed,
+                handoff.prompt,
             )
             if blocks is None:
                 return  # the decode pool is full: the prefill pool keeps holding the KV

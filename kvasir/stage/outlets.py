@@ -134,8 +134,8 @@ class PrefillTailOutlet(TailOutlet):
         for token in result.tokens:
             head = self.routes.take(token.request_id)  # its prompt is done: handed on, or finished here
             if token.finish is None:
-                sampling, seed = self.sampler.spec(token.request_id)
+                sampling, seed, prompt = self.sampler.spec(token.request_id)
                 handoff = Handoff(
-                    token.request_id, lengths[token.request_id], token.token_id, sampling, seed, now, self.first
+                    token.request_id, lengths[token.request_id], token.token_id, sampling, seed, now, self.first, prompt
                 )
                 self.decode_heads[head].send(handoff)

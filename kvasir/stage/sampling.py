@@ -6,6 +6,7 @@ import msgspec
 import torch
 
 from kvasir.errors import BatchError
+from kvasir.stage.logits import LogitsShaper, keep_min_p
 from kvasir.wire.base import FinishReason
 from kvasir.wire.batch import BatchDescriptor, NewRequest, PromptScores, Row, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
@@ -23,7 +24,7 @@ class RequestSampler:
 
     def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
         self.params = new.sampling
-        self.prompt = new.prompt  # only for a request whose prompt the tail scores
+        self.prompt = new.prompt  # only where its sampling reads it (to score it, or penalise repeats)
         self.queued_ns = new.queued_ns
         self.cached_tokens = new.cached_tokens
         self.generator = torch.Generator(device="cpu")
@@ -33,6 +34,7 @@ class RequestSampler:
         self.max_seq_len = max_seq_len
         self.generated = new.generated
         self.draws = new.generated  # the index of the token the next pick chooses
+        self.shaper = LogitsShaper(new.sampling, self.stop_ids, new.prompt, new.output)
 
     def pick(self, logits: torch.Tensor) -> int:
         """Choose the next token from one row's logits [vocab] (float32, CPU).
@@ -44,6 +46,7 @@ class RequestSampler:
         float16 overflow upstream) fall back to the best finite token.
         """
         params = self.params
+        logits = self.shaper.shape(logits, self.generated)
         if params.temperature == 0:
             self.draws += 1
             return _argmax(logits)
@@ -51,7 +54,7 @@ class RequestSampler:
         if not torch.isfinite(best):
             self.draws += 1
             return _argmax(logits)
-        scores = (logits - best).double() / params.temperature
+        scores = keep_min_p((logits - best).double() / params.temperature, params.min_p)
         if 0 < params.top_k < scores.shape[-1]:
             kth = torch.topk(scores, params.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -70,6 +73,7 @@ class RequestSampler:
     def finish(self, token: int, length: int) -> FinishReason | None:
         """Finish reason after appending ``token``; ``length`` = prompt + output so far."""
         self.generated += 1
+        self.shaper.record(token)
         if token in self.stop_ids:
             return "stop"
         if self.generated >= self.params.max_tokens or length >= self.max_seq_len:
@@ -117,10 +121,11 @@ class Sampler:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def spec(self, request_id: int) -> tuple[SamplingParams, int]:
-        """A running request's sampling parameters and seed (to hand it to another pool)."""
+    def spec(self, request_id: int) -> tuple[SamplingParams, int, tuple[int, ...]]:
+        """A running request's sampling parameters, seed and the prompt ids its sampling
+        reads (to hand it to another pool)."""
         state = self._requests[request_id]
-        return state.params, state.seed
+        return state.params, state.seed, state.prompt
 
     def scored(self, descriptor: BatchDescriptor) -> tuple[int, ...]:
         """The requests whose rows in this batch are prompt chunks to score: the stage
@@ -205,7 +210,7 @@ class Sampler:
 
     def _is_prompt_chunk(self, row: Row) -> bool:
         state = self._requests.get(row.request_id)
-        return state is not None and row.start < len(state.prompt) - 1
+        return state is not None and state.params.prompt_logprobs >= 0 and row.start < len(state.prompt) - 1
 
     def _score(self, rows: list[Row], logits: torch.Tensor):
         """Each scored row's prompt tokens after its first position: the log-probability of

@@ -15,6 +15,11 @@ DaemonState = Literal["serving", "restarting", "draining"]
 
 MAX_STOP_TOKEN_IDS = 256  # stop token ids of one request
 MAX_LOGPROBS = 20  # most likely tokens reported with each output token
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+MAX_BAD_WORDS = 128  # banned token sequences of one request (a word given as text: with and without a leading space)
+MAX_BAD_WORD_TEXTS = 64  # bad words a client gives as text
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 32  # tokens of one banned sequence
 
 
 class Wire(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

@@ -19,6 +19,24 @@ class SamplingParams(Wire, frozen=True):
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids (benchmarks)
     logprobs: int = -1  # -1: none; N >= 0: each output token's log-probability and the N most likely tokens'
     prompt_logprobs: int = -1  # as logprobs, for every prompt token after the first (the tail scores the prompt)
+    # the logits' processing before temperature (kvasir/stage/logits.py), vLLM's meanings
+    presence_penalty: float = 0.0  # minus this for each token the output has
+    frequency_penalty: float = 0.0  # minus this times the times the output has it
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: divided (> 0) or multiplied (< 0) by it
+    min_p: float = 0.0  # after temperature: drop tokens less likely than min_p times the best
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to its logit
+    min_tokens: int = 0  # the stop tokens (end of sequence, stop_token_ids) are barred before this many
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed: the last is barred after the rest
+
+    @property
+    def needs_output(self) -> bool:
+        """Whether the tail needs the tokens output so far (the penalties and bad words read them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.bad_words)
+
+    @property
+    def needs_prompt(self) -> bool:
+        """Whether the tail needs the prompt's ids: to score them, or to penalise their repetition."""
+        return self.prompt_logprobs >= 0 or self.repetition_penalty != 1
 
 
 class NewRequest(Wire, frozen=True):
@@ -28,10 +46,11 @@ class NewRequest(Wire, frozen=True):
     sampling: SamplingParams
     seed: int  # the resolved seed (a request without one gets a random seed at the head)
     generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
-    prompt: tuple[int, ...] = ()  # the prompt's ids, for a request with prompt_logprobs only (the tail scores them)
+    prompt: tuple[int, ...] = ()  # the prompt's ids, where the sampling needs them (``needs_prompt``)
     cached_tokens: int = 0  # prompt tokens the head found in the prefix cache (not computed)
     queued_ns: int = 0  # from its arrival at the head to its first batch (a duration: the head's clock)
     decode_head: int = -1  # a prefill instance's request: the head of the decode instance its KV goes to
+    output: tuple[int, ...] = ()  # the tokens output so far, where the sampling needs them (``needs_output``)
 
 
 class Row(Wire, frozen=True):

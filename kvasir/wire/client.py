@@ -8,7 +8,14 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvasir.config.sections import Pool
-from kvasir.wire.base import MAX_STOP_TOKEN_IDS, DaemonState, FinishReason
+from kvasir.wire.base import (
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORD_TEXTS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    DaemonState,
+    FinishReason,
+)
 from kvasir.wire.stats import BatchSpan, PrefixCounters, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
@@ -44,6 +51,17 @@ class Submit(_Client, frozen=True, tag="submit"):
     cache_salt: Namespace | None = None  # share prefix-cache blocks only with requests giving the same salt
     tenant: Namespace | None = None  # local clients serving others (the HTTP front): the caller's cache namespace
     session: Namespace | None = None  # a conversation's or user's id: its requests stay on one instance while it serves
+    # the logits' processing before sampling (kvasir/stage/logits.py), vLLM's meanings
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: Annotated[dict[int, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    min_tokens: int = 0
+    bad_words: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=MAX_BAD_WORD_CHARS)]], msgspec.Meta(max_length=MAX_BAD_WORD_TEXTS)
+    ] = []  # texts: never completed in the output (the bridge tokenizes them)
+    skip_special_tokens: bool = True  # leave special tokens out of the text (their ids still come)
 
 
 class Cancel(_Client, frozen=True, tag="cancel"):

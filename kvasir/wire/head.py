@@ -47,6 +47,7 @@ class Handoff(Tagged, frozen=True):
     seed: int
     ready_ns: int  # when the prefill tail handed it over (the decode head restamps it on arrival: its own clock)
     prefill_head: int = 0  # the head of the prefill instance it comes from (its KV's stages follow)
+    prompt: tuple[int, ...] = ()  # the prompt's ids where its sampling reads them (SamplingParams.needs_prompt)
 
 
 class KvDrop(Tagged, frozen=True):

@@ -5,7 +5,8 @@ The client protocol fuzz (tests/integration/test_fuzz.py) stops at the bridge; h
 submissions are well-formed, so they travel to the head, every stage and the tail's
 sampler: temperatures down to the smallest subnormal and up to the largest float,
 top-p at its edges, top-k past the vocabulary, seeds at their limits, full stop lists,
-max_tokens up to 2**64 - 1, prompts up to max_seq_len - 1 tokens.
+max_tokens up to 2**64 - 1, prompts up to max_seq_len - 1 tokens, penalties, min_p and
+logit biases over their whole ranges.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvasir.client import AsyncClient
-from kvasir.wire.base import MAX_STOP_TOKEN_IDS
+from kvasir.wire.base import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from kvasir.wire.client import ErrorEvent, Finished
 from tests.support.daemon import BIN
 from tests.support.models import hf_greedy, random_prompts, reference_model
@@ -38,6 +39,12 @@ legal = st.fixed_dictionaries(
         "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=MAX_STOP_TOKEN_IDS),
         "max_tokens": st.one_of(st.integers(1, 2**64 - 1), st.integers(1, MAX_SEQ_LEN)),
         "ignore_eos": st.booleans(),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.one_of(st.floats(0, 10, exclude_min=True), st.sampled_from([5e-324, 1.0, 10.0])),
+        "min_p": st.floats(0, 1),
+        "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=MAX_LOGIT_BIAS),
+        "min_tokens": st.integers(0, 1),
     }
 )
 
@@ -60,6 +67,17 @@ illegal = st.one_of(
         }
     ),
     st.fixed_dictionaries({"token_ids": st.lists(st.integers(VOCAB, 2**62), min_size=1, max_size=4)}),
+    st.fixed_dictionaries({"presence_penalty": st.one_of(st.floats(min_value=2.0000001), st.just(math.nan))}),
+    st.fixed_dictionaries({"repetition_penalty": st.one_of(st.floats(max_value=0.0), st.floats(min_value=10.000001))}),
+    st.fixed_dictionaries({"min_p": st.one_of(st.floats(min_value=1.0000001), st.floats(max_value=-1e-300))}),
+    st.fixed_dictionaries({"logit_bias": st.dictionaries(st.integers(VOCAB, 2**40), st.floats(-1, 1), min_size=1)}),
+    st.fixed_dictionaries(
+        {"logit_bias": st.dictionaries(st.integers(0, 5), st.floats(min_value=100.0001), min_size=1)}
+    ),
+    st.fixed_dictionaries({"min_tokens": st.integers(129, 2**40)}),  # over the default max_tokens, 128
+    st.fixed_dictionaries(
+        {"bad_words": st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=3)}
+    ),  # no tokenizer
 )
 
 

@@ -133,6 +133,12 @@ def test_stop_strings_echo_and_prompt_forms(http_daemon):
     assert stop, full
     cut = client.completions.create(prompt="hello", stop=[stop], **args).choices[0]
     assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
+    kept = client.completions.create(
+        prompt="hello", stop=[stop], **{**args, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}
+    ).choices[0]
+    assert kept.text == full[: full.index(stop) + len(stop)] and kept.finish_reason == "stop"
+    shaped = dict(args, extra_body={"ignore_eos": True, "repetition_penalty": 2.0, "logit_bias": {"5": 3.0}})
+    assert client.completions.create(prompt="hello", **shaped).choices[0].text != full  # reaches the sampler
     echoed = client.completions.create(prompt="hello", echo=True, **args).choices[0].text
     assert echoed == "hello" + full
     many = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **args)
@@ -155,9 +161,12 @@ def test_errors_surface_as_the_sdks_exceptions(http_daemon):
     assert typed.value.body["param"] == "top_k"
     with pytest.raises(openai.BadRequestError) as unserved:  # changes the output, not served: never ignored
         client.chat.completions.create(
-            model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=2, frequency_penalty=0.4
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            extra_body={"use_beam_search": True},
         )
-    assert unserved.value.body["param"] == "frequency_penalty"
+    assert unserved.value.body["param"] == "use_beam_search"
     with pytest.raises(openai.BadRequestError) as unknown:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"temprature": 0})
     assert unknown.value.body["param"] == "temprature" and "no such field" in unknown.value.body["message"]

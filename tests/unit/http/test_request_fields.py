@@ -33,9 +33,9 @@ SHARED = {
     "stream": (True, FRONT),
     "stream_options": ({"include_usage": True}, FRONT),
     "user": ("someone", IGNORED),
-    "frequency_penalty": (0.5, REFUSED),
-    "presence_penalty": (0.5, REFUSED),
-    "logit_bias": ({"5": 10}, REFUSED),
+    "frequency_penalty": (0.5, SUBMITS),
+    "presence_penalty": (0.5, SUBMITS),
+    "logit_bias": ({"5": 10}, SUBMITS),
     "response_format": ({"type": "json_object"}, REFUSED),
     # vLLM's sampling extensions
     "top_k": (3, SUBMITS),
@@ -44,17 +44,17 @@ SHARED = {
     "return_token_ids": (True, FRONT),
     "cache_salt": ("salt", SUBMITS),
     "use_beam_search": (True, REFUSED),
-    "min_p": (0.1, REFUSED),
-    "repetition_penalty": (1.2, REFUSED),
+    "min_p": (0.1, SUBMITS),
+    "repetition_penalty": (1.2, SUBMITS),
     "length_penalty": (0.5, REFUSED),
-    "include_stop_str_in_output": (True, REFUSED),
-    "min_tokens": (3, REFUSED),
-    "skip_special_tokens": (False, REFUSED),
+    "include_stop_str_in_output": (True, FRONT),
+    "min_tokens": (3, SUBMITS),
+    "skip_special_tokens": (False, SUBMITS),
     "spaces_between_special_tokens": (False, REFUSED),
     "truncate_prompt_tokens": (8, REFUSED),
     "prompt_logprobs": (1, REFUSED),
     "allowed_token_ids": ([1, 2], REFUSED),
-    "bad_words": (["x"], REFUSED),
+    "bad_words": (["x"], SUBMITS),
     "logits_processors": (["x"], REFUSED),
     "return_tokens_as_token_ids": (True, REFUSED),
     "priority": (1, REFUSED),
@@ -192,15 +192,9 @@ def test_fields_nobody_defines_are_refused_naming_them(chat_plan):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("frequency_penalty", 0),
-        ("presence_penalty", 0.0),
-        ("repetition_penalty", 1.0),
-        ("logit_bias", {}),
         ("response_format", {"type": "text"}),
         ("tools", []),
         ("tool_choice", "none"),
-        ("skip_special_tokens", True),
-        ("min_tokens", 0),
         ("use_beam_search", False),
         ("best_of", 1),
     ],
@@ -215,5 +209,29 @@ def test_top_logprobs_is_honoured_with_logprobs(chat_plan):
 
 
 def test_a_refusal_says_why_and_shows_the_value():
-    with pytest.raises(ApiError, match=r"presence_penalty: penalties are not served yet \(got 0.5\)"):
-        completions_plan({"presence_penalty": 0.5})
+    with pytest.raises(ApiError, match=r"best_of: best_of is not served \(sample n choices instead\) \(got 3\)"):
+        completions_plan({"best_of": 3})
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"bad_words": [""]}, "bad_words[0]"),
+    ],
+)
+def test_shaping_values_out_of_range_are_refused_naming_them(body, param):
+    assert outcome(completions_plan, body) == ("refused", param)
+
+
+def test_the_shaping_reaches_the_submission_as_the_client_library_takes_it():
+    [sub] = completions_plan(
+        {"logit_bias": {"5": 10, "7": -2.5}, "bad_words": ["no"], "min_tokens": 2, "skip_special_tokens": False}
+    ).submissions
+    assert sub.options["logit_bias"] == {5: 10, 7: -2.5} and sub.options["bad_words"] == ["no"]
+    assert sub.options["min_tokens"] == 2 and sub.options["skip_special_tokens"] is False
