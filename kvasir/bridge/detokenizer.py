@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvasir.errors import RequestError
+from kvasir.model.tokenizer import load_tokenizer
+
+__all__ = ["IncrementalDetokenizer", "encode_chat", "encode_text", "load_tokenizer"]
 
 
 class IncrementalDetokenizer:
@@ -41,15 +42,6 @@ class IncrementalDetokenizer:
         after = self.tokenizer.decode(self.ids[self._prefix :], skip_special_tokens=self.skip)
         self._prefix = self._read = len(self.ids)
         return after[len(before) :]
-
-
-def load_tokenizer(folder: Path | None):
-    """The model folder's tokenizer, or None when it has none (token ids only)."""
-    if folder is None or not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -16,9 +16,10 @@ import msgspec
 from kvasir.bridge.detokenizer import encode_chat, encode_text
 from kvasir.config.sections import PrefixShare
 from kvasir.errors import RequestError
+from kvasir.sched.grammar import check_grammar
 from kvasir.sched.prefix import namespace_root
 from kvasir.sched.validation import check_max_tokens, check_prompt, check_prompt_text, check_sampling
-from kvasir.wire.base import MAX_BAD_WORD_TOKENS, MAX_LOGPROBS
+from kvasir.wire.base import MAX_BAD_WORD_TOKENS, MAX_LOGPROBS, Grammar
 from kvasir.wire.batch import SamplingParams
 from kvasir.wire.client import Submit
 from kvasir.wire.decoding import Decoder, Malformed
@@ -89,9 +90,21 @@ class Submissions:
             logit_bias=tuple(sorted(msg.logit_bias.items())),
             min_tokens=msg.min_tokens,
             bad_words=self._bad_words(msg.bad_words),
+            grammar=msg.grammar,
         )
         check_sampling(sampling, self.vocab_size)
+        if msg.grammar is not None:
+            self._check_grammar(msg.grammar)
         return ids, sampling
+
+    def _check_grammar(self, grammar: Grammar) -> None:
+        """A structured output the tail can follow: the model has a fast tokenizer (the
+        engine reads its vocabulary) and the grammar compiles."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "is_fast", False):
+            raise RequestError(
+                "invalid_request", "structured output needs the model's fast tokenizer, which it has not"
+            )
+        check_grammar(grammar)
 
     def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids as the model would write it, alone and after a space

@@ -32,7 +32,6 @@ class Unserved:
 
 
 TOOLS = "tool calling is not served yet"
-GRAMMAR = "structured output is not served yet"
 TEMPLATE = "chat template options are not served yet"
 
 UNSERVED: tuple[Unserved, ...] = (
@@ -46,7 +45,6 @@ UNSERVED: tuple[Unserved, ...] = (
     Unserved("reasoning_effort", "reasoning effort is not served"),
     Unserved("verbosity", "verbosity is not served"),
     Unserved("web_search_options", "web search is not served"),
-    Unserved("response_format", GRAMMAR, (None, {"type": "text"})),
     Unserved("tools", TOOLS, (None, [])),
     Unserved("tool_choice", TOOLS, (None, "none")),
     Unserved("parallel_tool_calls", TOOLS, (None, True, False)),  # no effect without tools
@@ -64,13 +62,8 @@ UNSERVED: tuple[Unserved, ...] = (
     Unserved("priority", "request priorities are not served", (None, 0)),
     Unserved("kv_transfer_params", "KV transfer between servers is not served"),
     Unserved("vllm_xargs", "vLLM's extra arguments are not served"),
-    Unserved("structured_outputs", GRAMMAR),
-    Unserved("guided_json", GRAMMAR),
-    Unserved("guided_regex", GRAMMAR),
-    Unserved("guided_choice", GRAMMAR),
-    Unserved("guided_grammar", GRAMMAR),
-    Unserved("guided_decoding_backend", GRAMMAR),
-    Unserved("guided_whitespace_pattern", GRAMMAR),
+    Unserved("guided_decoding_backend", "the structured output engine is llguidance, not chosen per request"),
+    Unserved("guided_whitespace_pattern", "the JSON whitespace is the engine's, not chosen per request"),
     # vLLM's chat extensions
     Unserved("add_generation_prompt", TEMPLATE, (None, True)),
     Unserved("continue_final_message", TEMPLATE, (None, False)),

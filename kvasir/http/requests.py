@@ -13,6 +13,7 @@ from kvasir.http.fields import CHAT_ONLY, COMPLETION_ONLY, MESSAGE_UNSERVED, UNS
 from kvasir.http.generation import Submission
 from kvasir.http.prompts import Prompt, Prompts
 from kvasir.http.schema import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
+from kvasir.http.structured import grammar_of
 from kvasir.sched.validation import MAX_SEED
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -175,4 +176,5 @@ def _shaping(req: _Sampling) -> dict[str, Any]:
         "min_tokens": req.min_tokens or 0,
         "bad_words": req.bad_words or [],
         "skip_special_tokens": req.skip_special_tokens,
+        "grammar": grammar_of(req),
     }

@@ -48,6 +48,28 @@ StopForm = (
 )
 
 
+class JsonSchemaFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str = "output"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """vLLM's: exactly one of these."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark or GBNF
+    json_object: bool | None = None
+
+
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: Literal[False] = False  # vLLM's usage in every chunk: not served
@@ -91,6 +113,13 @@ class _Sampling(_Unserved, frozen=True, kw_only=True, forbid_unknown_fields=True
     bad_words: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORD_TEXTS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended a choice stays in its text
+    # structured output (kvasir/http/structured.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice's output token ids (whole responses)
     cache_salt: Namespace | None = None  # vLLM's: share cached prompt blocks only with requests giving the same salt
 

@@ -6,7 +6,14 @@ import math
 from collections.abc import Sequence
 
 from kvasir.errors import RequestError
-from kvasir.wire.base import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from kvasir.wire.base import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+)
 from kvasir.wire.batch import SamplingParams
 
 MAX_SEED = 2**63 - 1
@@ -135,6 +142,8 @@ def check_shaping(params: SamplingParams, vocab_size: int) -> None:
                 "and a bias in [-100, 100]",
             )
     _check_bad_words(params.bad_words, vocab_size)
+    if params.grammar is not None and len(params.grammar.text) > MAX_GRAMMAR_CHARS:
+        raise RequestError("invalid_request", f"a structured output's text is at most {MAX_GRAMMAR_CHARS} characters")
 
 
 def _check_bad_words(words: tuple[tuple[int, ...], ...], vocab_size: int) -> None:

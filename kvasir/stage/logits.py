@@ -31,14 +31,17 @@ class LogitsShaper:
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
         self.bias_ids = torch.tensor([tok for tok, _ in params.logit_bias], dtype=torch.long)
         self.bias = torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32)
-        self.counts: Counter[int] = Counter(output if params.needs_output else ())
+        self.history = bool(
+            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1 or params.bad_words
+        )  # the output so far is read
+        self.counts: Counter[int] = Counter(output if self.history else ())
         self.seen = set(prompt) | set(self.counts) if params.repetition_penalty != 1 else set()
         self.recent = list(output[-MAX_BAD_WORD_TOKENS:]) if params.bad_words else []
-        self.active = bool(params.needs_output or params.logit_bias or params.min_tokens)
+        self.active = bool(self.history or params.logit_bias or params.min_tokens)
 
     def record(self, token: int) -> None:
         """A token the request output (after ``shape`` chose it)."""
-        if self.params.needs_output:
+        if self.history:
             self.counts[token] += 1
             if self.params.repetition_penalty != 1:
                 self.seen.add(token)

@@ -21,6 +21,7 @@ from kvasir.ring.tcp_slots import FramedDescriptors, FramedIntake, TcpSlotRing
 from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.agent import StageAgent
 from kvasir.stage.engine import StageEngine
+from kvasir.stage.grammar import Grammars
 from kvasir.stage.handoff import HandoffSender, KvReceiver, NoHandoff, overlap
 from kvasir.stage.heads import DecodeHeadIntake, PrefillHeadIntake, SchedulerIntake
 from kvasir.stage.kv_remote import KvInbox, KvStream
@@ -109,7 +110,7 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
         intake = UpstreamIntake(_descriptors_in(w, ring_in), ring_in, w.push(Credit, ends.credits(index - 1)))
     if w.local == w.last:
         sampler, head = (
-            Sampler(source.eos_token_ids, plan.model.max_seq_len),
+            Sampler(source.eos_token_ids, plan.model.max_seq_len, Grammars(source.weights_dir, source.vocab_size)),
             w.push(HeadMessage, ends.stage_in(w.head)),
         )
         if settings.pool == "prefill":

@@ -6,6 +6,7 @@ import msgspec
 import torch
 
 from kvasir.errors import BatchError
+from kvasir.stage.grammar import Constraint, GrammarError, Grammars
 from kvasir.stage.logits import LogitsShaper, keep_min_p
 from kvasir.wire.base import FinishReason
 from kvasir.wire.batch import BatchDescriptor, NewRequest, PromptScores, Row, SampledToken, SamplingParams
@@ -22,7 +23,9 @@ class RequestSampler:
     disaggregated plan the prefill pool's tail draws the first, the decode pool's the rest).
     """
 
-    def __init__(self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
+    def __init__(
+        self, new: NewRequest, eos_ids: tuple[int, ...], max_seq_len: int, grammars: Grammars | None = None
+    ) -> None:
         self.params = new.sampling
         self.prompt = new.prompt  # only where its sampling reads it (to score it, or penalise repeats)
         self.queued_ns = new.queued_ns
@@ -35,6 +38,7 @@ class RequestSampler:
         self.generated = new.generated
         self.draws = new.generated  # the index of the token the next pick chooses
         self.shaper = LogitsShaper(new.sampling, self.stop_ids, new.prompt, new.output)
+        self.constraint = self._constraint(new, grammars)
 
     def pick(self, logits: torch.Tensor) -> int:
         """Choose the next token from one row's logits [vocab] (float32, CPU).
@@ -47,6 +51,8 @@ class RequestSampler:
         """
         params = self.params
         logits = self.shaper.shape(logits, self.generated)
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         if params.temperature == 0:
             self.draws += 1
             return _argmax(logits)
@@ -70,10 +76,26 @@ class RequestSampler:
         self.draws += 1
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
+    @staticmethod
+    def _constraint(new: NewRequest, grammars: Grammars | None) -> Constraint | None:
+        grammar = new.sampling.grammar
+        if grammar is None:
+            return None
+        if grammars is None:
+            raise BatchError(f"request {new.request_id} asks for structured output, which this tail cannot follow")
+        try:
+            return grammars.constraint(grammar, new.output)
+        except GrammarError as exc:
+            raise BatchError(f"request {new.request_id}: {exc}") from None
+
     def finish(self, token: int, length: int) -> FinishReason | None:
         """Finish reason after appending ``token``; ``length`` = prompt + output so far."""
         self.generated += 1
         self.shaper.record(token)
+        if self.constraint is not None:
+            self.constraint.follow(token)
+            if self.constraint.done:
+                return "stop"  # the structured output is complete
         if token in self.stop_ids:
             return "stop"
         if self.generated >= self.params.max_tokens or length >= self.max_seq_len:
@@ -110,9 +132,10 @@ def _argmax(logits: torch.Tensor) -> int:
 class Sampler:
     """The tail's samplers for every request it currently knows."""
 
-    def __init__(self, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
+    def __init__(self, eos_ids: tuple[int, ...], max_seq_len: int, grammars: Grammars | None = None) -> None:
         self.eos_ids = eos_ids
         self.max_seq_len = max_seq_len
+        self.grammars = grammars  # structured output (None: a tail that cannot follow grammars)
         self._requests: dict[int, RequestSampler] = {}
         self._admitted: BatchDescriptor | None = None  # the batch whose releases and new requests are in
         self._scoring: tuple[BatchDescriptor | None, tuple[int, ...]] = (None, ())
@@ -170,7 +193,7 @@ class Sampler:
         for rid in descriptor.release:
             self._requests.pop(rid, None)
         for new in descriptor.new_requests:
-            self._requests[new.request_id] = RequestSampler(new, self.eos_ids, self.max_seq_len)
+            self._requests[new.request_id] = RequestSampler(new, self.eos_ids, self.max_seq_len, self.grammars)
 
     def _pick(self, descriptor: BatchDescriptor, row: Row, logits: torch.Tensor) -> list[SampledToken]:
         """A row's tokens from its sampled positions' logits [1 + drafts, vocab]: each

@@ -20,6 +20,10 @@ MAX_BAD_WORDS = 128  # banned token sequences of one request (a word given as te
 MAX_BAD_WORD_TEXTS = 64  # bad words a client gives as text
 MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 32  # tokens of one banned sequence
+MAX_GRAMMAR_CHARS = 64 * 1024  # a structured output's schema, regex, choices or grammar, as text
+# what a structured output's text is: a JSON schema ("json", "json_object": any object, its
+# text empty), a regular expression, a JSON list of choices, or a grammar (Lark or GBNF)
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 
 class Wire(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -28,3 +32,11 @@ class Wire(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=T
 
 class Tagged(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, tag=True):
     pass
+
+
+class Grammar(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A structured output: every token the tail samples keeps the output inside it
+    (kvasir/sched/grammar.py checks it, kvasir/stage/grammar.py applies it)."""
+
+    kind: GrammarKind
+    text: str = ""

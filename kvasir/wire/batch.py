@@ -3,7 +3,7 @@ new requests, the tail's sampled tokens, and the credits that free boundary slot
 
 from __future__ import annotations
 
-from kvasir.wire.base import FinishReason, Wire
+from kvasir.wire.base import FinishReason, Grammar, Wire
 
 
 # -- requests and batches -------------------------------------------------------------
@@ -27,11 +27,13 @@ class SamplingParams(Wire, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to its logit
     min_tokens: int = 0  # the stop tokens (end of sequence, stop_token_ids) are barred before this many
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed: the last is barred after the rest
+    grammar: Grammar | None = None  # structured output: the output stays inside it (kvasir/stage/grammar.py)
 
     @property
     def needs_output(self) -> bool:
         """Whether the tail needs the tokens output so far (the penalties and bad words read them)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.bad_words)
+        shaped = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.bad_words
+        return bool(shaped or self.grammar)
 
     @property
     def needs_prompt(self) -> bool:

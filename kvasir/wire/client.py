@@ -15,6 +15,7 @@ from kvasir.wire.base import (
     MAX_STOP_TOKEN_IDS,
     DaemonState,
     FinishReason,
+    Grammar,
 )
 from kvasir.wire.stats import BatchSpan, PrefixCounters, ShardStats, StageStats
 
@@ -62,6 +63,7 @@ class Submit(_Client, frozen=True, tag="submit"):
         list[Annotated[str, msgspec.Meta(max_length=MAX_BAD_WORD_CHARS)]], msgspec.Meta(max_length=MAX_BAD_WORD_TEXTS)
     ] = []  # texts: never completed in the output (the bridge tokenizes them)
     skip_special_tokens: bool = True  # leave special tokens out of the text (their ids still come)
+    grammar: Grammar | None = None  # structured output: a JSON schema, a regex, choices or a Lark grammar
 
 
 class Cancel(_Client, frozen=True, tag="cancel"):

@@ -14,6 +14,7 @@ from kvasir.http.errors import ApiError, from_validation
 from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Served, plan_chat, plan_completion
 from kvasir.http.schema import ChatRequest, CompletionRequest
+from kvasir.wire.base import Grammar
 
 SERVED = Served.of("tiny", 64, 4096, None, allow_ignore_eos=True)
 SUBMITS = "changes the submissions"
@@ -36,7 +37,7 @@ SHARED = {
     "frequency_penalty": (0.5, SUBMITS),
     "presence_penalty": (0.5, SUBMITS),
     "logit_bias": ({"5": 10}, SUBMITS),
-    "response_format": ({"type": "json_object"}, REFUSED),
+    "response_format": ({"type": "json_object"}, SUBMITS),
     # vLLM's sampling extensions
     "top_k": (3, SUBMITS),
     "stop_token_ids": ([3], SUBMITS),
@@ -61,11 +62,11 @@ SHARED = {
     "request_id": ("abc", IGNORED),
     "kv_transfer_params": ({"a": 1}, REFUSED),
     "vllm_xargs": ({"a": 1}, REFUSED),
-    "structured_outputs": ({"choice": ["a"]}, REFUSED),
-    "guided_json": ({"type": "object"}, REFUSED),
-    "guided_regex": ("a+", REFUSED),
-    "guided_choice": (["a"], REFUSED),
-    "guided_grammar": ("root ::= 'a'", REFUSED),
+    "structured_outputs": ({"choice": ["a"]}, SUBMITS),
+    "guided_json": ({"type": "object"}, SUBMITS),
+    "guided_regex": ("a+", SUBMITS),
+    "guided_choice": (["a"], SUBMITS),
+    "guided_grammar": ("root ::= 'a'", SUBMITS),
     "guided_decoding_backend": ("xgrammar", REFUSED),
     "guided_whitespace_pattern": (" ", REFUSED),
 }
@@ -235,3 +236,25 @@ def test_the_shaping_reaches_the_submission_as_the_client_library_takes_it():
     ).submissions
     assert sub.options["logit_bias"] == {5: 10, 7: -2.5} and sub.options["bad_words"] == ["no"]
     assert sub.options["min_tokens"] == 2 and sub.options["skip_special_tokens"] is False
+
+
+def test_structured_output_fields_become_one_grammar():
+    def grammar(body):
+        return completions_plan(body).submissions[0].options["grammar"]
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert grammar({"response_format": fmt}) == Grammar("json", json.dumps(schema))
+    assert grammar({"response_format": {"type": "json_object"}}) == Grammar("json_object")
+    assert grammar({"response_format": {"type": "text"}}) is None
+    assert grammar({"structured_outputs": {"regex": "[a-z]+"}}) == Grammar("regex", "[a-z]+")
+    assert grammar({"structured_outputs": {"choice": ["yes", "no"]}}) == Grammar("choice", '["yes", "no"]')
+    assert grammar({"guided_grammar": "start: /x+/"}) == Grammar("grammar", "start: /x+/")
+    two = {"response_format": {"type": "json_object"}, "guided_regex": "a"}
+    assert outcome(completions_plan, two) == ("refused", "guided_regex")
+    assert outcome(completions_plan, {"structured_outputs": {"regex": "a", "choice": ["b"]}}) == (
+        "refused",
+        "structured_outputs",
+    )
+    assert outcome(completions_plan, {"response_format": {"type": "json_schema"}}) == ("refused", "response_format")
+    assert outcome(completions_plan, {"response_format": {"type": "xml"}}) == ("refused", "response_format.type")
