@@ -6,11 +6,14 @@ processors, and a reference written out here for vLLM's presence and frequency p
 from __future__ import annotations
 
 import asyncio
+import json
 
 import torch
 from test_ring import check_events
+from transformers import AutoTokenizer
 
 from kvasir.client import AsyncClient
+from kvasir.wire.base import Grammar
 from kvasir.wire.client import Finished
 from tests.support.models import random_prompts, reference_model
 
@@ -75,3 +78,32 @@ def test_penalties_bias_and_min_tokens_hold_across_the_handoff(tiny_models, star
     plain = hf(model, prompts[0], 16)
     assert finals[0].token_ids != plain or finals[4].token_ids != plain  # the penalties acted
     assert all(final.handoff is not None for final in finals)  # every one crossed the pools
+
+
+def test_structured_output_holds_across_the_handoff(tiny_models, start_daemon):
+    """The decode pool's tail rebuilds each request's matcher from its first token."""
+    source = tiny_models["llama-tokenizer"]
+    daemon = start_daemon(source, SPLITS, name="structured", max_rows=6, num_blocks=160).wait_ready()
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
+        "required": ["id", "ok"],
+        "additionalProperties": False,
+    }
+    grammar = Grammar("json", json.dumps(schema))
+    prompts = random_prompts(320, [4, 11, 23, 7, 15, 30], seed=3)
+    jobs = [
+        (ids, {"max_tokens": 40, "temperature": 1.0, "seed": k, "grammar": grammar}) for k, ids in enumerate(prompts)
+    ]
+
+    async def sampled():  # temperature 1: submit_all is greedy
+        async with await AsyncClient.connect(daemon.runtime_dir) as client:
+            streams = [await client.submit(token_ids=ids, **kw) for ids, kw in jobs]
+            return [await stream.result() for stream in streams]
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    for final in asyncio.run(sampled()):
+        assert isinstance(final, Finished) and final.reason == "stop", final
+        body = json.loads(tokenizer.decode(final.token_ids, skip_special_tokens=True))
+        assert set(body) == {"id", "ok"} and 0 <= body["id"] <= 999 and isinstance(body["ok"], bool)
+        assert final.handoff is not None
