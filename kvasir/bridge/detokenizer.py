@@ -49,13 +49,38 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Chat messages through the model's chat template, ready for the assistant's turn;
-    RequestError when the model has no template or the template refuses the messages."""
-    if not getattr(tokenizer, "chat_template", None):
+# apply_chat_template's own parameters: never set through a request's template variables
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
+
+
+def encode_chat(
+    tokenizer,
+    messages: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Chat messages through the model's chat template (or ``chat_template``), ready for
+    the assistant's turn unless ``add_generation_prompt`` is false, or with the last
+    message left open (``continue_final_message``); ``template_kwargs``: the template's
+    own variables (e.g. ``enable_thinking``). RequestError when the model has no template
+    or the template refuses the messages."""
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise RequestError("invalid_request", "this model has no chat template")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            tokenize=True,
+            **(template_kwargs or {}),
+        )
     except Exception as exc:  # a template may raise anything (jinja2's errors, its own raise_exception)
         raise RequestError("invalid_request", f"the chat template refused the messages: {exc}") from None
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -32,7 +32,6 @@ class Unserved:
 
 
 TOOLS = "tool calling is not served yet"
-TEMPLATE = "chat template options are not served yet"
 
 UNSERVED: tuple[Unserved, ...] = (
     # OpenAI completions
@@ -65,11 +64,9 @@ UNSERVED: tuple[Unserved, ...] = (
     Unserved("guided_decoding_backend", "the structured output engine is llguidance, not chosen per request"),
     Unserved("guided_whitespace_pattern", "the JSON whitespace is the engine's, not chosen per request"),
     # vLLM's chat extensions
-    Unserved("add_generation_prompt", TEMPLATE, (None, True)),
-    Unserved("continue_final_message", TEMPLATE, (None, False)),
-    Unserved("documents", TEMPLATE),
-    Unserved("chat_template", TEMPLATE),
-    Unserved("chat_template_kwargs", TEMPLATE, (None, {})),
+    Unserved("documents", "documents for the chat template are not served"),
+    # a template is code the front runs: a request's own is refused (as vLLM does unless trusted)
+    Unserved("chat_template", "a request's own chat template is not run: the model's is used"),
     Unserved("mm_processor_kwargs", "this model takes text only", (None, {})),
 )
 # per endpoint: chat's echo (vLLM: prepend the last message) is not the completions echo

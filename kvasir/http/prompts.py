@@ -6,8 +6,9 @@ only checks the ids), exactly as the bridge tokenizes a text or chat submission
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from kvasir.bridge.detokenizer import encode_chat, encode_text
+from kvasir.bridge.detokenizer import RESERVED_TEMPLATE_KWARGS, encode_chat, encode_text
 from kvasir.errors import RequestError
 from kvasir.http.errors import ApiError, invalid
 from kvasir.http.schema import MAX_PROMPTS, ChatMessage, PromptForm
@@ -55,12 +56,20 @@ class Prompts:
             "prompt must be a string, a list of strings, a list of token ids or a list of such lists", "prompt"
         )
 
-    def chat(self, messages: list[ChatMessage]) -> Prompt:
+    def chat(self, messages: list[ChatMessage], template: dict[str, Any] | None = None) -> Prompt:
+        """``template``: encode_chat's options (add_generation_prompt, continue_final_message,
+        chat_template, template_kwargs)."""
         if not messages:
             raise invalid("messages is empty: give at least one message", "messages")
         plain = [self._message(k, message) for k, message in enumerate(messages)]
         self._check("".join(m["content"] + m.get("name", "") for m in plain), "messages")
-        return Prompt(self._encode(lambda: encode_chat(self._need(), plain)), None)
+        options = template or {}
+        bad = sorted(set(options.get("template_kwargs") or {}) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise invalid(
+                f"chat_template_kwargs may not set {', '.join(bad)}: give it as its own field", "chat_template_kwargs"
+            )
+        return Prompt(self._encode(lambda: encode_chat(self._need(), plain, **options)), None)
 
     def token_text(self, token: int) -> str:
         """One token's text, as logprobs name it ("token_id:N" for a model without a tokenizer)."""

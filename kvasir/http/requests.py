@@ -78,7 +78,19 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
         refuse_unserved(message, MESSAGE_UNSERVED, f"messages[{k}].")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs = true", "top_logprobs")
-    prompt = prompts.chat(req.messages)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise invalid(
+            "continue_final_message leaves the last message open: give add_generation_prompt = false with it",
+            "continue_final_message",
+        )
+    prompt = prompts.chat(
+        req.messages,
+        {
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+            "template_kwargs": req.chat_template_kwargs,
+        },
+    )
     if req.n > served.max_choices:
         raise invalid(
             f"n = {req.n} is more than {served.max_choices} generations in one request (http.max_choices)", "n"

@@ -151,6 +151,10 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
     max_completion_tokens: Count | None = None  # the newer name of max_tokens
     echo: Any = None  # vLLM's chat echo: refused unless false (kvasir/http/fields.py)
+    # vLLM's template options (kvasir/bridge/detokenizer.py encode_chat)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=64)] | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
 

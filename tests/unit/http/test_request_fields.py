@@ -5,6 +5,7 @@ schemas themselves, not from the code: a field the front drops silently fails he
 
 from __future__ import annotations
 
+import copy
 import json
 
 import msgspec
@@ -103,11 +104,11 @@ CHAT = {
     # vLLM's chat extensions
     "echo": (True, REFUSED),
     "add_special_tokens": (True, REFUSED),
-    "add_generation_prompt": (False, REFUSED),
-    "continue_final_message": (True, REFUSED),
+    "add_generation_prompt": (False, SUBMITS),
+    "continue_final_message": (True, REFUSED),  # without add_generation_prompt = false (test below)
     "documents": ([{"text": "d"}], REFUSED),
     "chat_template": ("{{ messages }}", REFUSED),
-    "chat_template_kwargs": ({"enable_thinking": False}, REFUSED),
+    "chat_template_kwargs": ({"enable_thinking": False}, FRONT),  # to the template (test below)
     "mm_processor_kwargs": ({"a": 1}, REFUSED),
 }
 MESSAGE_FIELDS = {
@@ -258,3 +259,24 @@ def test_structured_output_fields_become_one_grammar():
     )
     assert outcome(completions_plan, {"response_format": {"type": "json_schema"}}) == ("refused", "response_format")
     assert outcome(completions_plan, {"response_format": {"type": "xml"}}) == ("refused", "response_format.type")
+
+
+def test_template_options_reach_the_template(tiny_tokenizer, chat_plan):
+    open_end = outcome(chat_plan, {"continue_final_message": True, "add_generation_prompt": False})
+    closed = outcome(chat_plan, {"add_generation_prompt": False})
+    assert open_end[0] == closed[0] == "planned" and open_end != closed
+    shouting = copy.deepcopy(tiny_tokenizer)
+    shouting.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}!!{% endif %}"
+    prompts = Prompts(shouting, 64, len(shouting))
+
+    def ids(body):
+        req = msgspec.json.decode(
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}), type=ChatRequest
+        )
+        return plan_chat(req, prompts, SERVED).submissions[0].prompt
+
+    assert shouting.decode(ids({"chat_template_kwargs": {"shout": True}})).endswith("hi!!")
+    assert shouting.decode(ids({})).endswith("hi")
+    with pytest.raises(ApiError, match="may not set tokenize") as refused:
+        ids({"chat_template_kwargs": {"tokenize": False}})
+    assert refused.value.param == "chat_template_kwargs"
