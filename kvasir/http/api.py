@@ -1,5 +1,5 @@
 """The HTTP routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/health`` and ``/metrics`` (aiohttp). Every error is an OpenAI-shaped body; a stream
+``/tokenize``, ``/detokenize``, ``/version``, ``/health`` and ``/metrics`` (aiohttp). Every error is an OpenAI-shaped body; a stream
 that fails after it started ends with an error event, then ``data: [DONE]``."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Planned, Served, plan_chat, plan_completion
 from kvasir.http.schema import ChatRequest, CompletionRequest, FinishReason, ModelCard, ModelList, UsageBody
 from kvasir.http.shapes import ChatShape, CompletionShape, Out, Shape, usage
+from kvasir.http.tokens import DetokenizeRequest, TokenizeRequest, Version, detokenize, tokenize
 from kvasir.wire.decoding import JsonDecoder, Malformed
 
 MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids fits many times over)
@@ -35,6 +36,7 @@ DONE = b"data: [DONE]\n\n"
 # there are API keys, whose prefix-cache namespace its prompts are in ("open" without keys)
 CALLER = web.RequestKey("kvasir.caller", str)
 T = TypeVar("T")
+GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths behind the API keys
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -66,6 +68,8 @@ class Api:
         self.started = int(time.time())
         self.completion_decoder: JsonDecoder[CompletionRequest] = JsonDecoder(CompletionRequest)
         self.chat_decoder: JsonDecoder[ChatRequest] = JsonDecoder(ChatRequest)
+        self.tokenize_decoder: JsonDecoder[TokenizeRequest] = JsonDecoder(TokenizeRequest)
+        self.detokenize_decoder: JsonDecoder[DetokenizeRequest] = JsonDecoder(DetokenizeRequest)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def app(self) -> web.Application:
@@ -81,6 +85,9 @@ class Api:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
@@ -109,8 +116,9 @@ class Api:
                 connections.idle(transport)
 
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        """Bearer keys guard /v1/ (``http.api_keys``); /health and /metrics stay open, as in vLLM."""
-        if self.keys is not None and request.path.startswith("/v1/"):
+        """Bearer keys guard /v1/, /tokenize and /detokenize (``http.api_keys``); /health,
+        /metrics and /version stay open, as in vLLM."""
+        if self.keys is not None and request.path.startswith(GUARDED):
             scheme, _, key = request.headers.get("Authorization", "").partition(" ")
             digest = _digest(key.strip())
             if scheme.lower() != "bearer" or digest not in self.keys:
@@ -140,6 +148,19 @@ class Api:
         include = req.stream_options is not None and req.stream_options.include_usage
         shape = ChatShape(self.served.model_name, self.prompts.token_text)
         return await self._serve(request, planned, shape, req.stream, include, req.return_token_ids)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = await self._decode(request, self.tokenize_decoder)
+        answer = await self._off_loop(tokenize, req, self.prompts, self.served.model_name)
+        return _json(msgspec.json.encode(answer))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = await self._decode(request, self.detokenize_decoder)
+        answer = await self._off_loop(detokenize, req, self.prompts, self.served.model_name)
+        return _json(msgspec.json.encode(answer))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json(msgspec.json.encode(Version()))
 
     async def health(self, request: web.Request) -> web.Response:
         state = self.gateway.health()

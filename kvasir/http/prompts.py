@@ -71,6 +71,11 @@ class Prompts:
             )
         return Prompt(self._encode(lambda: encode_chat(self._need(), plain, **options)), None)
 
+    def text_ids(self, text: str, special: bool = True) -> list[int]:
+        """A text's ids, with the model's special tokens (a BOS) unless ``special`` is false."""
+        self._check(text, "prompt")
+        return self._encode(lambda: list(self._need().encode(text, add_special_tokens=special)))
+
     def token_text(self, token: int) -> str:
         """One token's text, as logprobs name it ("token_id:N" for a model without a tokenizer)."""
         if self.tokenizer is None:

@@ -577,3 +577,46 @@ def test_structured_output_parses_through_the_sdk(http_daemon):
             model="tiny-llama", messages=messages, extra_body={"structured_outputs": {"regex": "[0-9"}}
         )
     assert "does not compile" in bad.value.body["message"]
+
+
+def test_tokenize_detokenize_and_version(http_daemon):
+    """vLLM's shapes: the ids are those a generation request gives the model."""
+    said = curl(http_daemon, "/tokenize", {"prompt": "hello ring", "return_token_strs": True})
+    body = json.loads(said.stdout)
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) and body["max_model_len"] > 0
+    client = sdk(http_daemon)
+    done = client.completions.create(model="tiny-llama", prompt="hello ring", max_tokens=1)
+    assert done.usage.prompt_tokens == body["count"]
+    bare = json.loads(curl(http_daemon, "/tokenize", {"prompt": "hello ring", "add_special_tokens": False}).stdout)
+    assert bare["tokens"] == body["tokens"][body["count"] - bare["count"] :]  # less the BOS
+    text = json.loads(curl(http_daemon, "/detokenize", {"tokens": bare["tokens"]}).stdout)["prompt"]
+    assert text == "hello ring"
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = json.loads(curl(http_daemon, "/tokenize", {"messages": messages}).stdout)
+    answer = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=1)
+    assert answer.usage.prompt_tokens == chat["count"]
+    unknown = json.loads(curl(http_daemon, "/tokenize", {"prompt": "x", "colour": 1}).stdout)
+    assert unknown["error"]["param"] == "colour"
+    outside = json.loads(curl(http_daemon, "/detokenize", {"tokens": [10**6]}).stdout)
+    assert outside["error"]["param"] == "tokens"
+    locked = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-d",
+            "{}",
+            f"http://127.0.0.1:{http_daemon.port}/tokenize",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert locked.stdout == "401"  # behind the API keys, as /v1/ is
+    version = subprocess.run(
+        ["curl", "-sS", f"http://127.0.0.1:{http_daemon.port}/version"], capture_output=True, text=True, timeout=60
+    )
+    assert json.loads(version.stdout)["version"]
