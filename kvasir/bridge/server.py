@@ -71,7 +71,9 @@ class Bridge:
         self.max_seq_len = plan.model.max_seq_len
         self.max_waiting = plan.bridge.max_waiting
         self.max_per_client = plan.bridge.max_per_client
-        self.tokenizer = load_tokenizer(Path(model.folder) if model.folder is not None else None)
+        self.tokenizer = load_tokenizer(
+            Path(model.folder) if model.folder is not None else None, plan.model.chat_template
+        )
         self.submissions = Submissions(
             self.tokenizer,
             model.vocab_size,

@@ -21,6 +21,9 @@ class ModelSpec(_Section, frozen=True):
     source: str = "smollm2-135m"
     dtype: str = "float32"
     max_seq_len: int = 2048
+    chat_template: str | None = (
+        None  # a Jinja file used instead of the model's template (relative: from the plan's folder)
+    )
 
 
 class BatchSpec(_Section, frozen=True):

@@ -11,6 +11,7 @@ from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_publi
 from kvasir.config.plan import Plan, check_model_fit, load_plan
 from kvasir.errors import ModelSourceError, PlanError
 from kvasir.model.source import ModelSource, resolve_source
+from kvasir.model.tokenizer import read_template
 
 
 def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
@@ -22,7 +23,7 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
     try:
         source = resolve_source(plan.model.source, base_dir=base)
         check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
-        plan = resolve_http(resolve_cluster(resolve_keys(plan, base), base), base)
+        plan = resolve_template(resolve_http(resolve_cluster(resolve_keys(plan, base), base), base), base)
     except (PlanError, ModelSourceError) as exc:
         raise PlanError(f"{path}: {exc}") from None
     return plan, source
@@ -61,6 +62,18 @@ def resolve_cluster(plan: Plan, base: Path) -> Plan:
                 f"cluster.keys: host {name}: {exc} (make the pairs with `kvasir keys generate DIR --host {name}`)"
             ) from None
     return msgspec.structs.replace(plan, cluster=msgspec.structs.replace(plan.cluster, keys=str(folder)))
+
+
+def resolve_template(plan: Plan, base: Path) -> Plan:
+    """The plan with an absolute ``model.chat_template``, once the file reads."""
+    if plan.model.chat_template is None:
+        return plan
+    path = base / plan.model.chat_template
+    try:
+        read_template(path)
+    except ValueError as exc:
+        raise PlanError(f"model.chat_template: {exc}") from None
+    return msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, chat_template=str(path)))
 
 
 def resolve_http(plan: Plan, base: Path) -> Plan:

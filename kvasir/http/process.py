@@ -55,7 +55,7 @@ class Front:
         self.settings = settings
         self.log = log
         plan = settings.plan
-        tokenizer = load_tokenizer(Path(model.folder) if model.folder is not None else None)
+        tokenizer = load_tokenizer(Path(model.folder) if model.folder is not None else None, plan.model.chat_template)
         keys = read_api_keys(Path(http.api_keys)) if http.api_keys is not None else None
         choices, per_caller = shares(http, plan.bridge.max_per_client)
         served = Served.of(

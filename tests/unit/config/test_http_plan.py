@@ -95,3 +95,26 @@ def test_tls_files_resolve_from_the_plans_folder_and_a_bad_one_is_named(tmp_path
         resolve_http(plan('tls_cert = "nothing.pem"\ntls_key = "key.pem"'), tmp_path)
     with pytest.raises(PlanError, match="cannot load"):
         resolve_http(plan('tls_cert = "key.pem"\ntls_key = "key.pem"'), tmp_path)  # a key is no certificate
+
+
+def test_a_chat_template_file_replaces_the_models_and_a_missing_one_is_named(tmp_path):
+    from transformers import AutoTokenizer
+
+    from kvasir.daemon.resolve import resolve_template
+    from kvasir.model.tokenizer import load_tokenizer
+    from tests.support.models import save_tiny_tokenizer
+
+    base = parse_plan(f'[model]\nchat_template = "shout.jinja"\n{STAGES}')
+    with pytest.raises(PlanError, match="model.chat_template: chat template file not found"):
+        resolve_template(base, tmp_path)
+    (tmp_path / "shout.jinja").write_text("{% for m in messages %}{{ m.content | upper }}{% endfor %}")
+    resolved = resolve_template(base, tmp_path)
+    assert resolved.model.chat_template == str(tmp_path / "shout.jinja")
+    save_tiny_tokenizer(tmp_path / "tok")
+    tokenizer = load_tokenizer(tmp_path / "tok", resolved.model.chat_template)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert tokenizer.decode(ids) == "HI"
+    assert (
+        load_tokenizer(tmp_path / "tok").chat_template == AutoTokenizer.from_pretrained(tmp_path / "tok").chat_template
+    )
