@@ -33,8 +33,22 @@ class Buckets:
         return Histogram(bounds=self.bounds, counts=tuple(self.counts), sum=self.sum)
 
 
+def one_two_five(limit: int) -> tuple[float, ...]:
+    """vLLM's token-count bounds: 1, 2, 5, 10, 20, 50, ... up to ``limit``."""
+    bounds: list[float] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(bounds)
+            bounds.append(float(step * scale))
+        scale *= 10
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, max_seq_len: int = 2048) -> None:
+        self.prompt_lengths = Buckets(one_two_five(max_seq_len))
+        self.output_lengths = Buckets(one_two_five(max_seq_len))
         self.ttft = Buckets(TTFT_BOUNDS)
         self.itl = Buckets(ITL_BOUNDS)
         self.e2e = Buckets(REQUEST_BOUNDS)
@@ -52,8 +66,10 @@ class Metrics:
         if gap_ns is not None:
             self.itl.observe(gap_ns / 1e9)
 
-    def finished(self, reason: str, timings: Timings) -> None:
+    def finished(self, reason: str, timings: Timings, prompt_tokens: int, output_tokens: int) -> None:
         self.ended[reason] += 1
+        self.prompt_lengths.observe(prompt_tokens)
+        self.output_lengths.observe(output_tokens)
         self.ttft.observe(timings.first_token_s)
         self.e2e.observe(timings.total_s)
         self.queue.observe(timings.queued_s)
@@ -71,4 +87,6 @@ class Metrics:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             ended=dict(self.ended),
+            request_prompt_tokens=self.prompt_lengths.snapshot(),
+            request_generation_tokens=self.output_lengths.snapshot(),
         )

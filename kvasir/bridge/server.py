@@ -117,7 +117,7 @@ class Bridge:
             started=lambda record: conductor.first_token(record.instance, record.backlog),
         )
         self.handoffs = HandoffLog()
-        self.metrics = Metrics()
+        self.metrics = Metrics(plan.model.max_seq_len)
         self.streams = Streams(self.requests, self.metrics, self.outbox, self.publisher_io, self.encoder)
         self.reports = Reports(self.heads)
         self.started = time.monotonic()

@@ -82,5 +82,7 @@ class Streams:
         if token.finish is not None:
             self.requests.end(token.request_id)
             finished = record.finished(token.request_id, token.finish)
-            self.metrics.finished(token.finish, finished.timings)
+            self.metrics.finished(
+                token.finish, finished.timings, finished.usage.prompt_tokens, finished.usage.completion_tokens
+            )
             self.outbox.deliver(record.peer, self.encoder.encode(finished))

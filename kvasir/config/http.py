@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import ssl
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -49,6 +50,7 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     tls_cert: str | None = None  # PEM certificate chain: the front serves HTTPS (relative: from the plan's folder)
     tls_key: str | None = None  # its PEM private key (readable by its owner only)
     allow_plaintext: bool = False  # a non-loopback listen without TLS: keys and prompts in clear text
+    metrics_prefix: Literal["kvasir", "vllm"] = "kvasir"  # /metrics names: "vllm" for vLLM's dashboards unchanged
 
 
 def parse_listen(listen: str) -> tuple[str, int] | None:

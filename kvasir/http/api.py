@@ -55,11 +55,13 @@ class Api:
         http: HttpSpec,
         per_caller: int,
         log,
+        kv_capacity: dict[int, int] | None = None,
     ) -> None:
         self.gateway = gateway
         self.prompts = prompts
         self.served = served
         self.limits = http
+        self.kv_capacity = kv_capacity or {}  # each instance's KV blocks, by its head's stage (/metrics)
         self.callers = Callers(per_caller)
         self.connections: Connections | None = None  # set by the front once it serves (marks requests)
         self.stalled = 0  # streams cut off because their client stopped reading
@@ -170,7 +172,8 @@ class Api:
 
     async def metrics(self, request: web.Request) -> web.Response:
         stats = await self.gateway.stats()
-        return web.Response(body=render(stats, self.served.model_name), headers={"Content-Type": CONTENT_TYPE})
+        body = render(stats, self.served.model_name, self.limits.metrics_prefix, self.kv_capacity)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     # -- generating -------------------------------------------------------------------------
     def _plan_completion(self, req: CompletionRequest) -> tuple[Planned, list[str] | None]:

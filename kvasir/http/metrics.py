@@ -1,6 +1,7 @@
 """``/metrics``: the daemon's statistics (one stats query to the bridge) as Prometheus
 series, through prometheus_client's own exposition. Names follow vLLM's where the
-meaning is the same, under ``kvasir:``; every series carries ``model_name``.
+meaning is the same, under ``kvasir:`` (or ``vllm:``, ``[http] metrics_prefix``, so
+vLLM's published dashboards read Kvasir unchanged); every series carries ``model_name``.
 
 The values come from the bridge, not from this front process, so every front worker
 (``http.workers``) answers the same numbers and requests through the ZeroMQ door count too.
@@ -33,17 +34,25 @@ WORKER_TIMES = (
 )
 
 
-def render(stats: DaemonStats, model_name: str) -> bytes:
-    """The exposition text of one stats snapshot."""
-    return generate_latest(_Snapshot(stats, model_name))  # type: ignore[arg-type]
+def render(
+    stats: DaemonStats, model_name: str, prefix: str = "kvasir", kv_capacity: dict[int, int] | None = None
+) -> bytes:
+    """The exposition text of one stats snapshot; ``kv_capacity``: each instance's KV
+    blocks by its head's stage (the KV cache usage fraction's denominator)."""
+    return generate_latest(_Snapshot(stats, model_name, prefix, kv_capacity or {}))  # type: ignore[arg-type]
 
 
 class _Snapshot:
     """What generate_latest reads: an object whose ``collect`` yields metric families."""
 
-    def __init__(self, stats: DaemonStats, model_name: str) -> None:
+    def __init__(self, stats: DaemonStats, model_name: str, prefix: str, kv_capacity: dict[int, int]) -> None:
         self.stats = stats
         self.model = model_name
+        self.prefix = prefix
+        self.kv_capacity = kv_capacity
+
+    def _name(self, name: str) -> str:
+        return f"{self.prefix}:{name}"
 
     def collect(self) -> Iterator[Metric]:
         yield from self._requests()
@@ -54,21 +63,36 @@ class _Snapshot:
         stats, model = self.stats, [self.model]
         metrics = stats.metrics
         waiting = sum(stage.head.waiting for stage in stats.stages if stage.head is not None)
-        yield _gauge(
+        yield self._gauge(
             "num_requests_running",
             "Requests in the daemon not waiting for admission.",
             model,
             max(0, stats.in_flight - waiting),
         )
-        yield _gauge("num_requests_waiting", "Requests queued at a head for admission.", model, waiting)
+        yield self._gauge("num_requests_waiting", "Requests queued at a head for admission.", model, waiting)
+        yield self._gauge(
+            "kv_cache_usage_perc", "KV cache blocks in use, a fraction of the heads' blocks.", model, self._kv_usage()
+        )
         if metrics is None:
             return
         for name, field, doc in HISTOGRAMS:
-            yield _histogram(name, doc, model, getattr(metrics, field))
-        yield _counter("prompt_tokens", "Prompt tokens of accepted requests.", model, metrics.prompt_tokens)
-        yield _counter("generation_tokens", "Output tokens streamed to clients.", model, metrics.generation_tokens)
+            yield self._histogram(name, doc, model, getattr(metrics, field))
+        yield self._histogram(
+            "time_per_output_token_seconds",
+            "vLLM's older name of the inter-token latency.",
+            model,
+            metrics.inter_token_latency_s,
+        )
+        for name, histogram, doc in (
+            ("request_prompt_tokens", metrics.request_prompt_tokens, "Prompt tokens of each finished request."),
+            ("request_generation_tokens", metrics.request_generation_tokens, "Output tokens of each finished request."),
+        ):
+            if histogram is not None:
+                yield self._histogram(name, doc, model, histogram)
+        yield self._counter("prompt_tokens", "Prompt tokens of accepted requests.", model, metrics.prompt_tokens)
+        yield self._counter("generation_tokens", "Output tokens streamed to clients.", model, metrics.generation_tokens)
         ended = CounterMetricFamily(
-            "kvasir:request_success",
+            self._name("request_success"),
             "Requests ended, by finish reason (abort: cancelled).",
             labels=["model_name", "finished_reason"],
         )
@@ -85,12 +109,12 @@ class _Snapshot:
             (["shard", str(s.stage), s.pool, str(s.number), s.host, instance.get(s.stage, "")], s) for s in stats.shards
         ]
         for kind, doc in WORKER_TIMES:
-            family = CounterMetricFamily(f"kvasir:worker_{kind}_seconds", doc, labels=WORKER)
+            family = CounterMetricFamily(self._name(f"worker_{kind}_seconds"), doc, labels=WORKER)
             for labels, worker in rows:
                 family.add_metric([self.model, *labels], getattr(worker, f"{kind}_s"))
             yield family
         blocks = GaugeMetricFamily(
-            "kvasir:kv_blocks_in_use", "KV blocks held by running requests, per stage.", labels=WORKER
+            self._name("kv_blocks_in_use"), "KV blocks held by running requests, per stage.", labels=WORKER
         )
         for s in stats.stages:
             blocks.add_metric([self.model, "stage", str(s.index), s.pool, "", s.host, s.instance], s.kv.blocks)
@@ -108,7 +132,7 @@ class _Snapshot:
             (CounterMetricFamily, "instance_prefix_cache_query_tokens", "Prompt tokens its head looked up.", "queries"),
         )
         for kind, name, doc, field in families:
-            family = kind(f"kvasir:{name}", doc, labels=INSTANCE)
+            family = kind(self._name(name), doc, labels=INSTANCE)
             for i in self.stats.instances:
                 family.add_metric([self.model, i.name, i.pool], _instance_value(i, field))
             yield family
@@ -116,58 +140,61 @@ class _Snapshot:
     def _daemon(self) -> Iterator[Metric]:
         stats, model = self.stats, [self.model]
         handoff = stats.handoff
-        yield _counter(
+        yield self._counter(
             "handoffs", "KV hand-offs from the prefill pool to the decode pool.", model, handoff.count if handoff else 0
         )
-        yield _counter(
+        yield self._counter(
             "handoff_bytes",
             "KV bytes handed from the prefill pool to the decode pool.",
             model,
             handoff.kv_bytes if handoff else 0,
         )
-        yield _counter(
+        yield self._counter(
             "handoff_seconds", "Seconds of KV hand-offs, all together.", model, handoff.seconds if handoff else 0.0
         )
-        yield _counter("restarts", "Ring restarts after a failed worker.", model, stats.restarts)
+        yield self._counter("restarts", "Ring restarts after a failed worker.", model, stats.restarts)
         cache = stats.prefix_cache
-        yield _counter(
+        yield self._counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache (since the ring last started).",
             model,
             cache.prompt_tokens if cache else 0,
         )
-        yield _counter(
+        yield self._counter(
             "prefix_cache_hits",
             "Prompt tokens found in the prefix cache (since the ring last started).",
             model,
             cache.hit_tokens if cache else 0,
         )
-        yield _gauge(
+        yield self._gauge(
             "serving",
             "1 while the daemon takes requests, 0 while it restarts or drains.",
             model,
             int(stats.state == "serving"),
         )
 
+    def _kv_usage(self) -> float:
+        """Blocks held at the heads over the blocks their instances have."""
+        heads = [s for s in self.stats.stages if s.index in self.kv_capacity]
+        total = sum(self.kv_capacity[s.index] for s in heads)
+        return sum(s.kv.blocks for s in heads) / total if total else 0.0
 
-def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(f"kvasir:{name}", doc, labels=["model_name"])
-    family.add_metric(labels, value)
-    return family
+    def _gauge(self, name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(self._name(name), doc, labels=["model_name"])
+        family.add_metric(labels, value)
+        return family
 
+    def _counter(self, name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(self._name(name), doc, labels=["model_name"])
+        family.add_metric(labels, value)
+        return family
 
-def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
-    family = CounterMetricFamily(f"kvasir:{name}", doc, labels=["model_name"])
-    family.add_metric(labels, value)
-    return family
-
-
-def _histogram(name: str, doc: str, labels: list[str], histogram: Histogram) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(f"kvasir:{name}", doc, labels=["model_name"])
-    cumulative = list(accumulate(histogram.counts))
-    edges = [repr(float(bound)) for bound in histogram.bounds] + ["+Inf"]
-    family.add_metric(labels, list(zip(edges, cumulative)), histogram.sum)
-    return family
+    def _histogram(self, name: str, doc: str, labels: list[str], histogram: Histogram) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self._name(name), doc, labels=["model_name"])
+        cumulative = list(accumulate(histogram.counts))
+        edges = [repr(float(bound)) for bound in histogram.bounds] + ["+Inf"]
+        family.add_metric(labels, list(zip(edges, cumulative)), histogram.sum)
+        return family
 
 
 def _instance_value(instance: InstanceStats, field: str) -> float:

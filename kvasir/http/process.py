@@ -68,7 +68,10 @@ class Front:
         )
         self.gateway = Gateway(Path(settings.runtime_dir), log)
         prompts = Prompts(tokenizer, plan.model.max_seq_len, model.vocab_size)
-        self.api = Api(self.gateway, prompts, served, keys=keys, http=http, per_caller=per_caller, log=log)
+        capacity = {ring.first: ring.plan.kv.num_blocks for ring in plan.rings()}
+        self.api = Api(
+            self.gateway, prompts, served, keys=keys, http=http, per_caller=per_caller, log=log, kv_capacity=capacity
+        )
         self.listener = socket.socket(fileno=settings.listen_fd)
         self.http = http
 

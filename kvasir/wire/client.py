@@ -253,6 +253,8 @@ class RequestMetrics(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int  # of accepted requests
     generation_tokens: int  # streamed to clients
     ended: dict[str, int]  # requests ended, by reason: "stop", "length", "abort" (cancelled), "error"
+    request_prompt_tokens: Histogram | None = None  # prompt tokens of each finished request
+    request_generation_tokens: Histogram | None = None  # output tokens of each finished request
 
 
 class HandoffSummary(msgspec.Struct, frozen=True, kw_only=True):

@@ -34,7 +34,7 @@ def test_the_snapshot_reads_back_as_vllm_named_series():
     metrics.accepted(12)
     for gap in (None, 20_000_000, 40_000_000):
         metrics.token(gap)
-    metrics.finished("length", Timings(queued_s=0.01, first_token_s=0.2, per_token_s=0.03, total_s=0.26))
+    metrics.finished("length", Timings(queued_s=0.01, first_token_s=0.2, per_token_s=0.03, total_s=0.26), 12, 3)
     metrics.ended_early("cancelled")
     shard = ShardStats(0, 1, (0, 4), 300, 10.0, 2.0, 8.0, 0.0, 3, 30, (10, 10, 5, 5))
     stats = DaemonStats(
@@ -114,3 +114,34 @@ def test_a_fleets_series_carry_the_instance():
         ("stage", "3"): "b",
         ("shard", "3"): "b",
     }
+
+
+def test_the_vllm_prefix_and_the_series_its_dashboard_reads():
+    """``[http] metrics_prefix = "vllm"``: vLLM's Grafana dashboard reads these names."""
+    metrics = Metrics(max_seq_len=64)
+    metrics.accepted(12)
+    for gap in (None, 20_000_000):
+        metrics.token(gap)
+    metrics.finished("stop", Timings(queued_s=0.01, first_token_s=0.2, per_token_s=0.02, total_s=0.22), 12, 2)
+    stats = DaemonStats(
+        uptime_s=1.0,
+        requests=1,
+        in_flight=0,
+        waiting_limit=10,
+        vocab_size=100,
+        max_seq_len=64,
+        stages=[stage(0), stage(1)],
+        metrics=metrics.snapshot(),
+    )
+    text = render(stats, "m", "vllm", {0: 20}).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert all(name.startswith("vllm:") for name in families)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    model = (("model_name", "m"),)
+    assert samples[("vllm:kv_cache_usage_perc", model)] == 7 / 20  # the head holds 7 of its instance's 20 blocks
+    assert samples[("vllm:time_per_output_token_seconds_count", model)] == 1
+    assert samples[("vllm:request_prompt_tokens_bucket", (("le", "10.0"), *model))] == 0
+    assert samples[("vllm:request_prompt_tokens_bucket", (("le", "20.0"), *model))] == 1
+    assert samples[("vllm:request_generation_tokens_bucket", (("le", "2.0"), *model))] == 1
+    bounds = [s.labels["le"] for s in families["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "+Inf"]  # 1-2-5 up to max_seq_len
