@@ -239,6 +239,8 @@ def test_metrics_parse_with_prometheus_client(http_daemon):
     busy = after["kvasir:worker_busy_seconds"]
     assert {s.labels["stage"] for s in busy.samples} == {"0", "1"} and value(busy, "_total") > 0
     assert after["kvasir:kv_blocks_in_use"].type == "gauge"
+    assert 0 <= value(after["kvasir:kv_cache_usage_perc"], "") <= 1
+    assert value(after["kvasir:request_generation_tokens"], "_count") >= 1
     assert after["kvasir:prefix_cache_queries"].type == after["kvasir:prefix_cache_hits"].type == "counter"
     assert (
         0 <= value(after["kvasir:prefix_cache_hits"], "_total") <= value(after["kvasir:prefix_cache_queries"], "_total")
