@@ -9,6 +9,7 @@ import json
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import aiohttp
 
@@ -51,7 +52,7 @@ async def http_request(
     session: aiohttp.ClientSession, door: Door, model: str, job: Job, ignore_eos: bool = False, clock=time.perf_counter
 ) -> RequestRecord:
     """One streamed completion, timed per chunk; its output tokens from the usage chunk."""
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "prompt": job.token_ids if job.token_ids is not None else job.text,
         "max_tokens": job.max_tokens,
@@ -60,6 +61,11 @@ async def http_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if job.grammar is not None:  # vLLM's structured_outputs, as kvasir/http/structured.py reads it
+        kind, text = job.grammar.kind, job.grammar.text
+        body["structured_outputs"] = {
+            kind: True if kind == "json_object" else json.loads(text) if kind == "choice" else text
+        }
     submitted = clock()
     times: list[float] = []
     tokens, ok = 0, False

@@ -31,7 +31,12 @@ async def one_request(
 ) -> RequestRecord:
     submitted = clock()
     stream = await client.submit(
-        job.text, token_ids=job.token_ids, max_tokens=job.max_tokens, temperature=0, ignore_eos=ignore_eos
+        job.text,
+        token_ids=job.token_ids,
+        max_tokens=job.max_tokens,
+        temperature=0,
+        ignore_eos=ignore_eos,
+        grammar=job.grammar,
     )
     times: list[float] = []
     ids: list[int] = []

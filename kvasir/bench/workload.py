@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvasir.errors import KvasirError
+from kvasir.wire.base import Grammar
 
 
 class WorkloadError(KvasirError):
@@ -118,6 +119,7 @@ class Job:
     max_tokens: int
     turn: int = 0  # > 0: a later turn of the conversation the jobs before it began; token_ids
     # are then only its new message, sent after the history (kvasir/bench/runner.py)
+    grammar: Grammar | None = None  # a structured output the request's tokens must keep to
 
 
 def synthetic_jobs(count: int, prompt_len: LengthSpec, output_len: LengthSpec, vocab_size: int, seed: int) -> list[Job]:
@@ -198,14 +200,17 @@ class Workload:
     prompts_file: str | None = None
     seed: int = 0
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # --structured: every request keeps to it
 
     def jobs(self, vocab_size: int) -> list[Job]:
         """The warm-up jobs, then the measured ones: random ids below ``vocab_size``, or the file's prompts."""
         prompts, outputs = self.lengths
         total = self.count + self.warmup
         if self.prompts_file:
-            return file_jobs(Path(self.prompts_file), total, outputs, self.seed)
-        return synthetic_jobs(total, prompts, outputs, vocab_size, self.seed)
+            jobs = file_jobs(Path(self.prompts_file), total, outputs, self.seed)
+        else:
+            jobs = synthetic_jobs(total, prompts, outputs, vocab_size, self.seed)
+        return [replace(job, grammar=self.grammar) for job in jobs] if self.grammar else jobs
 
     def report(self) -> dict:
         return {
@@ -214,6 +219,7 @@ class Workload:
             **workload_lengths(self.lengths),
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
+            "structured": self.grammar.kind if self.grammar else None,
         }
 
 

@@ -9,12 +9,14 @@ import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import get_args
 
 import click
 
 from kvasir.bench.options import Slo, Target
 from kvasir.bench.workload import LengthSpec, Workload
 from kvasir.errors import KvasirError
+from kvasir.wire.base import Grammar, GrammarKind
 
 PROMPT_LEN_HELP = (
     "Prompt tokens: N, LOW:HIGH (uniform), N,N,... (drawn from the list: 1000,40,40,40 mixes long prompts "
@@ -96,25 +98,46 @@ def _workload_options(counts: bool, turns: bool) -> list:
         ),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--ignore-eos", is_flag=True, help="Every request produces exactly its output length."),
+        click.option(
+            "--structured",
+            metavar="KIND:TEXT",
+            help="Every request keeps to a structured output: json, json_object, regex, choice or grammar, "
+            "then its text (@FILE reads it from a file), e.g. 'json:@schema.json', 'regex:[a-z]+'.",
+        ),
     ]
     return options
 
 
+def _structured(spec: str | None) -> Grammar | None:
+    """``--structured KIND:TEXT`` (TEXT from a file with @FILE) as a Grammar."""
+    if spec is None:
+        return None
+    kind, _, text = spec.partition(":")
+    if kind not in get_args(GrammarKind):
+        raise click.UsageError(f"--structured: KIND is one of {', '.join(get_args(GrammarKind))}, got {kind!r}")
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise click.UsageError(f"--structured: cannot read {text[1:]}: {exc}") from None
+    return Grammar(kind, text)  # type: ignore[arg-type]
+
+
 def workload_options(counts: bool = True, turns: bool = True):
     """--requests, --warmup, --prompt-len, --output-len, --turns, --prompts, --seed,
-    --ignore-eos: passed on as ``workload`` (counts and turns left out where a mode has none)."""
+    --ignore-eos, --structured: passed on as ``workload`` (counts and turns left out where a mode has none)."""
     options = _workload_options(counts, turns)
 
     def decorate(command):
         @functools.wraps(command)
-        def wrapper(*args, prompt_len, output_len, prompts_file, seed, ignore_eos, **kwargs):
+        def wrapper(*args, prompt_len, output_len, prompts_file, seed, ignore_eos, structured, **kwargs):
             count, warmup = kwargs.pop("count", 1), kwargs.pop("warmup", 0)
             lengths = _lengths(prompt_len, output_len, kwargs.pop("turns", 1), count, warmup)
             if lengths[0].turns > 1 and prompts_file:
                 raise click.UsageError("--turns sends random-id conversations: not with --prompts")
             if count < 1 or warmup < 0:
                 raise click.UsageError("--requests must be positive, --warmup >= 0")
-            workload = Workload(count, warmup, lengths, prompts_file, seed, ignore_eos)
+            workload = Workload(count, warmup, lengths, prompts_file, seed, ignore_eos, _structured(structured))
             return command(*args, workload=workload, **kwargs)
 
         return _apply(wrapper, options)
