@@ -3,8 +3,8 @@ the tokens that would leave its grammar before the tail samples, and follows eve
 the request outputs.
 
 The engine's view of the vocabulary (``llguidance.LLTokenizer``) is built from the model
-folder's tokenizer once per tail process, on the first constrained request (about a
-second for a 49k vocabulary); compiled grammars are kept by their text, so a schema
+folder's tokenizer once per tail process, on the first constrained request (about
+0.3 s for a 49k vocabulary); compiled grammars are kept by their text, so a schema
 repeated by many requests compiles once. A matcher rebuilt for a request the tail meets
 after its start (the decode pool's) replays the tokens output so far.
 """
