@@ -46,9 +46,21 @@ def test_the_old_mode_flags_name_the_subcommand_that_took_each_over(flag, mode):
         (("failover", "--rounds", "0"), "--rounds must be positive"),
         (("hop", "--link", "tcp", "--device", "cuda:0"), "--link tcp measures a cpu edge"),
         (("hop", "--device", "gpu"), "is not 'cpu' or 'cuda:N'"),
+        (("load", "--structured", "xml:<a/>"), "KIND is one of json, json_object"),
+        (("load", "--structured", "json:@/nonexistent/schema.json"), "cannot read /nonexistent/schema.json"),
     ],
 )
 def test_bad_options_are_refused_with_exit_code_2_before_anything_runs(args, says, tmp_path):
     result = bench(*args)
     assert result.exit_code == 2, result.output
     assert says in result.output
+
+
+def test_structured_reads_its_text_from_a_file(tmp_path):
+    from kvasir.cli.bench.options import _structured
+    from kvasir.wire.base import Grammar
+
+    (tmp_path / "s.json").write_text('{"type": "object"}')
+    assert _structured(f"json:@{tmp_path / 's.json'}") == Grammar("json", '{"type": "object"}')
+    assert _structured("regex:[a-z]+:x") == Grammar("regex", "[a-z]+:x")
+    assert _structured(None) is None
