@@ -4,8 +4,10 @@ through real 2- and 3-stage rings, against Hugging Face generate on the converte
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
+import pydantic
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,6 +139,41 @@ def test_the_readmes_tour_runs_as_written(default_daemon, tmp_path):
     assert "prefill" in check and "decode" in check
 
 
+class Town(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    region: str = pydantic.Field(max_length=16)
+    population: int = pydantic.Field(ge=0, le=10**8)
+
+
+async def hundred_parsed() -> list:
+    """100 schema-constrained answers, 32 at a time, through the openai SDK's ``parse``, sampled."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none", max_retries=0, timeout=600)
+
+    gate = asyncio.Semaphore(32)  # within the front's share per caller (http.max_per_caller, 64)
+
+    async def one(seed: int):
+        async with gate:
+            return await ask(seed)
+
+    async def ask(seed: int):
+        done = await client.chat.completions.parse(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "Describe a town as JSON."}],
+            response_format=Town,
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        return done.choices[0]
+
+    try:
+        return await asyncio.gather(*(one(seed) for seed in range(100)))
+    finally:
+        await client.close()
+
+
 def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
     """plans/smollm2-http.toml as shipped (127.0.0.1:8000), the curl and openai lines of
     docs/http.md and the README's tour as written, and the HTTP door's greedy tokens equal
@@ -157,13 +194,18 @@ def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
             temperature=0,
             extra_body={"return_token_ids": True},
         )
+        parsed = asyncio.run(hundred_parsed())
     finally:
         assert daemon.stop() == 0
     chat_answer, stream, health, metrics, sdk_answer = outputs[1:]
     assert "Paris" in tour[1]  # the README's curl
+    city = json.loads(json.loads(tour[2])["choices"][0]["message"]["content"])  # its structured output
+    assert set(city) == {"city", "population"} and isinstance(city["population"], int)
     assert "Paris" in chat_answer and stream.rstrip().endswith("data: [DONE]")
     assert '"serving"' in health and metrics.startswith('kvasir:generation_tokens_total{model_name="smollm2-135m"}')
     assert sdk_answer.strip()
     prompt_len, tokens, _ = expected[(CHATS[0], True)]
     assert chat.choices[0].token_ids == tokens[: len(chat.choices[0].token_ids)]  # type: ignore[attr-defined]
     assert chat.usage.prompt_tokens == prompt_len
+    assert [choice.finish_reason for choice in parsed] == ["stop"] * 100  # none cut short
+    assert all(isinstance(choice.message.parsed, Town) for choice in parsed)  # 100 of 100 validate
