@@ -1,0 +1,96 @@
+"""What applications send through the HTTP front beyond plain generation: structured
+output through the openai SDK, and vLLM's /tokenize, /detokenize and /version (the
+daemon of tests/integration/test_http.py: the Llama with a tokenizer, two fronts, keys)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from typing import Literal
+
+import openai
+import pydantic
+import pytest
+from test_http import curl, http_daemon, sdk
+
+__all__ = ["http_daemon"]  # the fixture, imported for this module's tests
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=6)
+    kind: Literal["cat", "dog", "owl"]
+    age: int = pydantic.Field(ge=0, le=99)
+
+
+def test_structured_output_parses_through_the_sdk(http_daemon):
+    """Random weights: the grammar alone keeps every answer valid."""
+    client = sdk(http_daemon)
+    messages = [{"role": "user", "content": "a pet"}]
+    for seed in range(4):
+        done = client.chat.completions.parse(
+            model="tiny-llama", messages=messages, response_format=Pet, max_tokens=64, temperature=1.0, seed=seed
+        )
+        assert done.choices[0].finish_reason == "stop", done.choices[0].message.content
+        assert isinstance(done.choices[0].message.parsed, Pet)
+    stream = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=32,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}},
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", text), text
+    choice = client.completions.create(
+        model="tiny-llama", prompt="x", max_tokens=16, extra_body={"guided_choice": ["left", "right"]}
+    )
+    assert choice.choices[0].text in ("left", "right")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="tiny-llama", messages=messages, extra_body={"structured_outputs": {"regex": "[0-9"}}
+        )
+    assert "does not compile" in bad.value.body["message"]
+
+
+def test_tokenize_detokenize_and_version(http_daemon):
+    """vLLM's shapes: the ids are those a generation request gives the model."""
+    said = curl(http_daemon, "/tokenize", {"prompt": "hello ring", "return_token_strs": True})
+    body = json.loads(said.stdout)
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) and body["max_model_len"] > 0
+    client = sdk(http_daemon)
+    done = client.completions.create(model="tiny-llama", prompt="hello ring", max_tokens=1)
+    assert done.usage.prompt_tokens == body["count"]
+    bare = json.loads(curl(http_daemon, "/tokenize", {"prompt": "hello ring", "add_special_tokens": False}).stdout)
+    assert bare["tokens"] == body["tokens"][body["count"] - bare["count"] :]  # less the BOS
+    text = json.loads(curl(http_daemon, "/detokenize", {"tokens": bare["tokens"]}).stdout)["prompt"]
+    assert text == "hello ring"
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = json.loads(curl(http_daemon, "/tokenize", {"messages": messages}).stdout)
+    answer = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=1)
+    assert answer.usage.prompt_tokens == chat["count"]
+    unknown = json.loads(curl(http_daemon, "/tokenize", {"prompt": "x", "colour": 1}).stdout)
+    assert unknown["error"]["param"] == "colour"
+    outside = json.loads(curl(http_daemon, "/detokenize", {"tokens": [10**6]}).stdout)
+    assert outside["error"]["param"] == "tokens"
+    locked = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-d",
+            "{}",
+            f"http://127.0.0.1:{http_daemon.port}/tokenize",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert locked.stdout == "401"  # behind the API keys, as /v1/ is
+    version = subprocess.run(
+        ["curl", "-sS", f"http://127.0.0.1:{http_daemon.port}/version"], capture_output=True, text=True, timeout=60
+    )
+    assert json.loads(version.stdout)["version"]
