@@ -64,6 +64,11 @@ class Prompts:
         plain = [self._message(k, message) for k, message in enumerate(messages)]
         self._check("".join(m["content"] + m.get("name", "") for m in plain), "messages")
         options = template or {}
+        if options.get("continue_final_message") and options.get("add_generation_prompt", True):
+            raise invalid(
+                "continue_final_message leaves the last message open: give add_generation_prompt = false with it",
+                "continue_final_message",
+            )
         bad = sorted(set(options.get("template_kwargs") or {}) & RESERVED_TEMPLATE_KWARGS)
         if bad:
             raise invalid(

@@ -78,11 +78,6 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
         refuse_unserved(message, MESSAGE_UNSERVED, f"messages[{k}].")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs = true", "top_logprobs")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise invalid(
-            "continue_final_message leaves the last message open: give add_generation_prompt = false with it",
-            "continue_final_message",
-        )
     prompt = prompts.chat(
         req.messages,
         {
@@ -144,9 +139,10 @@ def _planned(
     req: _Sampling, given: list[Prompt], max_tokens: list[int], logprobs: int | None, prompt_logprobs: int | None
 ) -> Planned:
     submissions = []
+    shared = {**_shaping(req), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}  # the same for every choice
     for k, (prompt, limit) in enumerate(zip(given, max_tokens)):
         for j in range(req.n):
-            options = {**_options(req, limit, j), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+            options = {**_options(req, limit, j), **shared}
             submissions.append(Submission(k * req.n + j, prompt.ids, options))
     return Planned(given, submissions, req.stops, req.include_stop_str_in_output)
 
@@ -168,7 +164,6 @@ def _options(req: _Sampling, max_tokens: int, j: int) -> dict[str, Any]:
         "ignore_eos": req.ignore_eos,
         "cache_salt": req.cache_salt,
         "session": req.prompt_cache_key,  # affinity: requests with one key stay on one instance
-        **_shaping(req),
     }
 
 

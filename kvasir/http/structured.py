@@ -20,7 +20,7 @@ def grammar_of(req: _Sampling) -> Grammar | None:
         for name, grammar in (
             ("response_format", _response_format(req.response_format)),
             ("structured_outputs", _structured(req.structured_outputs)),
-            ("guided_json", _json(req.guided_json, "guided_json")),
+            ("guided_json", _json(req.guided_json)),
             ("guided_regex", Grammar("regex", req.guided_regex) if req.guided_regex is not None else None),
             ("guided_choice", _choice(req.guided_choice, "guided_choice")),
             ("guided_grammar", Grammar("grammar", req.guided_grammar) if req.guided_grammar is not None else None),
@@ -39,7 +39,7 @@ def _response_format(form: ResponseFormat | None) -> Grammar | None:
         return Grammar("json_object")
     if form.json_schema is None or form.json_schema.schema is None:
         raise invalid("response_format of type json_schema needs json_schema.schema", "response_format")
-    return _json(form.json_schema.schema, "response_format")
+    return _json(form.json_schema.schema)
 
 
 def _structured(spec: StructuredOutputs | None) -> Grammar | None:
@@ -48,7 +48,7 @@ def _structured(spec: StructuredOutputs | None) -> Grammar | None:
     found = [
         grammar
         for grammar in (
-            _json(spec.json, "structured_outputs"),
+            _json(spec.json),
             Grammar("regex", spec.regex) if spec.regex is not None else None,
             _choice(spec.choice, "structured_outputs"),
             Grammar("grammar", spec.grammar) if spec.grammar is not None else None,
@@ -64,7 +64,7 @@ def _structured(spec: StructuredOutputs | None) -> Grammar | None:
     return found[0]
 
 
-def _json(schema: dict[str, Any] | str | None, param: str) -> Grammar | None:
+def _json(schema: dict[str, Any] | str | None) -> Grammar | None:
     if schema is None:
         return None
     return Grammar("json", schema if isinstance(schema, str) else json.dumps(schema))

@@ -55,8 +55,6 @@ def tokenize(req: TokenizeRequest, prompts: Prompts, model_name: str) -> Tokeniz
     if req.messages is not None:
         if req.add_special_tokens:
             raise invalid("messages get the special tokens their chat template places", "add_special_tokens")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise invalid("continue_final_message needs add_generation_prompt = false", "continue_final_message")
         options = {
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,

@@ -8,7 +8,8 @@ import json
 from typing import TYPE_CHECKING
 
 from kvasir.errors import RequestError
-from kvasir.wire.base import MAX_GRAMMAR_CHARS, Grammar
+from kvasir.sched.validation import check_grammar_size
+from kvasir.wire.base import Grammar
 
 if TYPE_CHECKING:
     from llguidance import GrammarFormat
@@ -43,11 +44,7 @@ def check_grammar(grammar: Grammar) -> None:
     """Refuse a grammar that is too long or that the engine cannot compile."""
     import llguidance
 
-    if len(grammar.text) > MAX_GRAMMAR_CHARS:
-        raise RequestError(
-            "invalid_request",
-            f"a structured output's text is at most {MAX_GRAMMAR_CHARS} characters, got {len(grammar.text)}",
-        )
+    check_grammar_size(grammar)
     error = llguidance.LLMatcher.validate_grammar(engine_grammar(grammar))
     if error:
         raise RequestError("invalid_request", f"the {grammar.kind} structured output does not compile: {error}")

@@ -13,6 +13,7 @@ from kvasir.wire.base import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
+    Grammar,
 )
 from kvasir.wire.batch import SamplingParams
 
@@ -142,8 +143,16 @@ def check_shaping(params: SamplingParams, vocab_size: int) -> None:
                 "and a bias in [-100, 100]",
             )
     _check_bad_words(params.bad_words, vocab_size)
-    if params.grammar is not None and len(params.grammar.text) > MAX_GRAMMAR_CHARS:
-        raise RequestError("invalid_request", f"a structured output's text is at most {MAX_GRAMMAR_CHARS} characters")
+    if params.grammar is not None:
+        check_grammar_size(params.grammar)
+
+
+def check_grammar_size(grammar: Grammar) -> None:
+    if len(grammar.text) > MAX_GRAMMAR_CHARS:
+        raise RequestError(
+            "invalid_request",
+            f"a structured output's text is at most {MAX_GRAMMAR_CHARS} characters, got {len(grammar.text)}",
+        )
 
 
 def _check_bad_words(words: tuple[tuple[int, ...], ...], vocab_size: int) -> None:

@@ -41,7 +41,7 @@ class Grammars:
         import llguidance
 
         matcher = llguidance.LLMatcher(self._engine_tokenizer(), self._grammar(grammar), log_level=0)
-        constraint = Constraint(matcher, self.vocab_size)
+        constraint = Constraint(matcher)
         for token in output:
             constraint.follow(token)
         return constraint
@@ -72,13 +72,8 @@ class Grammars:
 class Constraint:
     """One request's matcher: the mask of the next token, and the tokens it took."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher) -> None:
         self.matcher = matcher
-        self.vocab_size = vocab_size
-
-    @property
-    def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
 
     @property
     def done(self) -> bool:

@@ -31,9 +31,7 @@ class LogitsShaper:
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
         self.bias_ids = torch.tensor([tok for tok, _ in params.logit_bias], dtype=torch.long)
         self.bias = torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32)
-        self.history = bool(
-            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1 or params.bad_words
-        )  # the output so far is read
+        self.history = params.penalises_output
         self.counts: Counter[int] = Counter(output if self.history else ())
         self.seen = set(prompt) | set(self.counts) if params.repetition_penalty != 1 else set()
         self.recent = list(output[-MAX_BAD_WORD_TOKENS:]) if params.bad_words else []

@@ -30,10 +30,14 @@ class SamplingParams(Wire, frozen=True):
     grammar: Grammar | None = None  # structured output: the output stays inside it (kvasir/stage/grammar.py)
 
     @property
+    def penalises_output(self) -> bool:
+        """Whether the penalties or bad words read the tokens output so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.bad_words)
+
+    @property
     def needs_output(self) -> bool:
-        """Whether the tail needs the tokens output so far (the penalties and bad words read them)."""
-        shaped = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.bad_words
-        return bool(shaped or self.grammar)
+        """Whether the tail needs the tokens output so far (the penalties, bad words and grammar read them)."""
+        return self.penalises_output or self.grammar is not None
 
     @property
     def needs_prompt(self) -> bool:
