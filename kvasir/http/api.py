@@ -213,7 +213,7 @@ class Api:
         tenant = caller if self.keys is not None else "open"  # without keys, one tenant: nobody is told apart
         with self.callers.share(caller, len(planned.submissions)):
             generation = await Generation.start(
-                self.gateway.client(), planned.submissions, planned.stops, tenant, planned.include_stop
+                await self.gateway.client(), planned.submissions, planned.stops, tenant, planned.include_stop
             )
             try:
                 if stream:

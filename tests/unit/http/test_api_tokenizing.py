@@ -43,7 +43,13 @@ async def test_prompts_are_tokenized_off_the_loop(tiny_models, tmp_path):
     log = setup_logging("warning")
     served = Served.of("tiny", 64, 64, None, max_choices=4, allow_ignore_eos=False)
     api = Api(
-        Gateway(tmp_path, log), Prompts(tokenizer, 64, 320), served, keys=None, http=HttpSpec(), per_caller=4, log=log
+        Gateway(tmp_path, log, connect_wait_s=0.1),
+        Prompts(tokenizer, 64, 320),
+        served,
+        keys=None,
+        http=HttpSpec(),
+        per_caller=4,
+        log=log,
     )
     async with TestClient(TestServer(api.app())) as client:
         loop = threading.get_ident()
