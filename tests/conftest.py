@@ -37,7 +37,8 @@ def tiny_models(tmp_path_factory):
     families = ("llama", "qwen2", "mistral", *MOE_FAMILIES)
     models = {family: save_tiny_model(root / family, family) for family in families}
     models["mistral-window"] = save_tiny_model(root / "mistral-window", "mistral", sliding_window=8)
-    models["llama-tokenizer"] = save_tiny_model(root / "llama-tokenizer", "llama")
+    # a context long enough for prompts that list tools (its 310-token vocabulary makes them long)
+    models["llama-tokenizer"] = save_tiny_model(root / "llama-tokenizer", "llama", max_position_embeddings=2048)
     save_tiny_tokenizer(models["llama-tokenizer"])
     return models
 

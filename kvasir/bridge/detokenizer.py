@@ -64,11 +64,13 @@ def encode_chat(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Chat messages through the model's chat template (or ``chat_template``), ready for
     the assistant's turn unless ``add_generation_prompt`` is false, or with the last
     message left open (``continue_final_message``); ``template_kwargs``: the template's
-    own variables (e.g. ``enable_thinking``). RequestError when the model has no template
+    own variables (e.g. ``enable_thinking``); ``tools``: function definitions for a
+    template that renders them. RequestError when the model has no template
     or the template refuses the messages."""
     if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise RequestError("invalid_request", "this model has no chat template")
@@ -78,6 +80,7 @@ def encode_chat(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
+            tools=tools or None,
             tokenize=True,
             **(template_kwargs or {}),
         )

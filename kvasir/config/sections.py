@@ -24,6 +24,8 @@ class ModelSpec(_Section, frozen=True):
     chat_template: str | None = (
         None  # a Jinja file used instead of the model's template (relative: from the plan's folder)
     )
+    # how the model is told about tools and writes calls (kvasir/http/tools.py): "auto" reads its template
+    tool_format: Literal["auto", "hermes", "llama3_json", "prompted"] = "auto"
 
 
 class BatchSpec(_Section, frozen=True):

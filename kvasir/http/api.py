@@ -27,6 +27,7 @@ from kvasir.http.requests import Planned, Served, plan_chat, plan_completion
 from kvasir.http.schema import ChatRequest, CompletionRequest, FinishReason, ModelCard, ModelList, UsageBody
 from kvasir.http.shapes import ChatShape, CompletionShape, Out, Shape, usage
 from kvasir.http.tokens import DetokenizeRequest, TokenizeRequest, Version, detokenize, tokenize
+from kvasir.http.toolcalls import ToolCall
 from kvasir.wire.decoding import JsonDecoder, Malformed
 
 MAX_BODY = 32 * 1024 * 1024  # a request body (a prompt of max_seq_len token ids fits many times over)
@@ -212,8 +213,9 @@ class Api:
         caller = request[CALLER]
         tenant = caller if self.keys is not None else "open"  # without keys, one tenant: nobody is told apart
         with self.callers.share(caller, len(planned.submissions)):
+            calls = planned.tools.parser if planned.tools is not None else None
             generation = await Generation.start(
-                await self.gateway.client(), planned.submissions, planned.stops, tenant, planned.include_stop
+                await self.gateway.client(), planned.submissions, planned.stops, tenant, planned.include_stop, calls
             )
             try:
                 if stream:
@@ -225,15 +227,17 @@ class Api:
     async def _whole(self, generation: Generation, shape: Shape, planned: Planned, ids: bool) -> web.Response:
         count = len(planned.submissions)
         texts: list[list[str]] = [[] for _ in range(count)]
+        calls: list[list[ToolCall]] = [[] for _ in range(count)]
         finishes: list[FinishReason] = [None] * count
         async for piece in generation.pieces():
             if piece.error is not None:
                 raise piece.error
             texts[piece.index].append(piece.text)
+            calls[piece.index].extend(piece.calls)
             if piece.finish is not None:
                 finishes[piece.index] = piece.finish
         outs = [
-            Out("".join(texts[k]), finishes[k], choice.ids if ids else None, self._scores(choice))
+            Out("".join(texts[k]), finishes[k], choice.ids if ids else None, self._scores(choice), tuple(calls[k]))
             for k, choice in enumerate(generation.choices)
         ]
         return _json(shape.whole(outs, _usage(planned, generation)))
@@ -260,7 +264,7 @@ class Api:
                 await write(_event(piece.error.body()))
                 failed = True
                 break
-            if piece.text or piece.scores or piece.finish is not None:
+            if piece.text or piece.scores or piece.calls or piece.finish is not None:
                 await write(_event(shape.chunk(piece)))
         if include_usage and not failed:
             await write(_event(shape.usage_chunk(_usage(planned, generation))))

@@ -31,7 +31,7 @@ class Unserved:
         return not any(value == quiet and type(value) is type(quiet) for quiet in self.neutral)
 
 
-TOOLS = "tool calling is not served yet"
+FUNCTIONS = "the deprecated functions API is not served: give tools and tool_choice"
 
 UNSERVED: tuple[Unserved, ...] = (
     # OpenAI completions
@@ -44,11 +44,8 @@ UNSERVED: tuple[Unserved, ...] = (
     Unserved("reasoning_effort", "reasoning effort is not served"),
     Unserved("verbosity", "verbosity is not served"),
     Unserved("web_search_options", "web search is not served"),
-    Unserved("tools", TOOLS, (None, [])),
-    Unserved("tool_choice", TOOLS, (None, "none")),
-    Unserved("parallel_tool_calls", TOOLS, (None, True, False)),  # no effect without tools
-    Unserved("functions", TOOLS, (None, [])),
-    Unserved("function_call", TOOLS, (None, "none")),
+    Unserved("functions", FUNCTIONS, (None, [])),
+    Unserved("function_call", FUNCTIONS, (None, "none")),
     # vLLM's sampling extensions
     Unserved("use_beam_search", "beam search is not served", (None, False)),
     Unserved("length_penalty", "length_penalty is for beam search, which is not served", (None, 1, 1.0)),
@@ -79,11 +76,9 @@ CHAT_ONLY = (
 )
 COMPLETION_ONLY = (Unserved("add_special_tokens", SPECIAL, (None, True)),)
 
-# message fields of other roles' turns: refused until tool calling is served
+# message fields that are not served
 MESSAGE_UNSERVED = (
-    Unserved("tool_calls", TOOLS, (None, [])),
-    Unserved("tool_call_id", TOOLS),
-    Unserved("function_call", TOOLS),
+    Unserved("function_call", FUNCTIONS),
     Unserved("reasoning_content", "reasoning content in a message is not served yet"),
     Unserved("refusal", "an assistant's refusal in a message is not served", (None, "")),
     Unserved("audio", "audio is not served: this is a text model"),

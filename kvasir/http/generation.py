@@ -10,7 +10,7 @@ choice failed) is cancelled.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ from kvasir.client import AsyncClient, RequestStream
 from kvasir.errors import KvasirError
 from kvasir.http.errors import ApiError
 from kvasir.http.schema import FinishReason
+from kvasir.http.toolcalls import CallParser, Parsed, ToolCall
 from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, PromptLogprobs, TokenOut
 
 ANSWER_S = 5.0  # closing: how long to wait for the bridge's answer to a submission (to cancel it)
@@ -48,6 +49,7 @@ class Piece:
     error: ApiError | None = None
     scores: tuple[Score, ...] = ()
     prompt: bool = False  # the echoed prompt's log-probabilities (echo with logprobs), before any token
+    calls: tuple[ToolCall, ...] = ()  # tool calls now complete (a request with tools)
 
 
 class StopText:
@@ -101,6 +103,23 @@ class Choice:
     prompt_scores: list[Score] = field(default_factory=list)  # the prompt's, with echo and logprobs
     ended: bool = False
     cached_tokens: int = 0  # of its prompt, reused from the prefix cache (known when it finished)
+    calls: CallParser | None = None  # reads tool calls out of its text (a request with tools)
+    called: int = 0  # tool calls it made
+
+    def read(self, text: str, end: bool = False) -> Parsed:
+        """Its text as content and tool calls (all content without tools)."""
+        if self.calls is None:
+            return Parsed(text)
+        parsed = self.calls.push(text)
+        if end:
+            rest = self.calls.flush()
+            parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
+        self.called += len(parsed.calls)
+        return parsed
+
+    def finish(self, reason: FinishReason) -> FinishReason:
+        """A choice that called tools and stopped ends with ``tool_calls``."""
+        return "tool_calls" if self.called and reason == "stop" else reason
 
     @property
     def scores_prompt(self) -> bool:
@@ -127,15 +146,18 @@ class Generation:
         stops: list[str],
         tenant: str,
         include_stop: bool = False,
+        calls: Callable[[], CallParser] | None = None,
     ) -> Generation:
         """Submit every choice for ``tenant`` (whose prefix-cache namespace it is in) and
         wait until the bridge accepted them all (ApiError, with the accepted ones
-        cancelled, when it refused one)."""
+        cancelled, when it refused one). ``calls``: a new reader of tool calls per choice."""
         generation = cls(client)
         try:
             for sub in submissions:
                 stream = await client.submit(token_ids=sub.prompt, tenant=tenant, **sub.options)
-                generation.choices.append(Choice(sub, stream, aiter(stream), StopText(stops, include_stop)))
+                reader = calls() if calls is not None else None
+                choice = Choice(sub, stream, aiter(stream), StopText(stops, include_stop), calls=reader)
+                generation.choices.append(choice)
             for choice in generation.choices:
                 first = await anext(choice.events)
                 if isinstance(first, ErrorEvent):
@@ -213,17 +235,20 @@ class Generation:
                 out, stopped = choice.stops.push(
                     text, len(choice.ids) >= choice.submission.options.get("min_tokens", 0)
                 )
-                if stopped:
+                said = choice.read(out, stopped)
+                if stopped or (choice.calls is not None and choice.calls.done):  # a stop string; one call made
                     await self.close_one(choice)
-                    return Piece(index, out, "stop", scores=scores)
-                return Piece(index, out, scores=scores) if out or scores else None
+                    return self._last(choice, said, "stop", scores)
+                if said.content or scores or said.calls:
+                    return Piece(index, said.content, scores=scores, calls=tuple(said.calls))
+                return None
             case PromptLogprobs(token_ids=ids, logprobs=logprobs, top_logprobs=tops):
                 choice.prompt_scores.extend(zip(ids, logprobs, tops))
                 return choice.prompt_piece()
             case Finished(reason=reason, usage=used):
                 choice.ended = True
                 choice.cached_tokens = used.cached_tokens
-                return Piece(index, choice.stops.flush(), reason)
+                return self._last(choice, choice.read(choice.stops.flush(), True), reason)
             case ErrorEvent(code=code, message=message):
                 choice.ended = True
                 return Piece(index, "", error=ApiError(code, message))
@@ -231,6 +256,12 @@ class Generation:
                 choice.ended = True
                 return Piece(index, "", error=ApiError("stage_failed", "the daemon cancelled the request"))
         return None
+
+    @staticmethod
+    def _last(choice: Choice, said: Parsed, reason: FinishReason, scores: tuple[Score, ...] = ()) -> Piece:
+        return Piece(
+            choice.submission.index, said.content, choice.finish(reason), scores=scores, calls=tuple(said.calls)
+        )
 
     async def close_one(self, choice: Choice) -> None:
         """A choice ended here (a stop string, the client went away, a sibling was refused):

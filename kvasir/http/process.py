@@ -22,6 +22,7 @@ from kvasir.http.connections import ConnectionLimits, Connections
 from kvasir.http.gateway import Gateway
 from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Served
+from kvasir.http.tools import tool_style
 from kvasir.limits import raise_fd_limit
 from kvasir.logs import setup_logging
 from kvasir.tasks import Supervised
@@ -67,7 +68,8 @@ class Front:
             allow_ignore_eos=http.allow_ignore_eos,
         )
         self.gateway = Gateway(Path(settings.runtime_dir), log)
-        prompts = Prompts(tokenizer, plan.model.max_seq_len, model.vocab_size)
+        style = tool_style(tokenizer, plan.model.tool_format)
+        prompts = Prompts(tokenizer, plan.model.max_seq_len, model.vocab_size, style)
         capacity = {ring.first: ring.plan.kv.num_blocks for ring in plan.rings()}
         self.api = Api(
             self.gateway, prompts, served, keys=keys, http=http, per_caller=per_caller, log=log, kv_capacity=capacity

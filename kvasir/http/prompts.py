@@ -5,6 +5,7 @@ only checks the ids), exactly as the bridge tokenizes a text or chat submission
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ from kvasir.bridge.detokenizer import RESERVED_TEMPLATE_KWARGS, encode_chat, enc
 from kvasir.errors import RequestError
 from kvasir.http.errors import ApiError, invalid
 from kvasir.http.schema import MAX_PROMPTS, ChatMessage, PromptForm
+from kvasir.http.tools import ToolStyle, prompted
 from kvasir.sched.validation import check_prompt_text
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -24,12 +26,14 @@ class Prompt:
 
 
 class Prompts:
-    """The model's tokenizer (None: token ids only) and the length it must fit."""
+    """The model's tokenizer (None: token ids only), the length it must fit, and how its
+    template takes tools (kvasir/http/tools.py ``tool_style``; None: it cannot)."""
 
-    def __init__(self, tokenizer, max_seq_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer, max_seq_len: int, vocab_size: int, tool_style: ToolStyle | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
+        self.tool_style = tool_style
 
     @staticmethod
     def count(prompt: PromptForm) -> int:
@@ -56,14 +60,19 @@ class Prompts:
             "prompt must be a string, a list of strings, a list of token ids or a list of such lists", "prompt"
         )
 
-    def chat(self, messages: list[ChatMessage], template: dict[str, Any] | None = None) -> Prompt:
+    def chat(
+        self, messages: list[ChatMessage], template: dict[str, Any] | None = None, tools: list[dict] | None = None
+    ) -> Prompt:
         """``template``: encode_chat's options (add_generation_prompt, continue_final_message,
-        chat_template, template_kwargs)."""
+        chat_template, template_kwargs); ``tools``: the functions the model may call."""
         if not messages:
             raise invalid("messages is empty: give at least one message", "messages")
         plain = [self._message(k, message) for k, message in enumerate(messages)]
-        self._check("".join(m["content"] + m.get("name", "") for m in plain), "messages")
-        options = template or {}
+        said = (m["content"] + m.get("name", "") + json.dumps(m.get("tool_calls", "")) for m in plain)
+        self._check("".join(said) + json.dumps(tools or ""), "messages")
+        if self.tool_style is not None and not self.tool_style.native:
+            plain, tools = prompted(plain, tools), None  # the template ignores tools: Kvasir writes them in
+        options = {**(template or {}), "tools": tools}
         if options.get("continue_final_message") and options.get("add_generation_prompt", True):
             raise invalid(
                 "continue_final_message leaves the last message open: give add_generation_prompt = false with it",
@@ -121,7 +130,7 @@ class Prompts:
             raise ApiError(exc.code, exc.message) from None
 
     @staticmethod
-    def _message(k: int, message: ChatMessage) -> dict[str, str]:
+    def _message(k: int, message: ChatMessage) -> dict[str, Any]:
         if message.role not in ROLES:
             raise invalid(f"messages[{k}].role = {message.role!r} is not one of {', '.join(ROLES)}", "messages")
         content = message.content
@@ -129,7 +138,24 @@ class Prompts:
             if any(part.type != "text" for part in content):
                 raise invalid(f"messages[{k}].content: only text parts are served by this model", "messages")
             content = "".join(part.text for part in content)
-        plain = {"role": message.role, "content": content or ""}
+        plain: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:  # for templates that render it (others leave it out)
             plain["name"] = message.name
+        if message.tool_call_id is not None:
+            plain["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            plain["tool_calls"] = [_called(k, j, call) for j, call in enumerate(message.tool_calls)]
         return plain
+
+
+def _called(k: int, j: int, call) -> dict[str, Any]:
+    """An earlier call as templates take it: its arguments a dict (they render them as JSON)."""
+    param = f"messages[{k}].tool_calls[{j}].function.arguments"
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise invalid(f"{param} is not JSON", param) from None
+    if not isinstance(arguments, dict):
+        raise invalid(f"{param} is not a JSON object", param)
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id or f"call_{j}", "type": "function", "function": function}

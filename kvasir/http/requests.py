@@ -14,6 +14,7 @@ from kvasir.http.generation import Submission
 from kvasir.http.prompts import Prompt, Prompts
 from kvasir.http.schema import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
 from kvasir.http.structured import grammar_of
+from kvasir.http.tools import ToolPlan, plan_tools
 from kvasir.sched.validation import MAX_SEED
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -44,6 +45,7 @@ class Planned:
     submissions: list[Submission]
     stops: list[str]
     include_stop: bool = False  # vLLM's include_stop_str_in_output
+    tools: ToolPlan | None = None  # the functions the model may call (their calls are read out of its text)
 
     @property
     def prompt_tokens(self) -> int:
@@ -78,6 +80,7 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
         refuse_unserved(message, MESSAGE_UNSERVED, f"messages[{k}].")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs = true", "top_logprobs")
+    tools = plan_tools(req, prompts.tool_style)
     prompt = prompts.chat(
         req.messages,
         {
@@ -85,6 +88,7 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
             "continue_final_message": req.continue_final_message,
             "template_kwargs": req.chat_template_kwargs,
         },
+        tools.template_tools() if tools is not None else None,
     )
     if req.n > served.max_choices:
         raise invalid(
@@ -95,7 +99,8 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
     if max_tokens is None:  # the rest of the context, within the daemon's ceiling
         max_tokens = min(max(1, served.max_seq_len - len(prompt.ids)), served.max_tokens)
     _check_max_tokens(max_tokens, served, param)
-    return _planned(req, [prompt], [max_tokens], (req.top_logprobs or 0) if req.logprobs else None, None)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _planned(req, [prompt], [max_tokens], logprobs, None, tools)
 
 
 def _common(req: _Sampling, served: Served) -> None:
@@ -136,15 +141,20 @@ def _check_max_tokens(max_tokens: int, served: Served, param: str) -> None:
 
 
 def _planned(
-    req: _Sampling, given: list[Prompt], max_tokens: list[int], logprobs: int | None, prompt_logprobs: int | None
+    req: _Sampling,
+    given: list[Prompt],
+    max_tokens: list[int],
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    tools: ToolPlan | None = None,
 ) -> Planned:
     submissions = []
-    shared = {**_shaping(req), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}  # the same for every choice
+    shared = {**_shaping(req, tools), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}  # every choice's
     for k, (prompt, limit) in enumerate(zip(given, max_tokens)):
         for j in range(req.n):
             options = {**_options(req, limit, j), **shared}
             submissions.append(Submission(k * req.n + j, prompt.ids, options))
-    return Planned(given, submissions, req.stops, req.include_stop_str_in_output)
+    return Planned(given, submissions, req.stops, req.include_stop_str_in_output, tools)
 
 
 def _options(req: _Sampling, max_tokens: int, j: int) -> dict[str, Any]:
@@ -167,8 +177,14 @@ def _options(req: _Sampling, max_tokens: int, j: int) -> dict[str, Any]:
     }
 
 
-def _shaping(req: _Sampling) -> dict[str, Any]:
+def _shaping(req: _Sampling, tools: ToolPlan | None) -> dict[str, Any]:
     """The logits' processing the request asks for (the bridge checks what the schema does not)."""
+    grammar, held = grammar_of(req), tools.grammar if tools is not None else None
+    if grammar is not None and held is not None:
+        raise invalid(
+            "a structured output and a tool_choice that holds the answer to calls cannot both shape it: give one",
+            "tool_choice",
+        )
     bias = {}
     for key, value in (req.logit_bias or {}).items():
         if not key.isdigit() or len(key) > 10:
@@ -183,5 +199,5 @@ def _shaping(req: _Sampling) -> dict[str, Any]:
         "min_tokens": req.min_tokens or 0,
         "bad_words": req.bad_words or [],
         "skip_special_tokens": req.skip_special_tokens,
-        "grammar": grammar_of(req),
+        "grammar": grammar if grammar is not None else held,
     }

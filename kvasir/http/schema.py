@@ -70,6 +70,47 @@ class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     json_object: bool | None = None
 
 
+MAX_TOOLS = 128
+ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: any object)
+    strict: bool | None = None  # with tool_choice auto: a call the model starts follows the schema
+
+
+class ToolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCallIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A call an assistant message made earlier in the conversation."""
+
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: Literal[False] = False  # vLLM's usage in every chunk: not served
@@ -145,6 +186,8 @@ class ChatMessage(_MessageUnserved, frozen=True, kw_only=True, forbid_unknown_fi
     role: str
     content: Text | Annotated[list[TextPart], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallIn], msgspec.Meta(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -157,6 +200,10 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=64)] | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    # tool calling (kvasir/http/tools.py)
+    tools: Annotated[list[ToolSpec], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None  # none given: "auto" with tools
+    parallel_tool_calls: bool = True
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -171,7 +218,7 @@ class UsageBody(msgspec.Struct, frozen=True):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 
 
 class CompletionChoice(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -191,9 +238,30 @@ class Completion(msgspec.Struct, frozen=True):
     usage: UsageBody | None = None
 
 
+class FunctionOut(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCallOut(msgspec.Struct, frozen=True):
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True):
+    """A whole call in one stream chunk (``index``: the call's place in the choice)."""
+
+    index: int
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct, frozen=True):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -216,6 +284,7 @@ class ChatCompletion(msgspec.Struct, frozen=True):
 class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True):

@@ -23,9 +23,13 @@ from kvasir.http.schema import (
     CompletionChoice,
     Delta,
     FinishReason,
+    FunctionOut,
     PromptTokensDetails,
+    ToolCallDelta,
+    ToolCallOut,
     UsageBody,
 )
+from kvasir.http.toolcalls import ToolCall
 
 encode = msgspec.json.encode
 
@@ -38,6 +42,7 @@ class Out:
     finish: FinishReason
     ids: list[int] | None  # its token ids, when the request asked for them
     scores: list[Score]  # its tokens' log-probabilities, when the request asked for them
+    calls: tuple[ToolCall, ...] = ()  # the tool calls it made
 
 
 def completion_logprobs(scores: Sequence[Score], text_of: Callable[[int], str], offset: int) -> dict[str, Any]:
@@ -135,12 +140,20 @@ class ChatShape:
         self.created = int(time.time())
         self.model = model
         self.text_of = text_of  # a token's text, for logprobs
+        self.called: dict[int, int] = {}  # per choice: tool calls streamed so far (each delta's index)
 
     def opening(self, index: int) -> bytes | None:
         return self._chunk([ChatChunkChoice(index, Delta(role="assistant", content=""), None, None)])
 
     def chunk(self, piece: Piece) -> bytes:
-        delta = Delta(content=piece.text) if piece.text else Delta()
+        calls = None
+        if piece.calls:
+            first = self.called.get(piece.index, 0)
+            self.called[piece.index] = first + len(piece.calls)
+            calls = [
+                ToolCallDelta(first + k, c.id, FunctionOut(c.name, c.arguments)) for k, c in enumerate(piece.calls)
+            ]
+        delta = Delta(content=piece.text or None, tool_calls=calls)
         logprobs = chat_logprobs(piece.scores, self.text_of) if piece.scores else None
         return self._chunk([ChatChunkChoice(piece.index, delta, logprobs, piece.finish)])
 
@@ -149,10 +162,18 @@ class ChatShape:
 
     def whole(self, outs: list[Out], body: UsageBody) -> bytes:
         choices = [
-            ChatChoice(k, AssistantMessage(out.text), self._logprobs(out.scores), out.finish, out.ids)
+            ChatChoice(k, self._message(out), self._logprobs(out.scores), out.finish, out.ids)
             for k, out in enumerate(outs)
         ]
         return encode(ChatCompletion(self.id, self.created, self.model, choices, body))
+
+    @staticmethod
+    def _message(out: Out) -> AssistantMessage:
+        """The answer; with tool calls, its content is null where the model wrote none."""
+        if not out.calls:
+            return AssistantMessage(out.text)
+        calls = [ToolCallOut(c.id, FunctionOut(c.name, c.arguments)) for c in out.calls]
+        return AssistantMessage(out.text or None, tool_calls=calls)
 
     def _logprobs(self, scores: list[Score]) -> dict[str, Any] | None:
         return chat_logprobs(scores, self.text_of) if scores else None

@@ -174,6 +174,27 @@ async def hundred_parsed() -> list:
         await client.close()
 
 
+def streamed_tool_call(client):
+    """A call streamed to the SDK's stream helper, its arguments parsed into the model."""
+    tool = openai_tool(Town)
+    with client.chat.completions.stream(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Describe Lyon."}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "describe_town"}},
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+    ) as stream:
+        return stream.get_final_completion().choices[0]
+
+
+def openai_tool(model):
+    import openai
+
+    return openai.pydantic_function_tool(model, name="describe_town", description="A town's name, region, people")
+
+
 def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
     """plans/smollm2-http.toml as shipped (127.0.0.1:8000), the curl and openai lines of
     docs/http.md and the README's tour as written, and the HTTP door's greedy tokens equal
@@ -195,10 +216,15 @@ def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
             extra_body={"return_token_ids": True},
         )
         parsed = asyncio.run(hundred_parsed())
+        streamed = streamed_tool_call(client)
     finally:
         assert daemon.stop() == 0
     chat_answer, stream, health, metrics, sdk_answer = outputs[1:]
     assert "Paris" in tour[1]  # the README's curl
+    called, answered = tour[3].splitlines()  # examples/tools.py: the call, then the answer with its result
+    assert called == "tool_calls get_weather {'city': 'Paris'}" and "sunny" in answered
+    assert streamed.finish_reason == "tool_calls"
+    assert isinstance(streamed.message.tool_calls[0].function.parsed_arguments, Town)
     city = json.loads(json.loads(tour[2])["choices"][0]["message"]["content"])  # its structured output
     assert set(city) == {"city", "population"} and isinstance(city["population"], int)
     assert "Paris" in chat_answer and stream.rstrip().endswith("data: [DONE]")

@@ -35,7 +35,9 @@ def http_daemon(tiny_models, tmp_path_factory):
         "model_name": "tiny-llama",
         "allow_ignore_eos": True,
     }
-    plan = write_plan(root / "plan.toml", tiny_models["llama-tokenizer"], SPLITS, max_tokens=64, http=http)
+    plan = write_plan(  # the model's whole context: a prompt that lists tools is long in its small vocabulary
+        root / "plan.toml", tiny_models["llama-tokenizer"], SPLITS, max_tokens=64, max_seq_len=1024, http=http
+    )
     with serving(plan, root / "rt", SPLITS, port) as daemon:
         yield daemon
 
@@ -154,7 +156,7 @@ def test_errors_surface_as_the_sdks_exceptions(http_daemon):
         client.completions.create(model="tiny-llama", prompt=[5, 99999], max_tokens=2)
     assert bad.value.body["code"] == "invalid_request" and "99999" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError) as long:
-        client.completions.create(model="tiny-llama", prompt=[5] * 300, max_tokens=2)
+        client.completions.create(model="tiny-llama", prompt=[5] * 1100, max_tokens=2)
     assert long.value.body["code"] == "too_long"
     with pytest.raises(openai.BadRequestError) as typed:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"top_k": "many"})

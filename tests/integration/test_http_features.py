@@ -94,3 +94,62 @@ def test_tokenize_detokenize_and_version(http_daemon):
         ["curl", "-sS", f"http://127.0.0.1:{http_daemon.port}/version"], capture_output=True, text=True, timeout=60
     )
     assert json.loads(version.stdout)["version"]
+
+
+class Weather(pydantic.BaseModel, extra="forbid"):
+    city: str = pydantic.Field(max_length=10)
+    unit: Literal["C", "F"]
+
+
+def test_the_sdks_tool_flow_runs_end_to_end(http_daemon):
+    """tools -> tool_calls -> a tool message -> the answer, whole and streamed; random weights:
+    the named choice (held by the grammar) makes the call, and its arguments validate."""
+    client = sdk(http_daemon)
+    tools = [openai.pydantic_function_tool(Weather, name="get_weather", description="the weather in a city")]
+    messages: list = [{"role": "user", "content": "weather in Oslo?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    asked = dict(model="tiny-llama", tools=tools, tool_choice=named, max_tokens=200, parallel_tool_calls=False)
+    done = client.chat.completions.parse(messages=messages, **asked)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(call.function.parsed_arguments, Weather)
+    with client.chat.completions.stream(messages=messages, **asked) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert isinstance(streamed.message.tool_calls[0].function.parsed_arguments, Weather)
+    messages += [
+        choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    for key in ("parsed_arguments",):
+        messages[1]["tool_calls"][0]["function"].pop(key, None)
+    answer = client.chat.completions.create(model="tiny-llama", messages=messages, tools=tools, max_tokens=8)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny-llama", messages=messages, tool_choice="required")
+    assert bad.value.body["param"] == "tool_choice"
+
+
+def test_curl_sees_a_streamed_tool_call(http_daemon):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": Weather.model_json_schema()}}
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 200,
+        "stream": True,
+    }
+    out = curl(http_daemon, "/v1/chat/completions", body)
+    events = [block.removeprefix("data: ") for block in out.stdout.split("\n\n") if block]
+    assert events[-1] == "[DONE]", out.stdout
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    [[call]] = deltas
+    assert call["index"] == 0 and call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    Weather.model_validate_json(call["function"]["arguments"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -118,3 +118,10 @@ def test_a_chat_template_file_replaces_the_models_and_a_missing_one_is_named(tmp
     assert (
         load_tokenizer(tmp_path / "tok").chat_template == AutoTokenizer.from_pretrained(tmp_path / "tok").chat_template
     )
+
+
+def test_the_tool_format_is_one_of_those_kvasir_reads():
+    assert parse_plan(STAGES).model.tool_format == "auto"
+    assert parse_plan(f'[model]\ntool_format = "prompted"\n{STAGES}').model.tool_format == "prompted"
+    with pytest.raises(PlanError, match="tool_format"):
+        parse_plan(f'[model]\ntool_format = "xml"\n{STAGES}')

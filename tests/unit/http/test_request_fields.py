@@ -15,6 +15,7 @@ from kvasir.http.errors import ApiError, from_validation
 from kvasir.http.prompts import Prompts
 from kvasir.http.requests import Served, plan_chat, plan_completion
 from kvasir.http.schema import ChatRequest, CompletionRequest
+from kvasir.http.tools import tool_style
 from kvasir.wire.base import Grammar
 
 SERVED = Served.of("tiny", 64, 4096, None, allow_ignore_eos=True)
@@ -78,9 +79,16 @@ COMPLETIONS = {
     "best_of": (3, REFUSED),
     "suffix": ("end", REFUSED),
     "add_special_tokens": (False, REFUSED),
+    # chat's: not in the completions schema, so unknown here
+    "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSED),
+    "tool_choice": ("required", REFUSED),
+    "parallel_tool_calls": (False, REFUSED),
 }
 CHAT = {
     **SHARED,
+    "tools": ([{"type": "function", "function": {"name": "f"}}], SUBMITS),  # the prompt lists them
+    "tool_choice": ("required", REFUSED),  # without tools (with them: tests/unit/http/test_tools.py)
+    "parallel_tool_calls": (False, IGNORED),  # no effect without tools
     "max_completion_tokens": (5, SUBMITS),
     "logprobs": (True, SUBMITS),
     "top_logprobs": (2, REFUSED),  # without logprobs: refused (with it, honoured: test below)
@@ -96,9 +104,6 @@ CHAT = {
     "reasoning_effort": ("low", REFUSED),
     "verbosity": ("low", REFUSED),
     "web_search_options": ({}, REFUSED),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSED),
-    "tool_choice": ("required", REFUSED),
-    "parallel_tool_calls": (False, IGNORED),  # no effect without tools, which are refused
     "functions": ([{"name": "f"}], REFUSED),
     "function_call": ("auto", REFUSED),
     # vLLM's chat extensions
@@ -113,8 +118,8 @@ CHAT = {
 }
 MESSAGE_FIELDS = {
     "name": ("bob", FRONT),  # given to the chat template (which may or may not render it)
-    "tool_calls": ([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}], REFUSED),
-    "tool_call_id": ("c", REFUSED),
+    "tool_calls": ([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}], FRONT),
+    "tool_call_id": ("c", FRONT),
     "function_call": ({"name": "f", "arguments": "{}"}, REFUSED),
     "reasoning_content": ("hm", REFUSED),
     "refusal": ("no", REFUSED),
@@ -129,7 +134,7 @@ def completions_plan(body: dict):
 
 @pytest.fixture(scope="module")
 def chat_plan(tiny_tokenizer):
-    prompts = Prompts(tiny_tokenizer, 64, len(tiny_tokenizer))
+    prompts = Prompts(tiny_tokenizer, 64, len(tiny_tokenizer), tool_style(tiny_tokenizer, "auto"))
 
     def plan(body: dict, message: dict | None = None):
         messages = [{"role": "user", "content": "hi", **(message or {})}]
@@ -195,14 +200,17 @@ def test_fields_nobody_defines_are_refused_naming_them(chat_plan):
     ("field", "value"),
     [
         ("response_format", {"type": "text"}),
-        ("tools", []),
-        ("tool_choice", "none"),
         ("use_beam_search", False),
         ("best_of", 1),
     ],
 )
 def test_a_field_not_served_is_accepted_at_a_value_that_changes_nothing(field, value):
     assert outcome(completions_plan, {field: value}) == outcome(completions_plan, {})
+
+
+@pytest.mark.parametrize(("field", "value"), [("tools", []), ("tool_choice", "none"), ("parallel_tool_calls", False)])
+def test_tool_fields_that_call_nothing_change_nothing(chat_plan, field, value):
+    assert outcome(chat_plan, {field: value}) == outcome(chat_plan, {})
 
 
 def test_top_logprobs_is_honoured_with_logprobs(chat_plan):
