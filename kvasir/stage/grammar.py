@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvasir.sched.grammar import engine_grammar
+from kvasir.stage.closing import Closing, Vocabulary
 from kvasir.wire.base import Grammar
 
 COMPILED_KEPT = 256  # grammars kept compiled, least recently used dropped first
@@ -34,14 +35,18 @@ class Grammars:
         self.folder = folder
         self.vocab_size = vocab_size
         self._tokenizer = None
+        self._vocabulary: Vocabulary | None = None  # the tokens as closing walks see them (kvasir/stage/closing.py)
         self._compiled: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     def constraint(self, grammar: Grammar, output: tuple[int, ...]) -> Constraint:
         """A matcher for ``grammar`` that has followed ``output``."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._engine_tokenizer(), self._grammar(grammar), log_level=0)
-        constraint = Constraint(matcher)
+        tokenizer = self._engine_tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, self._grammar(grammar), log_level=0)
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary.of(tokenizer, self.vocab_size)
+        constraint = Constraint(matcher, Closing(matcher, self._vocabulary))
         for token in output:
             constraint.follow(token)
         return constraint
@@ -72,8 +77,9 @@ class Grammars:
 class Constraint:
     """One request's matcher: the mask of the next token, and the tokens it took."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, closing: Closing) -> None:
         self.matcher = matcher
+        self.closing = closing  # keeps a way to close within the budget
 
     @property
     def done(self) -> bool:
@@ -89,6 +95,12 @@ class Constraint:
             keep = torch.cat([keep, torch.zeros(logits.shape[-1] - keep.shape[0], dtype=torch.bool)])
         return logits.masked_fill(~keep, float("-inf"))
 
+    def keep(self, token: int, budget: int) -> int:
+        """``token`` if the grammar can still close within ``budget`` tokens after it (this
+        one included), otherwise a token on the way to close."""
+        return self.closing.keep(token, budget)
+
     def follow(self, token: int) -> None:
         """The request output ``token`` (outside the grammar: the matcher's error says so)."""
         self.matcher.consume_token(token)
+        self.closing.follow(token)

@@ -41,7 +41,17 @@ class RequestSampler:
         self.constraint = self._constraint(new, grammars)
 
     def pick(self, logits: torch.Tensor) -> int:
-        """Choose the next token from one row's logits [vocab] (float32, CPU).
+        """Choose the next token from one row's logits [vocab] (float32, CPU): shaped,
+        masked by the request's grammar, drawn, and (structured output) kept within reach
+        of the grammar's end in the tokens max_tokens leaves (kvasir/stage/closing.py)."""
+        logits = self.shaper.shape(logits, self.generated)
+        if self.constraint is None:
+            return self._draw(logits)
+        token = self._draw(self.constraint.mask(logits))
+        return self.constraint.keep(token, self.params.max_tokens - self.generated)  # max_tokens never cuts it
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        """One token from ``logits``.
 
         Any temperature validation lets through is computable: the logits are shifted so
         the best is 0 and divided in float64, so a tiny temperature sends every other
@@ -50,9 +60,6 @@ class RequestSampler:
         float16 overflow upstream) fall back to the best finite token.
         """
         params = self.params
-        logits = self.shaper.shape(logits, self.generated)
-        if self.constraint is not None:
-            logits = self.constraint.mask(logits)
         if params.temperature == 0:
             self.draws += 1
             return _argmax(logits)

@@ -33,6 +33,10 @@ def test_structured_output_parses_through_the_sdk(http_daemon):
         )
         assert done.choices[0].finish_reason == "stop", done.choices[0].message.content
         assert isinstance(done.choices[0].message.parsed, Pet)
+        short = client.chat.completions.parse(  # a budget barely over the shortest answer (30 tokens)
+            model="tiny-llama", messages=messages, response_format=Pet, max_tokens=34, temperature=1.0, seed=seed
+        )
+        assert isinstance(short.choices[0].message.parsed, Pet) and short.usage.completion_tokens <= 34
     stream = client.chat.completions.create(
         model="tiny-llama",
         messages=messages,
