@@ -51,6 +51,7 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     tls_key: str | None = None  # its PEM private key (readable by its owner only)
     allow_plaintext: bool = False  # a non-loopback listen without TLS: keys and prompts in clear text
     metrics_prefix: Literal["kvasir", "vllm"] = "kvasir"  # /metrics names: "vllm" for vLLM's dashboards unchanged
+    reasoning: Literal["none", "think"] = "none"  # "think": a chat's <think> block comes as reasoning_content
 
 
 def parse_listen(listen: str) -> tuple[str, int] | None:

@@ -213,9 +213,13 @@ class Api:
         caller = request[CALLER]
         tenant = caller if self.keys is not None else "open"  # without keys, one tenant: nobody is told apart
         with self.callers.share(caller, len(planned.submissions)):
-            calls = planned.tools.parser if planned.tools is not None else None
             generation = await Generation.start(
-                await self.gateway.client(), planned.submissions, planned.stops, tenant, planned.include_stop, calls
+                await self.gateway.client(),
+                planned.submissions,
+                planned.stops,
+                tenant,
+                planned.include_stop,
+                planned.reader,
             )
             try:
                 if stream:
@@ -228,16 +232,25 @@ class Api:
         count = len(planned.submissions)
         texts: list[list[str]] = [[] for _ in range(count)]
         calls: list[list[ToolCall]] = [[] for _ in range(count)]
+        thoughts: list[list[str]] = [[] for _ in range(count)]
         finishes: list[FinishReason] = [None] * count
         async for piece in generation.pieces():
             if piece.error is not None:
                 raise piece.error
             texts[piece.index].append(piece.text)
             calls[piece.index].extend(piece.calls)
+            thoughts[piece.index].append(piece.reasoning)
             if piece.finish is not None:
                 finishes[piece.index] = piece.finish
         outs = [
-            Out("".join(texts[k]), finishes[k], choice.ids if ids else None, self._scores(choice), tuple(calls[k]))
+            Out(
+                "".join(texts[k]),
+                finishes[k],
+                choice.ids if ids else None,
+                self._scores(choice),
+                tuple(calls[k]),
+                "".join(thoughts[k]) if generation.choices[k].reader is not None else None,
+            )
             for k, choice in enumerate(generation.choices)
         ]
         return _json(shape.whole(outs, _usage(planned, generation)))
@@ -264,7 +277,7 @@ class Api:
                 await write(_event(piece.error.body()))
                 failed = True
                 break
-            if piece.text or piece.scores or piece.calls or piece.finish is not None:
+            if piece.text or piece.reasoning or piece.scores or piece.calls or piece.finish is not None:
                 await write(_event(shape.chunk(piece)))
         if include_usage and not failed:
             await write(_event(shape.usage_chunk(_usage(planned, generation))))

@@ -79,7 +79,6 @@ COMPLETION_ONLY = (Unserved("add_special_tokens", SPECIAL, (None, True)),)
 # message fields that are not served
 MESSAGE_UNSERVED = (
     Unserved("function_call", FUNCTIONS),
-    Unserved("reasoning_content", "reasoning content in a message is not served yet"),
     Unserved("refusal", "an assistant's refusal in a message is not served", (None, "")),
     Unserved("audio", "audio is not served: this is a text model"),
 )

@@ -17,8 +17,9 @@ from typing import Any
 from kvasir.client import AsyncClient, RequestStream
 from kvasir.errors import KvasirError
 from kvasir.http.errors import ApiError
+from kvasir.http.reading import Reader
 from kvasir.http.schema import FinishReason
-from kvasir.http.toolcalls import CallParser, Parsed, ToolCall
+from kvasir.http.toolcalls import Parsed, ToolCall
 from kvasir.wire.client import Accepted, Cancelled, ErrorEvent, Finished, PromptLogprobs, TokenOut
 
 ANSWER_S = 5.0  # closing: how long to wait for the bridge's answer to a submission (to cancel it)
@@ -50,6 +51,7 @@ class Piece:
     scores: tuple[Score, ...] = ()
     prompt: bool = False  # the echoed prompt's log-probabilities (echo with logprobs), before any token
     calls: tuple[ToolCall, ...] = ()  # tool calls now complete (a request with tools)
+    reasoning: str = ""  # a thinking model's reasoning ([http] reasoning = "think")
 
 
 class StopText:
@@ -103,23 +105,15 @@ class Choice:
     prompt_scores: list[Score] = field(default_factory=list)  # the prompt's, with echo and logprobs
     ended: bool = False
     cached_tokens: int = 0  # of its prompt, reused from the prefix cache (known when it finished)
-    calls: CallParser | None = None  # reads tool calls out of its text (a request with tools)
-    called: int = 0  # tool calls it made
+    reader: Reader | None = None  # reads reasoning and tool calls out of its text (chat)
 
     def read(self, text: str, end: bool = False) -> Parsed:
-        """Its text as content and tool calls (all content without tools)."""
-        if self.calls is None:
-            return Parsed(text)
-        parsed = self.calls.push(text)
-        if end:
-            rest = self.calls.flush()
-            parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
-        self.called += len(parsed.calls)
-        return parsed
+        """Its text as content, reasoning and tool calls (all content without a reader)."""
+        return Parsed(text) if self.reader is None else self.reader.read(text, end)
 
     def finish(self, reason: FinishReason) -> FinishReason:
         """A choice that called tools and stopped ends with ``tool_calls``."""
-        return "tool_calls" if self.called and reason == "stop" else reason
+        return "tool_calls" if self.reader is not None and self.reader.called and reason == "stop" else reason
 
     @property
     def scores_prompt(self) -> bool:
@@ -146,17 +140,17 @@ class Generation:
         stops: list[str],
         tenant: str,
         include_stop: bool = False,
-        calls: Callable[[], CallParser] | None = None,
+        reader: Callable[[], Reader | None] | None = None,
     ) -> Generation:
         """Submit every choice for ``tenant`` (whose prefix-cache namespace it is in) and
         wait until the bridge accepted them all (ApiError, with the accepted ones
-        cancelled, when it refused one). ``calls``: a new reader of tool calls per choice."""
+        cancelled, when it refused one). ``reader``: a new reader of each choice's text (chat)."""
         generation = cls(client)
         try:
             for sub in submissions:
                 stream = await client.submit(token_ids=sub.prompt, tenant=tenant, **sub.options)
-                reader = calls() if calls is not None else None
-                choice = Choice(sub, stream, aiter(stream), StopText(stops, include_stop), calls=reader)
+                reading = reader() if reader is not None else None
+                choice = Choice(sub, stream, aiter(stream), StopText(stops, include_stop), reader=reading)
                 generation.choices.append(choice)
             for choice in generation.choices:
                 first = await anext(choice.events)
@@ -236,11 +230,11 @@ class Generation:
                     text, len(choice.ids) >= choice.submission.options.get("min_tokens", 0)
                 )
                 said = choice.read(out, stopped)
-                if stopped or (choice.calls is not None and choice.calls.done):  # a stop string; one call made
+                if stopped or (choice.reader is not None and choice.reader.done):  # a stop string; one call made
                     await self.close_one(choice)
                     return self._last(choice, said, "stop", scores)
-                if said.content or scores or said.calls:
-                    return Piece(index, said.content, scores=scores, calls=tuple(said.calls))
+                if said.content or said.reasoning or scores or said.calls:
+                    return Piece(index, said.content, scores=scores, calls=tuple(said.calls), reasoning=said.reasoning)
                 return None
             case PromptLogprobs(token_ids=ids, logprobs=logprobs, top_logprobs=tops):
                 choice.prompt_scores.extend(zip(ids, logprobs, tops))
@@ -259,9 +253,8 @@ class Generation:
 
     @staticmethod
     def _last(choice: Choice, said: Parsed, reason: FinishReason, scores: tuple[Score, ...] = ()) -> Piece:
-        return Piece(
-            choice.submission.index, said.content, choice.finish(reason), scores=scores, calls=tuple(said.calls)
-        )
+        index, finish = choice.submission.index, choice.finish(reason)
+        return Piece(index, said.content, finish, scores=scores, calls=tuple(said.calls), reasoning=said.reasoning)
 
     async def close_one(self, choice: Choice) -> None:
         """A choice ended here (a stop string, the client went away, a sibling was refused):

@@ -66,6 +66,7 @@ class Front:
             plan.bridge.max_tokens_per_request,
             max_choices=choices,
             allow_ignore_eos=http.allow_ignore_eos,
+            reasoning=http.reasoning == "think",
         )
         self.gateway = Gateway(Path(settings.runtime_dir), log)
         style = tool_style(tokenizer, plan.model.tool_format)

@@ -143,6 +143,8 @@ class Prompts:
             plain["name"] = message.name
         if message.tool_call_id is not None:
             plain["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            plain["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
             plain["tool_calls"] = [_called(k, j, call) for j, call in enumerate(message.tool_calls)]
         return plain

@@ -3,7 +3,7 @@ and each one's sampling options (the bridge checks their ranges, as for any clie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -12,6 +12,8 @@ from kvasir.http.errors import ApiError, invalid
 from kvasir.http.fields import CHAT_ONLY, COMPLETION_ONLY, MESSAGE_UNSERVED, UNSERVED, Unserved
 from kvasir.http.generation import Submission
 from kvasir.http.prompts import Prompt, Prompts
+from kvasir.http.reading import OPEN as THINK
+from kvasir.http.reading import Reader, Thinking
 from kvasir.http.schema import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
 from kvasir.http.structured import grammar_of
 from kvasir.http.tools import ToolPlan, plan_tools
@@ -30,6 +32,7 @@ class Served:
     max_tokens_key: str  # the plan key that sets it (named in the refusal)
     max_choices: int = 16  # http.max_choices: prompts x n of one request
     allow_ignore_eos: bool = False  # http.allow_ignore_eos
+    reasoning: bool = False  # http.reasoning = "think": a chat's <think> block is its reasoning_content
 
     @classmethod
     def of(cls, model_name: str, max_seq_len: int, http_max_tokens: int, bridge_max_tokens: int | None, **rest):
@@ -46,6 +49,14 @@ class Planned:
     stops: list[str]
     include_stop: bool = False  # vLLM's include_stop_str_in_output
     tools: ToolPlan | None = None  # the functions the model may call (their calls are read out of its text)
+    thinking: bool | None = None  # reasoning split off: whether the prompt opened the block (None: not split)
+
+    def reader(self) -> Reader | None:
+        """A new reader of one choice's text (None: the text is all content)."""
+        if self.tools is None and self.thinking is None:
+            return None
+        thinking = Thinking(self.thinking) if self.thinking is not None else None
+        return Reader(thinking, self.tools.parser() if self.tools is not None else None)
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,7 +111,11 @@ def plan_chat(req: ChatRequest, prompts: Prompts, served: Served) -> Planned:
         max_tokens = min(max(1, served.max_seq_len - len(prompt.ids)), served.max_tokens)
     _check_max_tokens(max_tokens, served, param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _planned(req, [prompt], [max_tokens], logprobs, None, tools)
+    planned = _planned(req, [prompt], [max_tokens], logprobs, None, tools)
+    if not served.reasoning:
+        return planned
+    opened = prompts.decode(prompt.ids[-8:]).rstrip().endswith(THINK)  # a template that starts the thinking
+    return replace(planned, thinking=opened)
 
 
 def _common(req: _Sampling, served: Served) -> None:

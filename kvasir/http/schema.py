@@ -188,6 +188,7 @@ class ChatMessage(_MessageUnserved, frozen=True, kw_only=True, forbid_unknown_fi
     name: str | None = None
     tool_calls: Annotated[list[ToolCallIn], msgspec.Meta(max_length=MAX_TOOLS)] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool message's: the call it answers
+    reasoning_content: Text | None = None  # an assistant's earlier thinking: to the template (which may drop it)
 
 
 class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -262,6 +263,7 @@ class AssistantMessage(msgspec.Struct, frozen=True):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET  # with [http] reasoning = "think"
 
 
 class ChatChoice(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -285,6 +287,7 @@ class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True):

@@ -43,6 +43,7 @@ class Out:
     ids: list[int] | None  # its token ids, when the request asked for them
     scores: list[Score]  # its tokens' log-probabilities, when the request asked for them
     calls: tuple[ToolCall, ...] = ()  # the tool calls it made
+    reasoning: str | None = None  # a thinking model's reasoning (None: not split off)
 
 
 def completion_logprobs(scores: Sequence[Score], text_of: Callable[[int], str], offset: int) -> dict[str, Any]:
@@ -153,7 +154,7 @@ class ChatShape:
             calls = [
                 ToolCallDelta(first + k, c.id, FunctionOut(c.name, c.arguments)) for k, c in enumerate(piece.calls)
             ]
-        delta = Delta(content=piece.text or None, tool_calls=calls)
+        delta = Delta(content=piece.text or None, tool_calls=calls, reasoning_content=piece.reasoning or None)
         logprobs = chat_logprobs(piece.scores, self.text_of) if piece.scores else None
         return self._chunk([ChatChunkChoice(piece.index, delta, logprobs, piece.finish)])
 
@@ -170,10 +171,11 @@ class ChatShape:
     @staticmethod
     def _message(out: Out) -> AssistantMessage:
         """The answer; with tool calls, its content is null where the model wrote none."""
+        reasoning = msgspec.UNSET if out.reasoning is None else (out.reasoning or None)
         if not out.calls:
-            return AssistantMessage(out.text)
+            return AssistantMessage(out.text, reasoning_content=reasoning)
         calls = [ToolCallOut(c.id, FunctionOut(c.name, c.arguments)) for c in out.calls]
-        return AssistantMessage(out.text or None, tool_calls=calls)
+        return AssistantMessage(out.text or None, tool_calls=calls, reasoning_content=reasoning)
 
     def _logprobs(self, scores: list[Score]) -> dict[str, Any] | None:
         return chat_logprobs(scores, self.text_of) if scores else None

@@ -47,10 +47,12 @@ def read_call(text: str, arguments_key: str) -> ToolCall | None:
 
 @dataclass
 class Parsed:
-    """What a piece of text turned into: content to send, and calls now complete."""
+    """What a piece of text turned into: content to send, calls now complete, and (a
+    thinking model's) reasoning."""
 
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
 
 class HermesCalls:
@@ -80,7 +82,7 @@ class HermesCalls:
                 continue
             start = self.pending.find(OPEN)
             if start < 0:
-                keep = _held(self.pending, OPEN)
+                keep = held(self.pending, OPEN)
                 self._say(self.pending[: len(self.pending) - keep], out)
                 self.pending = self.pending[len(self.pending) - keep :]
                 break
@@ -182,7 +184,7 @@ def parser(form: ToolFormat, single: bool) -> CallParser:
     return HermesCalls(single) if form == "hermes" else JsonCalls(single)
 
 
-def _held(text: str, marker: str) -> int:
+def held(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could begin ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):

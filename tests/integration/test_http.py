@@ -34,6 +34,7 @@ def http_daemon(tiny_models, tmp_path_factory):
         "workers": 2,
         "model_name": "tiny-llama",
         "allow_ignore_eos": True,
+        "reasoning": "think",  # a chat's <think> block is its reasoning_content (test_http_features.py)
     }
     plan = write_plan(  # the model's whole context: a prompt that lists tools is long in its small vocabulary
         root / "plan.toml", tiny_models["llama-tokenizer"], SPLITS, max_tokens=64, max_seq_len=1024, http=http

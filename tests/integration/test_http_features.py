@@ -157,3 +157,19 @@ def test_curl_sees_a_streamed_tool_call(http_daemon):
     assert call["function"]["name"] == "get_weather"
     Weather.model_validate_json(call["function"]["arguments"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_the_thinking_comes_apart_from_the_answer(http_daemon):
+    """[http] reasoning = "think"; random weights write a block because a regex holds them to it."""
+    client = sdk(http_daemon)
+    shaped = {"structured_outputs": {"regex": "<think>[a-z]{3}</think>\n\n[a-z]{2}"}}
+    asked = dict(model="tiny-llama", messages=[{"role": "user", "content": "think"}], max_tokens=40, extra_body=shaped)
+    message = client.chat.completions.create(**asked).choices[0].message
+    thought, answer = message.reasoning_content, message.content  # type: ignore[attr-defined]
+    assert re.fullmatch("[a-z]{3}", thought) and re.fullmatch("[a-z]{2}", answer), message
+    parts: dict[str, str] = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for key in parts:
+            parts[key] += (getattr(delta, key, None) or "") if delta is not None else ""
+    assert re.fullmatch("[a-z]{3}", parts["reasoning_content"]) and re.fullmatch("[a-z]{2}", parts["content"])

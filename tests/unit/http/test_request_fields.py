@@ -121,7 +121,7 @@ MESSAGE_FIELDS = {
     "tool_calls": ([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}], FRONT),
     "tool_call_id": ("c", FRONT),
     "function_call": ({"name": "f", "arguments": "{}"}, REFUSED),
-    "reasoning_content": ("hm", REFUSED),
+    "reasoning_content": ("hm", FRONT),  # an assistant's earlier thinking, to the template
     "refusal": ("no", REFUSED),
     "audio": ({"id": "a"}, REFUSED),
 }
