@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvasir.bridge.conductor import Choice
-from kvasir.bridge.detokenizer import IncrementalDetokenizer
+from kvasir.bridge.detokenizer import IncrementalDetokenizer, StreamDetokenizer
 from kvasir.transport.channels import BatchedSocket
 from kvasir.units import gib_per_s
 from kvasir.wire.base import FinishReason
@@ -33,7 +33,7 @@ class Pending:
     key: int
     prompt_tokens: int
     submitted_ns: int
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer | None
     logprobs: bool = False  # its tokens go out with their log-probabilities
     token_ids: list[int] = field(default_factory=list)
     enqueued_ns: int = 0  # when the bridge handed it to the head (the bridge's clock)

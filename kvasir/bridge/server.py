@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from kvasir.bridge.detokenizer import IncrementalDetokenizer, load_tokenizer
+from kvasir.bridge.detokenizer import detokenizer, load_tokenizer
 from kvasir.bridge.heads import Heads
 from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
 from kvasir.bridge.metrics import Metrics
@@ -222,7 +222,7 @@ class Bridge:
         rid = self.next_id
         self.next_id += 1
         self.accepted += 1
-        detok = IncrementalDetokenizer(self.tokenizer, msg.skip_special_tokens) if self.tokenizer is not None else None
+        detok = detokenizer(self.tokenizer, msg.skip_special_tokens) if self.tokenizer is not None else None
         record = Pending(peer, msg.key, len(ids), time.monotonic_ns(), detok, sampling.logprobs >= 0)
         record.routed(choice, decode)
         self.requests.add(rid, record)
