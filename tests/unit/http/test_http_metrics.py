@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -145,3 +149,50 @@ def test_the_vllm_prefix_and_the_series_its_dashboard_reads():
     assert samples[("vllm:request_generation_tokens_bucket", (("le", "2.0"), *model))] == 1
     bounds = [s.labels["le"] for s in families["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
     assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "+Inf"]  # 1-2-5 up to max_seq_len
+
+
+DASHBOARD = Path(__file__).parents[3] / "grafana" / "kvasir.json"
+
+
+def test_the_grafana_dashboard_reads_only_series_that_exist():
+    """grafana/kvasir.json: every series and label its queries name is one /metrics serves."""
+    from kvasir.wire.client import InstanceStats
+
+    metrics = Metrics(max_seq_len=64)
+    metrics.finished("stop", Timings(queued_s=0.01, first_token_s=0.2, per_token_s=0.02, total_s=0.22), 12, 2)
+    stats = DaemonStats(
+        uptime_s=1.0,
+        requests=1,
+        in_flight=0,
+        waiting_limit=10,
+        vocab_size=100,
+        max_seq_len=64,
+        stages=[stage(0), stage(1)],
+        shards=[ShardStats(0, 1, (0, 4), 300, 10.0, 2.0, 8.0, 0.0, 3, 30, (10, 10, 5, 5))],
+        instances=[InstanceStats(name="a", pool="", state="serving", stages=[0, 1])],
+        metrics=metrics.snapshot(),
+        handoff=HandoffSummary(count=2, kv_bytes=4096, p50_s=0.1, p99_s=0.2, gibps=1.0, seconds=0.3),
+    )
+    served: dict[str, set[str]] = {}  # sample name -> its labels
+    for family in text_string_to_metric_families(render(stats, "m", "kvasir", {0: 20}).decode()):
+        for sample in family.samples:
+            served.setdefault(sample.name, set()).update(sample.labels)
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert len(queries) >= 20
+    for query in queries:
+        names = re.findall(r"kvasir:[a-z0-9_]+", query)
+        assert names, query
+        for name in names:
+            assert name in served, f"{name} is not served ({query})"
+        labels = set(re.findall(r"([a-z_]+)\s*=~?\s*\"", query)) | {
+            word for group in re.findall(r"by \(([^)]*)\)", query) for word in re.split(r"[,\s]+", group) if word
+        }
+        known = set.union(*(served[name] for name in names)) | {"le"}
+        assert labels <= known, f"{sorted(labels - known)} not among the labels of {names}"
+    legends = " ".join(target.get("legendFormat", "") for panel in dashboard["panels"] for target in panel["targets"])
+    every_label = set.union(*served.values())
+    assert set(re.findall(r"\{\{(\w+)\}\}", legends)) <= every_label
+    covered = " ".join(queries)
+    for series in ("worker_busy", "worker_starved", "worker_blocked", "handoff", "prefix_cache", 'role="shard"'):
+        assert series in covered  # the issue's list: per stage, hand-off, prefix hits, experts
