@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import random
 
-from transformers import AutoTokenizer
-
 import pytest
+from transformers import AutoTokenizer
 
 from kvasir.bridge.detokenizer import IncrementalDetokenizer, StreamDetokenizer, detokenizer
 from tests.support.models import CORPUS
