@@ -221,7 +221,9 @@ def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
         assert daemon.stop() == 0
     chat_answer, stream, health, metrics, sdk_answer = outputs[1:]
     assert "Paris" in tour[1]  # the README's curl
-    called, answered = tour[3].splitlines()  # examples/tools.py: the call, then the answer with its result
+    kind, parsed_city = tour[3].split(" ", 1)  # examples/structured.py: the SDK's parse() into its model
+    assert kind == "City" and json.loads(parsed_city)["name"]
+    called, answered = tour[4].splitlines()  # examples/tools.py: the call, then the answer with its result
     assert called == "tool_calls get_weather {'city': 'Paris'}" and "sunny" in answered
     assert streamed.finish_reason == "tool_calls"
     assert isinstance(streamed.message.tool_calls[0].function.parsed_arguments, Town)
