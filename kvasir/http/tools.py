@@ -109,6 +109,11 @@ def plan_tools(req: ChatRequest, style: ToolStyle | None) -> ToolPlan | None:
             'model.tool_format chooses one ("hermes", "llama3_json" or "prompted")',
             "tools",
         )
+    for k, tool in enumerate(req.tools):
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            param = f"tools[{k}].function.parameters"
+            raise invalid(f"{param}: a function's arguments are a JSON object (type object), not {kind!r}", param)
     names = [tool.function.name for tool in req.tools]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:

@@ -122,9 +122,21 @@ def test_a_template_that_renders_tools_is_given_them(tiny_tokenizer):
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, None, "tools[0].function.name"),
         ({"tools": [tool("f", Weather) | {"type": "web"}]}, None, "tools[0].type"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frog"}}}]},
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"properties": {"a": {"type": "frog"}}}},
+                    }
+                ]
+            },
             None,
             "tools",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            None,
+            "tools[0].function.parameters",
         ),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
