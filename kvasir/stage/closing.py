@@ -25,6 +25,7 @@ WALK_LIMIT = 256  # a closing walk longer than this counts as none
 CLOSERS = {ord("}"): 0, ord("]"): 0, ord('"'): 1, **{ord(d): 2 for d in "0123456789"}}
 OPENERS = {ord("{"), ord("["), ord(",")}
 NONE = np.iinfo(np.int32).max
+FIRST = 512  # tokens of lowest rank a walk's step looks at before the whole vocabulary
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Vocabulary:
     ranks: np.ndarray  # [vocab] int32: lower closes sooner; NONE for special tokens
     texts: list[bytes]  # each token's bytes
     singles: dict[int, int]  # a byte -> the token that is that byte alone
+    best: np.ndarray  # the FIRST tokens of lowest rank, in rank order (looked at before the rest)
 
     @classmethod
     def of(cls, tokenizer, vocab_size: int) -> Vocabulary:
@@ -49,7 +51,7 @@ class Vocabulary:
             ranks[token] = CLOSERS.get(text[0], 4 if text[0] in OPENERS else 3) * 4096 + min(len(text), 4095)
             if len(text) == 1:
                 singles.setdefault(text[0], token)
-        return cls(ranks, texts, singles)
+        return cls(ranks, texts, singles, np.argsort(ranks, kind="stable")[:FIRST])
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,11 @@ class Closing:
         closer = vocabulary.singles.get(scan.closer() or -1)
         if closer is not None and words[closer >> 3] >> (closer & 7) & 1:
             return closer
+        best = vocabulary.best
+        hits = np.flatnonzero(words[best >> 3] >> (best & 7) & 1)
+        if hits.size:  # the usual case: a closer, a digit or a short token is allowed
+            token = int(best[hits[0]])
+            return None if vocabulary.ranks[token] == NONE else token
         allowed = np.unpackbits(words, bitorder="little")[: vocabulary.ranks.shape[0]].astype(bool)
         ranked = np.where(allowed, vocabulary.ranks, NONE)
         token = int(ranked.argmin())
