@@ -61,10 +61,12 @@ class Scan:
     in_string: bool = False
     escaped: bool = False
     open: str = ""
+    partial: int = 0  # bytes still to come of a character begun (UTF-8)
 
     def after(self, data: bytes) -> Scan:
-        in_string, escaped, stack = self.in_string, self.escaped, self.open
+        in_string, escaped, stack, partial = self.in_string, self.escaped, self.open, self.partial
         for byte in data:
+            partial = max(partial - 1, 0) if 0x80 <= byte < 0xC0 else _continuation(byte)
             if in_string:
                 in_string, escaped = (True, False) if escaped else (byte != 34, byte == 92)
             elif byte == 34:
@@ -73,13 +75,18 @@ class Scan:
                 stack += chr(byte)
             elif byte in (125, 93) and stack:
                 stack = stack[:-1]
-        return replace(self, in_string=in_string, escaped=escaped, open=stack)
+        return replace(self, in_string=in_string, escaped=escaped, open=stack, partial=partial)
 
     def closer(self) -> int | None:
         """The byte that would close the most: the string's quote, or the innermost bracket."""
         if self.in_string:
             return None if self.escaped else 34
         return (125 if self.open[-1] == "{" else 93) if self.open else None
+
+
+def _continuation(byte: int) -> int:
+    """How many continuation bytes a UTF-8 character that begins with ``byte`` has."""
+    return 1 if 0xC0 <= byte < 0xE0 else 2 if 0xE0 <= byte < 0xF0 else 3 if 0xF0 <= byte < 0xF8 else 0
 
 
 class Closing:
@@ -105,6 +112,8 @@ class Closing:
             return token
         if budget > self.length + MARGIN and (self.picks - 1) % REFRESH:
             return token
+        if self.length and self.length <= budget and self._inside_string(token):
+            return token  # more of a string: the way to close is no longer (its quote, then the same)
         after = self._walk_after(token, budget - 1)
         if after is not None:
             self.length = len(after) + 1
@@ -114,6 +123,13 @@ class Closing:
             self.hopeless = True
             return token
         return now[0]
+
+    def _inside_string(self, token: int) -> bool:
+        """``token`` is whole characters inside the string the output is in, and leaves it open."""
+        text, scan = self._text(token), self.scan
+        if not scan.in_string or scan.escaped or scan.partial or b'"' in text or b"\\" in text:
+            return False
+        return scan.after(text).partial == 0
 
     def _walk_after(self, token: int, limit: int) -> list[int] | None:
         if not self.matcher.consume_token(token) or self.matcher.is_error():
