@@ -120,14 +120,14 @@ def test_a_fleets_series_carry_the_instance():
     }
 
 
-def test_the_vllm_prefix_and_the_series_its_dashboard_reads():
-    """``[http] metrics_prefix = "vllm"``: vLLM's Grafana dashboard reads these names."""
+def one_request(**more) -> DaemonStats:
+    """Two stages that served one request of 12 prompt and 2 output tokens (and ``more``)."""
     metrics = Metrics(max_seq_len=64)
     metrics.accepted(12)
     for gap in (None, 20_000_000):
         metrics.token(gap)
     metrics.finished("stop", Timings(queued_s=0.01, first_token_s=0.2, per_token_s=0.02, total_s=0.22), 12, 2)
-    stats = DaemonStats(
+    return DaemonStats(
         uptime_s=1.0,
         requests=1,
         in_flight=0,
@@ -136,8 +136,13 @@ def test_the_vllm_prefix_and_the_series_its_dashboard_reads():
         max_seq_len=64,
         stages=[stage(0), stage(1)],
         metrics=metrics.snapshot(),
+        **more,
     )
-    text = render(stats, "m", "vllm", {0: 20}).decode()
+
+
+def test_the_vllm_prefix_and_the_series_its_dashboard_reads():
+    """``[http] metrics_prefix = "vllm"``: vLLM's Grafana dashboard reads these names."""
+    text = render(one_request(), "m", "vllm", {0: 20}).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert all(name.startswith("vllm:") for name in families)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
@@ -158,19 +163,9 @@ def test_the_grafana_dashboard_reads_only_series_that_exist():
     """grafana/kvasir.json: every series and label its queries name is one /metrics serves."""
     from kvasir.wire.client import InstanceStats
 
-    metrics = Metrics(max_seq_len=64)
-    metrics.finished("stop", Timings(queued_s=0.01, first_token_s=0.2, per_token_s=0.02, total_s=0.22), 12, 2)
-    stats = DaemonStats(
-        uptime_s=1.0,
-        requests=1,
-        in_flight=0,
-        waiting_limit=10,
-        vocab_size=100,
-        max_seq_len=64,
-        stages=[stage(0), stage(1)],
+    stats = one_request(
         shards=[ShardStats(0, 1, (0, 4), 300, 10.0, 2.0, 8.0, 0.0, 3, 30, (10, 10, 5, 5))],
         instances=[InstanceStats(name="a", pool="", state="serving", stages=[0, 1])],
-        metrics=metrics.snapshot(),
         handoff=HandoffSummary(count=2, kv_bytes=4096, p50_s=0.1, p99_s=0.2, gibps=1.0, seconds=0.3),
     )
     served: dict[str, set[str]] = {}  # sample name -> its labels
