@@ -23,6 +23,33 @@ class Pet(pydantic.BaseModel):
     age: int = pydantic.Field(ge=0, le=99)
 
 
+class Address(pydantic.BaseModel):
+    town: str = pydantic.Field(max_length=8)
+    zone: Literal["north", "south"]
+
+
+class Owner(pydantic.BaseModel):
+    """Nested objects, an array of them, an optional field, enums."""
+
+    pets: list[Pet] = pydantic.Field(min_length=1, max_length=2)
+    address: Address
+    nickname: str | None = pydantic.Field(default=None, max_length=5)
+
+
+def test_nested_arrays_and_optional_fields_parse_through_the_sdk(http_daemon):
+    client = sdk(http_daemon)
+    for seed in range(3):
+        done = client.chat.completions.parse(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "an owner"}],
+            response_format=Owner,
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        assert isinstance(done.choices[0].message.parsed, Owner), done.choices[0].message.content
+
+
 def test_structured_output_parses_through_the_sdk(http_daemon):
     """Random weights: the grammar alone keeps every answer valid."""
     client = sdk(http_daemon)
