@@ -1,0 +1,81 @@
+"""A stage's side of the pool (kvasir/kvpool/stage_side.py) on a real paged KV cache:
+evicted blocks' slices written down and read back bit for bit into other blocks; a full
+queue drops, a corrupt slice is never used, a failed writer fails the stage loudly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvasir.kvpool.disk import DiskTier
+from kvasir.kvpool.slices import SliceMeta
+from kvasir.kvpool.stage_side import StagePool
+from kvasir.model.kv_cache import PagedKVCache
+
+TEMPLATE = SliceMeta(model="m/float32", layers=(2, 5), block_size=4, kv_heads=2, head_dim=8, dtype="float32", key=b"")
+
+
+def cache() -> PagedKVCache:
+    kv = PagedKVCache(3, 8, 4, 2, 8, dtype=torch.float32, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    kv.keys.copy_(torch.randn(kv.keys.shape, generator=generator))
+    kv.values.copy_(torch.randn(kv.values.shape, generator=generator))
+    return kv
+
+
+def settle(pool: StagePool, count: int) -> list[bytes]:
+    """The keys the writer stored, once there are ``count`` (bounded wait)."""
+    stored: list[bytes] = []
+    for _ in range(500):
+        stored += pool.take_stored()
+        if len(stored) >= count:
+            return stored
+        time.sleep(0.01)
+    raise AssertionError(f"{len(stored)} of {count} slices stored")
+
+
+def test_spilled_slices_come_back_bit_for_bit_in_other_blocks(tmp_path):
+    kv = cache()
+    pool = StagePool(kv, DiskTier(tmp_path, 1 << 20), TEMPLATE, 1 << 20)
+    before = kv.keys[:, 4:8].clone(), kv.values[:, 4:8].clone()  # block 1
+    pool.spill([(1, b"a" * 16), (2, b"b" * 16)])
+    assert sorted(settle(pool, 2)) == [b"a" * 16, b"b" * 16]
+    kv.keys[:, 4:8] = 0  # block 1 reused by another request
+    assert pool.load(6, b"a" * 16)  # the prefix comes back into block 6
+    assert torch.equal(kv.keys[:, 24:28], before[0]) and torch.equal(kv.values[:, 24:28], before[1])
+    assert not pool.load(7, b"z" * 16) and pool.counters.unusable == 1  # never stored
+    pool.close()
+
+
+def test_a_full_queue_drops_and_a_corrupt_slice_is_never_used(tmp_path):
+    kv = cache()
+    tier = DiskTier(tmp_path, 1 << 20)
+    cramped = StagePool(kv, DiskTier(tmp_path / "cramped", 1 << 20), TEMPLATE, TEMPLATE.payload_bytes - 1)
+    cramped.spill([(0, b"a" * 16), (1, b"b" * 16)])  # no room for one slice queued: dropped, not waited for
+    assert cramped.counters.dropped == 2 and cramped.counters.spilled == 0
+    cramped.close()
+    pool = StagePool(kv, tier, TEMPLATE, 1 << 20)
+    pool.spill([(0, b"a" * 16)])
+    stored = settle(pool, 1)
+    path = tier._path((stored[0], TEMPLATE.layers))
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    untouched = kv.keys[:, 20:24].clone()
+    assert not pool.load(5, stored[0])  # corrupt: not used, removed, counted
+    assert torch.equal(kv.keys[:, 20:24], untouched) and (stored[0], TEMPLATE.layers) not in tier
+    assert tier.counters.corrupt == 1
+    pool.close()
+
+
+def test_a_writer_that_fails_fails_the_stage(tmp_path):
+    kv = cache()
+    tier = DiskTier(tmp_path / "tier", 1 << 20)
+    pool = StagePool(kv, tier, TEMPLATE, 1 << 20)
+    (tmp_path / "tier").rename(tmp_path / "gone")  # the folder vanished under the tier
+    pool.spill([(0, b"a" * 16)])
+    pool.close()
+    with pytest.raises(RuntimeError, match="the KV pool's writer failed"):
+        pool.take_stored()
