@@ -18,6 +18,8 @@ from typing import Literal
 import msgspec
 import torch
 
+from kvasir.wire.decoding import Malformed, decode
+
 MAGIC = b"KVSLICE1"
 CHECKSUM_BYTES = 32
 MAX_HEADER = 4096
@@ -75,8 +77,8 @@ def decode_slice(data: bytes, expected: SliceMeta) -> tuple[torch.Tensor, torch.
     if size > MAX_HEADER or start + size > len(body):
         raise SliceError("corrupt", f"a header of {size} bytes")
     try:
-        meta = msgspec.msgpack.decode(body[start : start + size], type=SliceMeta)
-    except msgspec.DecodeError as exc:
+        meta = decode(bytes(body[start : start + size]), SliceMeta)
+    except Malformed as exc:
         raise SliceError("corrupt", f"the header does not read: {exc}") from None
     if meta != expected:
         raise SliceError("mismatch", _difference(meta, expected))
