@@ -84,6 +84,16 @@ class Scan:
         return (125 if self.open[-1] == "{" else 93) if self.open else None
 
 
+def bitmask(matcher) -> np.ndarray:
+    """The matcher's allowed next tokens, packed: bit ``t % 8`` of byte ``t // 8`` is token ``t``."""
+    return np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+
+
+def allowed(words: np.ndarray, size: int) -> np.ndarray:
+    """``bitmask``'s bits for the first ``size`` tokens, as booleans."""
+    return np.unpackbits(words, bitorder="little")[:size].astype(bool)
+
+
 def _continuation(byte: int) -> int:
     """How many continuation bytes a UTF-8 character that begins with ``byte`` has."""
     return 1 if 0xC0 <= byte < 0xE0 else 2 if 0xE0 <= byte < 0xF0 else 3 if 0xF0 <= byte < 0xF8 else 0
@@ -156,7 +166,7 @@ class Closing:
 
     def _next(self, scan: Scan) -> int | None:
         vocabulary = self.vocabulary
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        words = bitmask(self.matcher)
         closer = vocabulary.singles.get(scan.closer() or -1)
         if closer is not None and words[closer >> 3] >> (closer & 7) & 1:
             return closer
@@ -165,8 +175,7 @@ class Closing:
         if hits.size:  # the usual case: a closer, a digit or a short token is allowed
             token = int(best[hits[0]])
             return None if vocabulary.ranks[token] == NONE else token
-        allowed = np.unpackbits(words, bitorder="little")[: vocabulary.ranks.shape[0]].astype(bool)
-        ranked = np.where(allowed, vocabulary.ranks, NONE)
+        ranked = np.where(allowed(words, vocabulary.ranks.shape[0]), vocabulary.ranks, NONE)
         token = int(ranked.argmin())
         return None if ranked[token] == NONE else token
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvasir.sched.grammar import engine_grammar
-from kvasir.stage.closing import Closing, Vocabulary
+from kvasir.stage.closing import Closing, Vocabulary, allowed, bitmask
 from kvasir.wire.base import Grammar
 
 COMPILED_KEPT = 256  # grammars kept compiled, least recently used dropped first
@@ -88,9 +87,7 @@ class Constraint:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [vocab] with every token outside the grammar at -inf."""
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(words, bitorder="little")[: logits.shape[-1]]
-        keep = torch.from_numpy(allowed.astype(bool))
+        keep = torch.from_numpy(allowed(bitmask(self.matcher), logits.shape[-1]))
         if keep.shape[0] < logits.shape[-1]:  # a vocabulary wider than the engine's: the rest is outside
             keep = torch.cat([keep, torch.zeros(logits.shape[-1] - keep.shape[0], dtype=torch.bool)])
         return logits.masked_fill(~keep, float("-inf"))
