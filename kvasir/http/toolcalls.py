@@ -32,11 +32,15 @@ def new_call(name: str, arguments: Any) -> ToolCall:
 
 
 def read_call(text: str, arguments_key: str) -> ToolCall | None:
-    """One call's JSON (``{"name": ..., "arguments" | "parameters": {...}}``), or None."""
+    """One call's JSON text, or None."""
     try:
-        body = json.loads(text)
+        return call_of(json.loads(text), arguments_key)
     except ValueError:
         return None
+
+
+def call_of(body: Any, arguments_key: str) -> ToolCall | None:
+    """One call's decoded JSON (``{"name": ..., "arguments" | "parameters": {...}}``), or None."""
     if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"]:
         return None
     arguments = body.get(arguments_key, body.get("arguments", body.get("parameters", {})))
@@ -166,7 +170,7 @@ class JsonCalls:
                 body, end = self._decoder.raw_decode(text)
             except ValueError:
                 break
-            call = read_call(json.dumps(body), "parameters")
+            call = call_of(body, "parameters")
             if call is None:  # JSON, but not a call: the answer is text after all
                 self.mode = "text"
                 out.content, self.pending = self.pending, ""
