@@ -249,7 +249,7 @@ class Api:
                 choice.ids if ids else None,
                 self._scores(choice),
                 tuple(calls[k]),
-                "".join(thoughts[k]) if generation.choices[k].reader is not None else None,
+                "".join(thoughts[k]) if planned.thinking is not None else None,  # split off: the plan's choice
             )
             for k, choice in enumerate(generation.choices)
         ]
