@@ -173,3 +173,25 @@ def print_plans(report: dict, echo: Echo) -> None:
             echo(f"    {pool:<8} busy {f['busy']:.0%}  starved {f['starved']:.0%}  blocked {f['blocked']:.0%}")
     for name, value in report["ratios"].items():
         echo(f"ratio {name:<36} {value:.2f}x")
+
+
+def print_pool(report: dict, echo: Echo) -> None:
+    """``kvasir bench pool``: per variant, the evicted prefix's TTFT over its cold start."""
+    r = report["pool"]
+    echo(
+        f"KV pool: a {r['prompt_len']}-token prompt, evicted from the instance's cache, asked again ({r['rounds']} rounds)"
+    )
+    for name, v in r["variants"].items():
+        tiers = v["evicted_cached"][-1]
+        line = (
+            f"  pool {name:4}  cold TTFT {v['cold_ttft_s']:7.3f} s  evicted {v['evicted_ttft_s']:7.3f} s  "
+            f"ratio {v['ratio']:5.2f}x  cached {tiers['cached_tokens']} (host {tiers['host_tokens']}, "
+            f"disk {tiers['disk_tokens']})"
+        )
+        if "load_gib_s" in v:
+            line += f"  read back at {v['load_gib_s']:.2f} GiB/s"
+        echo(line)
+        if "restart_ttft_s" in v:
+            echo(
+                f"             after a restart {v['restart_ttft_s']:7.3f} s  ratio {v['restart_ratio']:5.2f}x (from disk)"
+            )

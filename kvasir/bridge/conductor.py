@@ -77,6 +77,7 @@ class Choice:
     reason: str
     cached_tokens: int = 0  # prompt tokens the conductor expects the instance to have cached
     backlog: int = 0  # what the request adds to the instance's backlog
+    pooled: int = 0  # the prompt's first blocks the instance can read back from the KV pool
 
 
 class Conductor:

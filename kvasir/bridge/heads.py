@@ -4,12 +4,14 @@ instance's, or a prefill instance's), the conductor that picks one per request
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
 import zmq
 
 from kvasir.bridge.conductor import Candidate, Choice, Conductor
+from kvasir.bridge.pool import PoolView
 from kvasir.config.fleet import Ring
 from kvasir.config.plan import Plan
 from kvasir.errors import RequestError
@@ -34,6 +36,7 @@ class Heads:
             (Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks, "down") for ring in self.decode),
         )
         self.head_of = {ring.name: ring.first for ring in rings}
+        self.pool = PoolView(plan) if plan.kv_pool is not None else None  # the KV pool's index
         self.pids: dict[str, frozenset[int]] = {}  # the serving instances' stage processes
         self.restarts: dict[str, int] = {}  # each instance's restarts so far
         self.failures: dict[str, str] = {}  # each instance's last failure
@@ -56,7 +59,10 @@ class Heads:
         key = root + b"\x00" + session.encode() if session is not None else None
         decode = self.conductor.pick_decode()
         try:
-            return self.conductor.pick(prompt, root, time.monotonic(), key), decode
+            choice = self.conductor.pick(prompt, root, time.monotonic(), key)
+            if self.pool is not None:
+                choice = dataclasses.replace(choice, pooled=self.pool.pooled(choice.name, prompt, root))
+            return choice, decode
         except RequestError:
             if decode is not None:
                 self.conductor.decode_ended(decode)
@@ -77,6 +83,8 @@ class Heads:
         self.pids[instance] = frozenset(pids)
         self.restarts[instance] = restarts
         self.conductor.up(instance)
+        if self.pool is not None:
+            self.pool.serve(pids)
 
     def down(self, instance: str, reason: str) -> None:
         """An instance failed: drop what was queued for its dead head, ignore its old

@@ -10,7 +10,7 @@ from collections import deque
 import msgspec
 
 from kvasir.bridge.heads import Heads
-from kvasir.wire.bridge import PrefixEvents
+from kvasir.wire.bridge import PoolEvents, PrefixEvents
 from kvasir.wire.stats import BatchSpan, ShardStats, StageStats
 
 TIMELINE_SPANS = 4096  # recent batch spans kept per stage for timelines (kvasir bench --plot)
@@ -23,9 +23,11 @@ class Reports:
         self.shards: dict[int, ShardStats] = {}  # by number
         self.timelines: dict[int, deque[BatchSpan]] = {}
 
-    def note(self, report: StageStats | ShardStats | PrefixEvents) -> None:
+    def note(self, report: StageStats | ShardStats | PrefixEvents | PoolEvents) -> None:
         heads = self.heads
         match report:
+            case PoolEvents(stage=index, pid=pid) if heads.pool is not None:
+                heads.pool.note(report, heads.current(index, pid))
             case PrefixEvents(head=index, pid=pid) if heads.current(index, pid):
                 heads.conductor.events(heads.instance_of[index], report.stored, report.removed, report.reset)
             case StageStats(index=index, pid=pid) if heads.current(index, pid):

@@ -36,6 +36,7 @@ from kvasir.transport.fabric import Sockets, open_fabric
 from kvasir.wire.bridge import (
     BridgeMessage,
     HandoffReport,
+    PoolEvents,
     PrefixEvents,
     RequestEnded,
     ShardStats,
@@ -230,7 +231,7 @@ class Bridge:
         client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
         head = self.heads.head_of[decode] if decode is not None else -1
-        enqueue = Enqueue(rid, tuple(ids), sampling, client, root, head)
+        enqueue = Enqueue(rid, tuple(ids), sampling, client, root, head, choice.pooled)
         self.outbox.after_turn(partial(self._enqueue, rid, self.encoder.encode(enqueue)))
 
     def _enqueue(self, rid: int, body: bytes) -> None:
@@ -290,7 +291,7 @@ class Bridge:
                 record = self.requests.get(rid)
                 if record is not None:
                     record.handoff = timings
-            case PrefixEvents() | StageStats() | ShardStats():
+            case PrefixEvents() | PoolEvents() | StageStats() | ShardStats():
                 self.reports.note(message)
 
     async def _commands(self) -> None:
@@ -307,6 +308,8 @@ class Bridge:
                 await self._ring_down(command.instance, command.message)
             elif command.kind == "hosts":
                 self.hosts_missing = list(command.hosts)
+                if self.heads.pool is not None:  # a lost host's KV pool tiers are gone with it
+                    self.heads.pool.forget_hosts(command.hosts)
             elif command.kind == "drain":
                 self.draining = True
                 self.log.info("draining", requests=len(self.requests))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvasir.wire.client import DaemonStats, PrefixCacheStats
+from kvasir.wire.client import DaemonStats, KvPoolStats, PrefixCacheStats
 
 
 def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
@@ -37,4 +37,5 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         metrics=bridge.metrics.snapshot(),
         prefix_cache=PrefixCacheStats.of(stages) if stages else None,
         instances=bridge.heads.report(reports.stages),
+        kv_pool=KvPoolStats.of(len(pool.index), stages) if (pool := bridge.heads.pool) is not None else None,
     )

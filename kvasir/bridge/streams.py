@@ -58,7 +58,9 @@ class Streams:
             self.requests.first_token(record)
             record.first_ns = now
             record.queued_ns = max(token.queued_ns, 0)
-            record.cached_tokens = min(max(token.cached_tokens, 0), record.prompt_tokens)
+            record.cached_tokens = cached = min(max(token.cached_tokens, 0), record.prompt_tokens)
+            host = min(max(token.pooled_tokens[0], 0), cached)
+            record.pooled_tokens = (host, min(max(token.pooled_tokens[1], 0), cached - host))
         elif len(record.token_ids) == 1:
             record.second_ns = now
         record.last_ns = now

@@ -219,6 +219,12 @@ def _print_plan(path, resolved, source, stages) -> None:
             f"kv       {kv.num_blocks} blocks x {kv.block_size} tokens = "
             f"{kv.num_blocks * kv.block_size} tokens per stage{name}"
         )
+    if (pool_spec := resolved.kv_pool) is not None:
+        tiers = [f"{format_bytes(pool_spec.host_bytes)} of host memory"] if pool_spec.host_bytes else []
+        tiers += [f"{format_bytes(pool_spec.disk_bytes)} in {pool_spec.disk_dir}"] if pool_spec.disk_bytes else []
+        click.echo(
+            f"kv pool  {' and '.join(tiers)} on each host; a head waits {pool_spec.load_timeout_s:g} s for a read-back"
+        )
     if resolved.disaggregated:
         click.echo(f"handoff  prefill KV not taken by the decode pool within {resolved.handoff.lease_s:g} s is freed")
     br = resolved.bridge

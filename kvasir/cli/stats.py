@@ -77,6 +77,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
             f"hand-offs {h['count']}, {format_bytes(h['kv_bytes'])} of KV; time p50 {h['p50_s'] * 1000:.2f} ms, "
             f"p99 {h['p99_s'] * 1000:.2f} ms; copies at {h['gibps']:.2f} GiB/s"
         )
+    if daemon.kv_pool is not None:
+        click.echo(daemon.kv_pool.describe())
     if (cache_line := daemon.prefix_cache_line()) is not None:
         click.echo(cache_line)
     fleet = len(body["instances"]) > 1

@@ -19,6 +19,7 @@ from kvasir.config.devices import DTYPES, check_edge_request
 from kvasir.config.experts import check_shards, check_shards_fit
 from kvasir.config.fleet import Ring, check_pools, rings
 from kvasir.config.http import HttpSpec, check_http, is_loopback
+from kvasir.config.kvpool import KvPoolSpec, check_kv_pool
 from kvasir.config.resources import check_placement, positive
 from kvasir.config.sections import (
     POOLS,
@@ -54,6 +55,7 @@ class Plan(_Section, frozen=True):
     cluster: ClusterSpec | None = None  # several hosts (kvasir/config/cluster.py)
     hosts: dict[str, HostSpec] = {}
     http: HttpSpec | None = None  # the OpenAI-compatible HTTP front (kvasir/config/http.py)
+    kv_pool: KvPoolSpec | None = None  # prefix blocks kept past eviction, in tiers (kvasir/config/kvpool.py)
 
     @property
     def disaggregated(self) -> bool:
@@ -157,6 +159,9 @@ def _check_values(plan: Plan) -> None:
     check_cluster(plan)
     if plan.http is not None:
         check_http(plan.http, plan.bridge.max_per_client)
+    if plan.kv_pool is not None:
+        caches = all(ring.plan.kv.prefix_cache for ring in plan.rings())
+        check_kv_pool(plan.kv_pool, caches, plan.disaggregated)
 
 
 def _check_widths(key: str, batch: BatchSpec) -> None:
@@ -351,7 +356,7 @@ def plan_toml(plan: Plan) -> str:
         return lines
 
     lines: list[str] = []
-    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff", "route", "cluster", "http"):
+    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff", "route", "cluster", "http", "kv_pool"):
         if getattr(plan, name) is not None:
             lines += [f"[{name}]", *table(getattr(plan, name)), ""]
     for host, address in plan.hosts.items():

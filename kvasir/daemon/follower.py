@@ -27,9 +27,10 @@ from kvasir.config.plan import Plan
 from kvasir.daemon.children import ChildId, start_worker
 from kvasir.daemon.layout import Layout, make_segments
 from kvasir.daemon.notify import ServiceNotifier
+from kvasir.daemon.spawner import pool_tiers
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger
-from kvasir.ring.shm import check_segment_names, segment_prefix
+from kvasir.ring.shm import check_segment_names, remove_pool_folder, segment_prefix
 from kvasir.transport.channels import Endpoints, waiting
 from kvasir.transport.curve import Fabric, HostKeys
 from kvasir.transport.fabric import Sockets
@@ -74,9 +75,10 @@ def renamed(segments: HostSegments, leader_prefix: str, prefix: str) -> dict[str
     return {name: prefix + name[len(leader_prefix) :] for name in segments.names() if name.startswith(leader_prefix)}
 
 
-def localize(settings: WorkerSettings, here: Local, names: dict[str, str]) -> StageSettings | ShardSettings:
-    """A worker's settings from the leader, with this host's paths, pid and segment names
-    (a follower runs stages and expert shards; anything else is refused)."""
+def localize(settings: WorkerSettings, here: Local, names: dict[str, str], plan: Plan) -> StageSettings | ShardSettings:
+    """A worker's settings from the leader, with this host's paths, pid, segment names and
+    KV pool folders (from ``plan``, this host's copy: a follower runs stages and expert
+    shards; anything else is refused)."""
     replace = msgspec.structs.replace
     fabric = settings.fabric
     if not isinstance(settings, StageSettings | ShardSettings) or fabric is None or fabric.host != here.host:
@@ -94,7 +96,9 @@ def localize(settings: WorkerSettings, here: Local, names: dict[str, str]) -> St
     if handoff is not None:
         handoff = replace(handoff, prefill=[replace(kv, name=names.get(kv.name, kv.name)) for kv in handoff.prefill])
     edges = [replace(edge, name=names.get(edge.name, edge.name)) for edge in settings.edges]
-    return replace(settings, edges=edges, shards=[slot(w) for w in settings.shards], handoff=handoff, **common)
+    pool = pool_tiers(plan, settings.index, here.prefix)
+    shards = [slot(w) for w in settings.shards]
+    return replace(settings, edges=edges, shards=shards, handoff=handoff, kv_pool=pool, **common)
 
 
 @dataclass
@@ -210,7 +214,7 @@ class Follower:
             wanted = run.segments.renamed(names)
             self.layout.rings += make_segments(wanted.without(self._made))
             self._made.update(wanted.names())
-            workers = [localize(settings, self.here, names) for settings in run.workers]
+            workers = [localize(settings, self.here, names, self.plan) for settings in run.workers]
         except KvasirError as exc:
             self.log.error("cannot run the leader's workers", error=str(exc))
             for settings in run.workers:
@@ -250,6 +254,7 @@ class Follower:
     def cleanup(self) -> None:
         self._halt("kvasird join is stopping")
         self.layout.close()
+        remove_pool_folder(self.here.prefix)  # the KV pool's host memory tier
         self.sockets.end()
         if self._lock_fd is not None:
             (self.here.runtime_dir / "kvasird.lock").unlink(missing_ok=True)

@@ -28,7 +28,7 @@ from kvasir.errors import KvasirError
 from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
 from kvasir.ring.handshake import HandleExchange, HandshakeError
-from kvasir.ring.shm import sweep_stale_segments
+from kvasir.ring.shm import remove_pool_folder, sweep_stale_segments
 from kvasir.transport.channels import Endpoints, PullChannel
 from kvasir.transport.curve import Fabric
 from kvasir.transport.fabric import Sockets
@@ -375,6 +375,7 @@ class Launcher:
         if self.hosts is not None:
             self.hosts.halt_all("the leader stops")
         self.layout.close()
+        remove_pool_folder(self.spawner.prefix)  # the KV pool's host memory tier
         self.sockets.end()
         if self._lock_fd is not None:
             for sock in self.ends.socket_files():

@@ -8,16 +8,26 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvasir.config.cluster import worker_host
+from kvasir.config.kvpool import tier_shares
 from kvasir.config.plan import Plan
 from kvasir.daemon.children import Child, ChildId, spawn_child
 from kvasir.daemon.layout import Layout
 from kvasir.daemon.remote import Cluster, HostLink
 from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
-from kvasir.ring.shm import segment_prefix
+from kvasir.ring.shm import pool_folder, segment_prefix
 from kvasir.transport.fabric import Sockets
 from kvasir.wire.base import Role
-from kvasir.wire.control import BridgeSettings, FrontSettings, ModelFacts, ShardSettings, StageSettings, WorkerSettings
+from kvasir.wire.control import (
+    BridgeSettings,
+    FrontSettings,
+    ModelFacts,
+    PoolTiers,
+    ShardSettings,
+    StageSettings,
+    WorkerSettings,
+)
 
 
 @dataclass
@@ -61,6 +71,7 @@ class Spawner:
                 first=place.first,
                 handoff=layout.wiring,
                 shards=shards,
+                kv_pool=pool_tiers(self.plan, index, self.prefix),
                 **common,
             )
         if role == "shard":
@@ -97,3 +108,20 @@ class Spawner:
     def _model_facts(self) -> ModelFacts:
         folder = self.source.weights_dir
         return ModelFacts(self.source.vocab_size, str(folder) if folder is not None else None)
+
+
+def pool_tiers(plan: Plan, index: int, prefix: str) -> PoolTiers | None:
+    """Stage ``index``'s (global) share of the KV pool's tiers on its host: its host's
+    memory tier is the folder named from ``prefix`` (the shared-memory names of the
+    daemon, or of the follower, on that host)."""
+    pool = plan.kv_pool
+    if pool is None:
+        return None
+    stages = [(worker_host(plan.cluster, stage.host) or "", stage.layers) for stage in plan.all_stages]
+    host, disk = tier_shares(pool.host_bytes, stages)[index], tier_shares(pool.disk_bytes, stages)[index]
+    return PoolTiers(
+        host_dir=str(pool_folder(prefix)) if host else "",
+        host_bytes=host,
+        disk_dir=pool.disk_dir or "" if disk else "",
+        disk_bytes=disk,
+    )

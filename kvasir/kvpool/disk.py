@@ -7,7 +7,8 @@ its final name and renamed into place, so a reader never sees half of one; a fil
 half-written by a crash has the temporary suffix and is removed at the next start, as is
 any other file in the folder that is not a slice's. The index (what is stored, its
 size and its last use) lives in memory, rebuilt at start from the folder (last use: the
-file's modification time, which ``get`` refreshes).
+file's modification time, which ``get`` refreshes). What leaves the tier (evicted, found
+corrupt, or its file gone) is listed until taken (``take_gone``), for the pool's index.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class DiskTier:
         self.counters = DiskCounters()
         self._sizes: OrderedDict[Where, int] = OrderedDict()  # least recently used first
         self.bytes = 0
+        self._gone: list[Where] = []
         folder.mkdir(parents=True, exist_ok=True)
         self._reload()
 
@@ -63,7 +65,7 @@ class DiskTier:
         if len(data) > self.max_bytes:
             self.counters.refused += 1
             return False
-        self._forget(where)
+        self._forget(where, replaced=True)
         while self.bytes + len(data) > self.max_bytes:
             self._evict()
         path = self._path(where)
@@ -93,6 +95,11 @@ class DiskTier:
         self.counters.hits += 1
         return data
 
+    def take_gone(self) -> list[Where]:
+        """The slices that left the tier since the last call."""
+        gone, self._gone = self._gone, []
+        return gone
+
     def discard(self, where: Where) -> None:
         """A slice its reader found corrupt or made with something else: counted and removed."""
         self.counters.corrupt += 1
@@ -103,11 +110,13 @@ class DiskTier:
         self._forget(where)
         self.counters.evicted += 1
 
-    def _forget(self, where: Where) -> None:
+    def _forget(self, where: Where, replaced: bool = False) -> None:
         size = self._sizes.pop(where, None)
         if size is not None:
             self.bytes -= size
-            self._path(where).unlink(missing_ok=True)
+            if not replaced:
+                self._path(where).unlink(missing_ok=True)
+                self._gone.append(where)
 
     def _path(self, where: Where) -> Path:
         key, (first, end) = where

@@ -1,71 +1,89 @@
 """What the pool holds, as the conductor sees it: for each block key, which stage slices
-are stored where (a host and a tier). A block is usable from a place only when every
-slice its instance's layout needs is there: a block is complete only when every stage's
-slice is stored, and only complete blocks are ever used.
+(a layer range on a host) are stored, and in which of that host's tiers. An instance
+can read a block back only when each of its stages finds its own slice on its own host:
+a block is complete only when every stage's slice is stored, and only complete blocks
+are ever used.
 
-Fed by the stages' reports of slices stored and dropped; a host that disappears takes
-everything it held out of the index at once (``forget_host``).
+Fed by the stages' reports of slices stored and removed (``PoolEvents``); a host that
+disappears takes everything it held out of the index at once (``forget_host``). The
+index is bounded: past ``max_keys`` block keys, the least recently stored or used go.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 Tier = Literal["host", "disk"]
 Layers = tuple[int, int]
+Slot = tuple[str, Layers]  # a stage's slice of any block: its host and its layers
 
 
-@dataclass(frozen=True)
-class Place:
-    host: str
-    tier: Tier
-
-
-@dataclass
 class PoolIndex:
-    """Slices by block key and place."""
+    """Slices by block key and slot, each with the tiers holding it."""
 
-    _slices: dict[bytes, dict[Place, set[Layers]]] = field(default_factory=dict)
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max_keys
+        self._slices: OrderedDict[bytes, dict[Slot, set[Tier]]] = OrderedDict()  # least recently touched first
 
-    def stored(self, key: bytes, place: Place, layers: Layers) -> None:
-        self._slices.setdefault(key, {}).setdefault(place, set()).add(layers)
+    def __len__(self) -> int:
+        return len(self._slices)
 
-    def dropped(self, key: bytes, place: Place, layers: Layers) -> None:
-        places = self._slices.get(key)
-        if places is None or place not in places:
+    def stored(self, key: bytes, slot: Slot, tier: Tier) -> None:
+        self._slices.setdefault(key, {}).setdefault(slot, set()).add(tier)
+        self._slices.move_to_end(key)
+        while len(self._slices) > self.max_keys:
+            self._slices.popitem(last=False)
+
+    def removed(self, key: bytes, slot: Slot, tier: Tier) -> None:
+        slots = self._slices.get(key)
+        if slots is None or slot not in slots:
             return
-        places[place].discard(layers)
-        if not places[place]:
-            del places[place]
-        if not places:
+        slots[slot].discard(tier)
+        if not slots[slot]:
+            del slots[slot]
+        if not slots:
             del self._slices[key]
+
+    def reset(self, slot: Slot, tier: Tier) -> None:
+        """Forget everything ``slot`` held in ``tier`` (a snapshot of it follows)."""
+        for key in list(self._slices):
+            self.removed(key, slot, tier)
 
     def forget_host(self, host: str) -> int:
         """Everything ``host`` held leaves the index (the host is gone); how many slices went."""
         gone = 0
         for key in list(self._slices):
-            places = self._slices[key]
-            for place in [p for p in places if p.host == host]:
-                gone += len(places.pop(place))
-            if not places:
+            slots = self._slices[key]
+            for slot in [s for s in slots if s[0] == host]:
+                gone += len(slots.pop(slot))
+            if not slots:
                 del self._slices[key]
         return gone
 
-    def places(self, key: bytes, layout: Sequence[Layers]) -> list[Place]:
-        """Where block ``key`` is complete for an instance of ``layout`` (its stages' layer ranges)."""
-        need = set(layout)
-        return [place for place, held in self._slices.get(key, {}).items() if need <= held]
+    def tiers(self, key: bytes, layout: Sequence[Slot]) -> set[Tier] | None:
+        """Where each stage of an instance of ``layout`` finds its slice of block ``key``:
+        the tiers every stage has it in, {"disk"} where one has it on disk only, None
+        where one has it nowhere (the block is not complete for the instance)."""
+        slots = self._slices.get(key)
+        if slots is None:
+            return None
+        common: set[Tier] = {"host", "disk"}
+        for slot in layout:
+            held = slots.get(slot)
+            if not held:
+                return None
+            common &= held
+        return common or {"disk"}
 
-    def longest(self, keys: Iterable[bytes], layout: Sequence[Layers], place: Place) -> int:
-        """How many of a prompt's chained block ``keys``, from the first, are complete at ``place``."""
+    def longest(self, keys: Iterable[bytes], layout: Sequence[Slot]) -> int:
+        """How many of a prompt's chained block ``keys``, from the first, are complete for
+        an instance of ``layout`` (each is now most recently used)."""
         count = 0
         for key in keys:
-            if place not in self.places(key, layout):
+            if self.tiers(key, layout) is None:
                 break
+            self._slices.move_to_end(key)
             count += 1
         return count
-
-    def __len__(self) -> int:
-        return len(self._slices)

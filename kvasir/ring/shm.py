@@ -7,6 +7,7 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,8 +25,19 @@ STALE_NAMES = (
 )
 
 
+POOL_SUFFIX = "-kvpool"
 PREFIX_RE = re.compile(r"kvasir-[0-9]+-[0-9a-f]{8}")  # what segment_prefix() makes
 SUFFIX_RE = re.compile(r"-[a-z]+[0-9]*")  # what follows it: "-edge3", "-kv0", "-experts1"
+
+
+def pool_folder(prefix: str) -> Path:
+    """The KV pool's host memory tier of the daemon whose segments start with ``prefix``
+    (a folder of slice files: kvasir/kvpool/disk.py), removed with its other segments."""
+    return SHM_DIR / f"{prefix}{POOL_SUFFIX}"
+
+
+def remove_pool_folder(prefix: str) -> None:
+    shutil.rmtree(pool_folder(prefix), ignore_errors=True)
 
 
 def check_segment_names(prefix: str, names: Iterable[str]) -> None:
@@ -62,6 +74,13 @@ def sweep_stale_segments(directory: Path = SHM_DIR) -> list[tuple[Path, int]]:
         try:
             info = path.lstat()
             if info.st_uid != os.getuid():
+                continue
+            if path.is_dir():
+                if not path.name.endswith(POOL_SUFFIX):
+                    continue  # only a KV pool's host tier (pool_folder) is a folder of ours
+                size = sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file())
+                shutil.rmtree(path)
+                removed.append((path, size))
                 continue
             path.unlink()
         except OSError:

@@ -19,7 +19,11 @@ gave), so a caller can neither hit nor time another tenant's blocks. With ``[kv]
 prefix_share = "all"`` and no salt the root is empty and every client shares one cache.
 
 With the cache off (``enabled`` False) nothing is looked up or registered, and it is
-plain allocation from the BlockAllocator.
+plain allocation from the BlockAllocator. With ``spill`` (a plan with ``[kv_pool]``) each
+block registered and each block evicted, with its key, is listed until taken
+(``take_pool_news``): the head sends them in its next descriptor, so every stage knows
+which of its blocks hold which prefix (a clean stop writes those down) and writes its
+slice of an evicted one down the pool's tiers before the block is written again.
 """
 
 from __future__ import annotations
@@ -66,10 +70,14 @@ def block_keys(tokens: Sequence[int], block_size: int, count: int, parent: bytes
 class PrefixCache:
     """Block ids for running requests, with registered full blocks reused by later ones."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True, spill: bool = False) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.enabled = enabled
+        self.spill = spill
+        self._spills: list[tuple[int, bytes]] = []  # evicted (block, key) not yet sent to the stages
+        self._registered: list[tuple[int, bytes]] = []  # and registered ones
+        self.pooled_tokens = 0  # of hit_tokens, read back from the KV pool
         self._by_key: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._holders: dict[int, int] = {}  # block id -> requests holding it
@@ -142,6 +150,8 @@ class PrefixCache:
         self._by_key[key] = block
         self._key_of[block] = key
         self._event(self.stored, key)
+        if self.spill:
+            self._registered.append((block, key))
 
     def release(self, blocks: list[int]) -> None:
         """A request lets go of its blocks: registered ones nobody else holds go idle
@@ -181,6 +191,13 @@ class PrefixCache:
         self.stored, self.removed = [], []
         return events
 
+    def take_pool_news(self) -> tuple[tuple[tuple[int, bytes], ...], tuple[tuple[int, bytes], ...]]:
+        """The (block, key) of blocks registered, then of blocks evicted, since the last
+        call, for the KV pool (a block may be in both: registered, then evicted)."""
+        news = tuple(self._registered), tuple(self._spills)
+        self._registered, self._spills = [], []
+        return news
+
     def _hold(self, block: int) -> None:
         self._idle.pop(block, None)
         self._holders[block] = self._holders.get(block, 0) + 1
@@ -190,5 +207,7 @@ class PrefixCache:
         key = self._key_of.pop(block)
         del self._by_key[key]
         self._event(self.removed, key)
+        if self.spill:
+            self._spills.append((block, key))
         self.allocator.release([block])
         self.evicted += 1

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvasir.wire.batch import BatchDescriptor, SamplingParams
+from kvasir.wire.batch import BatchDescriptor, NewRequest, SamplingParams
 
 
 @dataclass
@@ -37,6 +37,9 @@ class RequestState:
     draft: list[int] = field(default_factory=list)  # proposed next tokens, for its next decode row
     drafted: int = 0  # drafts in its batch in flight (their K/V is kept only as far as confirmed)
     context: tuple[int, ...] = ()  # a decode pool's request: its prompt's ids where the sampling reads them
+    pooled: int = 0  # its prompt's first blocks the KV pool holds for this instance (the bridge's word)
+    loading: int = 0  # blocks its stages are reading back from the pool (it waits: not scheduled)
+    pooled_tokens: tuple[int, int] = (0, 0)  # of cached_tokens, read back from the pool's host and disk tiers
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -51,6 +54,29 @@ class RequestState:
         split = self.prompt_len
         head = self.prompt[start : start + count]
         return head + self.output[max(0, start - split) : max(0, start + count - split)]
+
+    def announcement(self) -> NewRequest:
+        """The request's spec for the tail, with its prompt and output so far where its sampling reads them."""
+        sampling = self.sampling
+        return NewRequest(
+            self.request_id,
+            sampling,
+            self.seed,
+            len(self.output),
+            tuple(self.prompt or self.context) if sampling.needs_prompt else (),
+            self.cached_tokens,
+            self.pooled_tokens,
+            time.monotonic_ns() - self.arrived_ns,
+            output=tuple(self.output) if sampling.needs_output else (),
+        )
+
+    def roll_back(self, confirmed: int) -> None:
+        """Its batch is back: of its drafts, only the ``confirmed`` ones' K/V stands; the
+        rest is stale on every stage, and the next row starts where it begins (so
+        overwrites it). Blocks stay the request's (its whole reservation is its own)."""
+        self.in_flight = False
+        self.computed -= self.drafted - confirmed
+        self.drafted = 0
 
 
 @dataclass(frozen=True)

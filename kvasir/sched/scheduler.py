@@ -10,6 +10,12 @@ Admission is fair across clients (the bridge numbers them): the next request adm
 is the oldest waiting one of the client whose running requests hold the fewest KV
 blocks, so one client's many long requests cannot keep everyone else waiting; within a
 client, requests go in arrival order.
+
+With a KV pool (``[kv_pool]``), blocks evicted from the prefix cache are named in the next
+descriptor for the stages to write down (``spill``), and a request whose prompt's next
+blocks the pool holds (``pooled``, the bridge's word) is admitted with blocks for them
+that every stage reads back (``load``) before it is scheduled; its stages' word on what
+they read (``loaded``) sets where its computing starts (docs/architecture.md, The KV pool).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from kvasir.config.plan import Plan
 from kvasir.errors import BatchError, RequestError
 from kvasir.sched.blocks import BlockAllocator
+from kvasir.sched.pool_loads import PoolLoads
 from kvasir.sched.prefix import PrefixCache, block_keys
 from kvasir.sched.requests import Emitted, RequestState, ScheduledBatch
 from kvasir.sched.validation import MAX_SEED, check_prompt, check_sampling
@@ -43,7 +50,9 @@ class Scheduler:
         self.max_seq_len = plan.model.max_seq_len
         self.vocab_size = vocab_size
         self.blocks = BlockAllocator(plan.kv.num_blocks)
-        self.cache = PrefixCache(self.blocks, self.block_size, enabled=plan.kv.prefix_cache)
+        pool = plan.kv_pool is not None
+        self.cache = PrefixCache(self.blocks, self.block_size, enabled=plan.kv.prefix_cache, spill=pool)
+        self.pool = PoolLoads(self.cache, self.block_size)
         self.waiting: dict[int, RequestState] = {}  # by request id, in arrival order
         self.queues: dict[int, deque[int]] = {}  # per client: its waiting request ids, oldest first (stale ids skipped)
         self.held: dict[int, int] = {}  # per client: KV blocks its running requests hold
@@ -62,13 +71,14 @@ class Scheduler:
         request_id: int | None = None,
         client: int = 0,
         cache_root: bytes = b"",
+        pooled: int = 0,
     ) -> int:
         """Queue a validated request and return its id; raise RequestError if refused.
 
         ``request_id`` is the id the bridge gave the request; without one the
         scheduler numbers requests itself. ``cache_root``: its prefix-cache namespace
         (kvasir/sched/prefix.py namespace_root); it shares blocks only with requests of
-        the same root.
+        the same root. ``pooled``: how many of its prompt's first blocks the KV pool holds.
         """
         ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
         check_sampling(sampling, self.vocab_size)
@@ -84,6 +94,7 @@ class Scheduler:
         self.waiting[rid] = RequestState(
             rid, ids, sampling, seed, need, client=client, arrival=next(self._arrivals), cache_root=cache_root
         )
+        self.waiting[rid].pooled = max(0, pooled)
         self.queues.setdefault(client, deque()).append(rid)
         return rid
 
@@ -123,7 +134,7 @@ class Scheduler:
         rows: list[Row] = []
         tokens: list[int] = []
         new: list[NewRequest] = []
-        ready = [s for s in self.running.values() if not s.in_flight and not s.parked]
+        ready = [s for s in self.running.values() if not s.in_flight and not s.parked and not s.loading]
         decode = [s for s in ready if s.computed >= s.prompt_len]
         prefill = [s for s in ready if s.computed < s.prompt_len]
         candidates = itertools.chain(decode, prefill, self._admit())
@@ -134,6 +145,7 @@ class Scheduler:
             rows.append(self._row(state, self.max_tokens - len(tokens), tokens, new))
         if not rows:
             return None
+        registered, spill = self.cache.take_pool_news()
         batch_id = self._next_batch
         self._next_batch += 1
         self.inflight[batch_id] = tuple(row.request_id for row in rows)
@@ -145,17 +157,23 @@ class Scheduler:
             release=tuple(self._release),
             new_requests=tuple(new),
             scheduled_ns=time.monotonic_ns(),
+            registered=registered,
+            spill=spill,
+            load=self.pool.take(),
         )
         self._release.clear()
         return ScheduledBatch(descriptor, torch.tensor(tokens, dtype=torch.long))
 
     def release_only(self) -> BatchDescriptor | None:
-        """A descriptor that carries only pending releases (none when nothing is pending).
+        """A descriptor that carries only pending releases, spills and loads (none when
+        nothing is pending).
 
-        Sent when no batch can be built, so every stage frees ended requests' KV
-        without waiting for the next real batch. It is not a batch in flight.
+        Sent when no batch can be built, so every stage frees ended requests' KV (and
+        writes down or reads back pool blocks) without waiting for the next real batch.
+        It is not a batch in flight.
         """
-        if not self._release:
+        registered, spill = self.cache.take_pool_news()
+        if not self._release and not registered and not spill and not self.pool.pending:
             return None
         descriptor = BatchDescriptor(
             batch_id=0,
@@ -165,6 +183,9 @@ class Scheduler:
             release=tuple(self._release),
             new_requests=(),
             scheduled_ns=time.monotonic_ns(),
+            registered=registered,
+            spill=spill,
+            load=self.pool.take(),
         )
         self._release.clear()
         return descriptor
@@ -192,7 +213,15 @@ class Scheduler:
             state.blocks = blocks
             self.held[state.client] = self.held.get(state.client, 0) + len(blocks)
             self.running[state.request_id] = state
-            yield state
+            if not self.pool.ask(state, self._prompt_keys(state), len(cached)):
+                yield state
+
+    def loaded(self, request_id: int, tiers: list[str]) -> None:
+        """Every stage has read back the first ``len(tiers)`` of a loading request's pool
+        blocks (kvasir/sched/pool_loads.py); a request no longer loading is left alone."""
+        state = self.running.get(request_id)
+        if state is not None and state.loading:
+            self.pool.answered(state, tiers)
 
     def _fairest(self) -> RequestState | None:
         """The oldest waiting request of the client holding the fewest blocks (ties: the
@@ -255,24 +284,9 @@ class Scheduler:
         tokens.extend(state.tokens(start, count))
         tokens.extend(draft)
         if not state.announced:
-            new.append(self._announce(state))
+            new.append(state.announcement())
             state.announced = True
         return Row(state.request_id, start, count + len(draft), growth, emit=emit, draft=draft)
-
-    @staticmethod
-    def _announce(state: RequestState) -> NewRequest:
-        """The request's spec for the tail, with its prompt and output so far where its sampling reads them."""
-        sampling = state.sampling
-        return NewRequest(
-            state.request_id,
-            sampling,
-            state.seed,
-            len(state.output),
-            tuple(state.prompt or state.context) if sampling.needs_prompt else (),
-            state.cached_tokens,
-            time.monotonic_ns() - state.arrived_ns,
-            output=tuple(state.output) if sampling.needs_output else (),
-        )
 
     def _drafts(self, state: RequestState, room: int) -> tuple[int, ...]:
         """The proposed drafts that fit: in the batch's token budget, in the request's KV
@@ -304,7 +318,7 @@ class Scheduler:
         for rid in members:
             state = self.running[rid]
             got = sampled.pop(rid, [])
-            self._roll_back(state, 0 if state.cancelled else max(len(got) - 1, 0))
+            state.roll_back(0 if state.cancelled else max(len(got) - 1, 0))
             if state.cancelled:
                 self._register(state)
                 self._retire(state)
@@ -320,15 +334,6 @@ class Scheduler:
             if finished:
                 self._retire(state)
         return events
-
-    @staticmethod
-    def _roll_back(state: RequestState, confirmed: int) -> None:
-        """The batch is back: of its drafts, only the ``confirmed`` ones' K/V stands; the
-        rest is stale on every stage, and the next row starts where it begins (so
-        overwrites it). Blocks stay the request's (its whole reservation is its own)."""
-        state.in_flight = False
-        state.computed -= state.drafted - confirmed
-        state.drafted = 0
 
     # -- hand-off between pools (disaggregated plans) ---------------------------------
     def park(self, request_id: int) -> RequestState:

@@ -17,7 +17,8 @@ import zmq
 
 from kvasir.stage.engine import StageEngine
 from kvasir.stage.handoff import NoHandoff
-from kvasir.stage.ports import HandoffRole, Intake, Outlet
+from kvasir.stage.pooling import NoPool
+from kvasir.stage.ports import HandoffRole, Intake, Outlet, PoolPart
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import PrefixEvents
@@ -57,12 +58,14 @@ class StageAgent:
         control: PushChannel,
         log,
         handoff: HandoffRole | None = None,
+        pool: PoolPart | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.intake = intake
         self.outlet = outlet
         self.handoff: HandoffRole = handoff if handoff is not None else NoHandoff()
+        self.pool: PoolPart = pool if pool is not None else NoPool()
         self.commands = commands
         self.bridge = bridge
         self.control = control
@@ -85,6 +88,7 @@ class StageAgent:
             else:
                 self._wait()
             self._prefix_events()
+            self.pool.events()
             self._report()
 
     def _receive(self) -> None:
@@ -96,6 +100,7 @@ class StageAgent:
         self.intake.receive()
 
     def _run(self, descriptor: BatchDescriptor, inputs: torch.Tensor | None) -> None:
+        self.clock.busy_s += self.pool.before(descriptor)  # the KV pool's spills and loads, before any row
         started = time.monotonic_ns()
         if inputs is None:
             self.engine.release(descriptor)
@@ -168,6 +173,7 @@ class StageAgent:
             head=self.intake.queue(),
             prefix=self.intake.prefix(),
             handoff=self.handoff.counters(),
+            kv_pool=self.pool.counters(),
             experts=self._experts(),
             gpu=self._gpu_memory(),
         )

@@ -10,7 +10,7 @@ import zmq
 
 from kvasir.stage.heads import Work
 from kvasir.wire.batch import BatchDescriptor
-from kvasir.wire.stats import HandoffCounters, HeadQueue, PrefixCounters
+from kvasir.wire.stats import HandoffCounters, HeadQueue, PoolCounters, PrefixCounters
 
 
 class Intake(Protocol):
@@ -70,3 +70,15 @@ class Outlet(Protocol):
         ...
 
     hop_ns: int  # time spent on boundary hand-offs (writing slots, descriptors, credits)
+
+
+class PoolPart(Protocol):
+    """What a stage does for the KV pool (nothing in a plan without [kv_pool])."""
+
+    def before(self, descriptor: BatchDescriptor) -> float: ...  # spills and loads; seconds taken
+
+    def events(self) -> None: ...  # its tiers' changes, to the bridge
+
+    def counters(self) -> PoolCounters | None: ...
+
+    def close(self) -> None: ...

@@ -11,23 +11,26 @@ from typing import cast
 import zmq
 
 from kvasir.errors import KvasirError
+from kvasir.kvpool.stage_side import StagePool
 from kvasir.logs import Logger, setup_logging
 from kvasir.model.pinning import pin_process
-from kvasir.model.source import resolve_source
+from kvasir.model.source import ModelSource, resolve_source
 from kvasir.ring.attach import attach_ring
 from kvasir.ring.handshake import IpcRing, exchange_handles
 from kvasir.ring.slots import SlotRing
 from kvasir.ring.tcp_slots import FramedDescriptors, FramedIntake, TcpSlotRing
 from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.agent import StageAgent
+from kvasir.stage.decode_head import DecodeHeadIntake
 from kvasir.stage.engine import StageEngine
 from kvasir.stage.grammar import Grammars
 from kvasir.stage.handoff import HandoffSender, KvReceiver, NoHandoff, overlap
-from kvasir.stage.heads import DecodeHeadIntake, PrefillHeadIntake, SchedulerIntake
+from kvasir.stage.heads import PrefillHeadIntake, SchedulerIntake
 from kvasir.stage.kv_remote import KvInbox, KvStream
 from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.stage.outlets import DownstreamOutlet, PrefillTailOutlet, TailOutlet
-from kvasir.stage.ports import HandoffRole, Intake, Outlet
+from kvasir.stage.pooling import MAX_QUEUED_BYTES, LoadWaits, NoPool, PoolRole, open_tiers, slice_template
+from kvasir.stage.ports import HandoffRole, Intake, Outlet, PoolPart
 from kvasir.stage.sampling import Sampler
 from kvasir.stage.shard_links import Pulse, connect_shards
 from kvasir.stage.upstream import UpstreamIntake
@@ -126,12 +129,40 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
             _descriptors_out(w, ring_out), ring_out, w.pull(Credit, ends.credits(index)), edge.slots
         )
     handoff = _handoff(w, engine)
-    closing.append(handoff)
+    pool = _pool(w, engine, source, intake, bridge)
+    closing = [pool, *closing, handoff]  # the pool first: it reads the KV cache (which may be shared memory) at close
     ipc = [cast(IpcRing, ring) for ring in rings if ring.spec.kind == "cuda-ipc"]  # CudaIpcSlotRing
     exchange_handles(ipc, index, control, commands, launcher_pid=settings.launcher_pid, timeout_s=HANDSHAKE_TIMEOUT_S)
-    return StageAgent(
-        settings, engine, intake, outlet, commands=commands, bridge=bridge, control=control, log=log, handoff=handoff
-    ), closing
+    agent = StageAgent(
+        settings,
+        engine,
+        intake,
+        outlet,
+        commands=commands,
+        bridge=bridge,
+        control=control,
+        log=log,
+        handoff=handoff,
+        pool=pool,
+    )
+    return agent, closing
+
+
+def _pool(w: Wiring, engine: StageEngine, source: ModelSource, intake: Intake, bridge: PushChannel) -> PoolPart:
+    """The stage's part in the KV pool: its tiers, and its answers to its head (the head
+    stage answers its own intake directly)."""
+    settings, plan = w.settings, w.settings.plan
+    if settings.kv_pool is None or plan.kv_pool is None:
+        return NoPool()
+    layers = engine.spec.layers
+    tiers = open_tiers(settings.kv_pool, source, plan.model.dtype, layers)
+    template = slice_template(source, plan.model.dtype, layers, plan.kv.block_size)
+    if isinstance(intake, SchedulerIntake):
+        loaded = intake.pool_loaded
+    else:
+        loaded = w.push(HeadMessage, w.ends.stage_in(w.head)).send
+    pool = StagePool(engine.cache, tiers, template, MAX_QUEUED_BYTES)
+    return PoolRole(pool, settings.index, os.getpid(), loaded, bridge, w.log)
 
 
 def _descriptors_in(w: Wiring, ring: SlotRing):
@@ -174,7 +205,13 @@ def _head_intake(w: Wiring, scheduler: Scheduler, bridge: PushChannel) -> Intake
         mine = range(settings.first, settings.first + len(settings.plan.stages))
         stages = [w.push(KvMessage, ends.kv_in(k)) for k in mine]
         return DecodeHeadIntake(scheduler, inbox, bridge, _heads(w, w.handoff.prefill_heads), stages)
-    return SchedulerIntake(scheduler, inbox, bridge)
+    pool = settings.plan.kv_pool
+    loads = (
+        LoadWaits(range(settings.first, settings.first + len(settings.plan.stages)), pool.load_timeout_s)
+        if pool
+        else None
+    )
+    return SchedulerIntake(scheduler, inbox, bridge, loads)
 
 
 def _heads(w: Wiring, heads: list[int]) -> dict[int, PushChannel]:

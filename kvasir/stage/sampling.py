@@ -30,6 +30,7 @@ class RequestSampler:
         self.prompt = new.prompt  # only where its sampling reads it (to score it, or penalise repeats)
         self.queued_ns = new.queued_ns
         self.cached_tokens = new.cached_tokens
+        self.pooled_tokens = new.pooled_tokens
         self.generator = torch.Generator(device="cpu")
         self.seed = new.seed
         eos = () if new.sampling.ignore_eos else eos_ids
@@ -233,6 +234,7 @@ class Sampler:
             finish,
             state.queued_ns if first else 0,
             state.cached_tokens if first else 0,
+            state.pooled_tokens if first else (0, 0),
         )
         if state.params.logprobs >= 0:
             sampled = msgspec.structs.replace(sampled, **_scores(logits, token, state.params.logprobs))

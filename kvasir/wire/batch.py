@@ -3,7 +3,14 @@ new requests, the tail's sampled tokens, and the credits that free boundary slot
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from kvasir.wire.base import FinishReason, Grammar, Wire
+
+BLOCK_KEY_BYTES = 16  # a prefix-cache block key (kvasir/sched/prefix.py), and a request's namespace root
+BlockKey = Annotated[bytes, msgspec.Meta(min_length=BLOCK_KEY_BYTES, max_length=BLOCK_KEY_BYTES)]
 
 
 # -- requests and batches -------------------------------------------------------------
@@ -54,6 +61,7 @@ class NewRequest(Wire, frozen=True):
     generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
     prompt: tuple[int, ...] = ()  # the prompt's ids, where the sampling needs them (``needs_prompt``)
     cached_tokens: int = 0  # prompt tokens the head found in the prefix cache (not computed)
+    pooled_tokens: tuple[int, int] = (0, 0)  # of those, read back from the KV pool's host and disk tiers
     queued_ns: int = 0  # from its arrival at the head to its first batch (a duration: the head's clock)
     decode_head: int = -1  # a prefill instance's request: the head of the decode instance its KV goes to
     output: tuple[int, ...] = ()  # the tokens output so far, where the sampling needs them (``needs_output``)
@@ -83,10 +91,25 @@ class Row(Wire, frozen=True):
         return 1 + len(self.draft) if self.emit else 0
 
 
+class PoolLoad(Wire, frozen=True):
+    """A request's prefix blocks to read back from the KV pool (kvasir/kvpool/): each stage
+    reads its slice of each ``keys[i]`` into ``blocks[i]``, in order, up to the first it
+    cannot, and tells the head how many it read (``PoolLoaded``)."""
+
+    request_id: int
+    blocks: tuple[int, ...]
+    keys: tuple[BlockKey, ...]
+
+
 class BatchDescriptor(Wire, frozen=True):
     """The composition of one physical batch, decided once by the head.
 
-    A descriptor with no rows only carries releases (slot -1, no boundary).
+    A descriptor with no rows only carries releases and the KV pool's news (slot -1, no
+    boundary). Every stage applies them in order before the rows: releases, then
+    ``registered`` (blocks the head's prefix cache registered since its last descriptor:
+    the stage notes which prefix each holds), ``spill`` (blocks it evicted: each stage
+    copies its slice of (block, key) out for the KV pool before anything overwrites it),
+    then ``load``.
     """
 
     batch_id: int
@@ -96,6 +119,9 @@ class BatchDescriptor(Wire, frozen=True):
     release: tuple[int, ...]  # requests whose KV every stage frees before running this batch
     new_requests: tuple[NewRequest, ...]
     scheduled_ns: int  # CLOCK_MONOTONIC time the head fixed the composition
+    registered: tuple[tuple[int, BlockKey], ...] = ()  # (block, prefix key) the head's cache registered
+    spill: tuple[tuple[int, BlockKey], ...] = ()  # and evicted
+    load: tuple[PoolLoad, ...] = ()
 
 
 class SampledToken(Wire, frozen=True):
@@ -105,6 +131,7 @@ class SampledToken(Wire, frozen=True):
     finish: FinishReason | None  # None while running
     queued_ns: int = 0  # on a request's first token: how long it waited at the head (a duration)
     cached_tokens: int = 0  # on a request's first token: prompt tokens found in the prefix cache
+    pooled_tokens: tuple[int, int] = (0, 0)  # and of those, read back from the KV pool's host and disk tiers
     logprob: float = (
         0.0  # with SamplingParams.logprobs >= 0: the token's log-probability (the model's, before sampling)
     )

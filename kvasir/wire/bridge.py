@@ -9,7 +9,7 @@ import msgspec
 
 from kvasir.wire.base import Tagged
 from kvasir.wire.batch import PromptScores, SampledToken
-from kvasir.wire.head import BLOCK_KEY_BYTES
+from kvasir.wire.head import BLOCK_KEY_BYTES, PoolTier
 from kvasir.wire.stats import ShardStats, StageStats
 
 
@@ -53,4 +53,17 @@ class PrefixEvents(Tagged, frozen=True):
     reset: bool = False
 
 
-BridgeMessage = TokenEvents | RequestEnded | StageStats | ShardStats | HandoffReport | PrefixEvents
+class PoolEvents(Tagged, frozen=True):
+    """A stage -> the bridge: its slices of prefix blocks one of its KV pool tiers stored
+    and removed since its last events (``reset``: ``stored`` is all the tier holds now,
+    its first events after a start), for the conductor's index of the pool."""
+
+    stage: int  # global stage index
+    pid: int
+    tier: PoolTier
+    stored: PrefixKeys = ()
+    removed: PrefixKeys = ()
+    reset: bool = False
+
+
+BridgeMessage = TokenEvents | RequestEnded | StageStats | ShardStats | HandoffReport | PrefixEvents | PoolEvents

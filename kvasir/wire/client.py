@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvasir.config.sections import Pool
+from kvasir.units import format_bytes, gib_per_s
 from kvasir.wire.base import (
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORD_TEXTS,
@@ -107,6 +108,8 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache instead of computed
+    cached_host_tokens: int = 0  # of cached_tokens, read back from the KV pool's host memory tier
+    cached_disk_tokens: int = 0  # and from its disk tier (the rest was in the instance's own cache)
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
@@ -181,6 +184,47 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV pool (kvasir/kvpool/): the bridge's index, and the stages' tiers since they started."""
+
+    indexed_blocks: int  # block keys the bridge's index knows a slice of
+    pooled_tokens: int  # prompt tokens the heads read back from the pool instead of computing them
+    spilled: int  # stage slices of evicted blocks queued to be written down
+    dropped: int  # of those offered, dropped: a stage's write queue was full
+    loaded: int  # stage slices read back
+    unusable: int  # stage slices wanted and missing, corrupt or made with something else (recomputed)
+    load_bytes: int
+    load_gib_s: float  # load_bytes over the stages' time spent loading
+    host_bytes: int  # bytes the slices take in the host memory tiers now
+    disk_bytes: int  # and in the disk tiers
+
+    def describe(self) -> str:
+        """One line for ``kvasir stats``."""
+        return (
+            f"kv pool: {self.indexed_blocks} blocks indexed, {self.pooled_tokens} prompt tokens read back "
+            f"({self.loaded} slices, {self.load_gib_s:.2f} GiB/s, {self.unusable} unusable); {self.spilled} "
+            f"written down, {self.dropped} dropped; {format_bytes(self.host_bytes)} in host memory, "
+            f"{format_bytes(self.disk_bytes)} on disk"
+        )
+
+    @classmethod
+    def of(cls, indexed: int, stages: list[StageStats]) -> KvPoolStats:
+        pools = [s.kv_pool for s in stages if s.kv_pool is not None]
+        nbytes, seconds = sum(p.load_bytes for p in pools), sum(p.load_s for p in pools)
+        return cls(
+            indexed_blocks=indexed,
+            pooled_tokens=sum(s.prefix.pooled_tokens for s in stages if s.prefix is not None),
+            spilled=sum(p.spilled for p in pools),
+            dropped=sum(p.dropped for p in pools),
+            loaded=sum(p.loaded for p in pools),
+            unusable=sum(p.unusable for p in pools),
+            load_bytes=nbytes,
+            load_gib_s=gib_per_s(nbytes, seconds),
+            host_bytes=sum(p.host_bytes for p in pools),
+            disk_bytes=sum(p.disk_bytes for p in pools),
+        )
+
+
 class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
     """One instance as the bridge sees it (kvasir/bridge/heads.py)."""
 
@@ -226,6 +270,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     metrics: RequestMetrics | None = None  # latency histograms and request counters
     prefix_cache: PrefixCacheStats | None = None  # the heads' prefix caches (None: no stage reported yet)
     instances: list[InstanceStats] = []  # each instance (kvasir/config/fleet.py), in plan order
+    kv_pool: KvPoolStats | None = None  # a plan with [kv_pool]
 
     def prefix_cache_line(self) -> str | None:
         """The prefix cache's line for ``kvasir stats`` and ``kvasir top``; None until it is used."""

@@ -79,6 +79,16 @@ class DispatchSlot(msgspec.Struct, frozen=True, kw_only=True):
     shard_device: str = "cpu"
 
 
+class PoolTiers(msgspec.Struct, frozen=True, kw_only=True):
+    """A stage's share of the KV pool's tiers on its host (kvasir/config/kvpool.py): each
+    tier's root folder and the bytes of it the stage's slices may take (0: no such tier)."""
+
+    host_dir: str = ""  # the host memory tier (under /dev/shm)
+    host_bytes: int = 0
+    disk_dir: str = ""
+    disk_bytes: int = 0
+
+
 class ShardWiring(msgspec.Struct, frozen=True, kw_only=True):
     """An expert shard: its number (global, plan order), its stage, its plan entry and slot."""
 
@@ -185,6 +195,7 @@ class StageSettings(Worker, frozen=True, kw_only=True, tag="stage"):
     first: int = 0  # global index of its ring's first stage
     handoff: HandoffWiring | None = None  # a disaggregated plan's stage
     shards: list[ShardWiring] = []  # its expert shards
+    kv_pool: PoolTiers | None = None  # a plan with [kv_pool]: its tiers
 
 
 class ShardSettings(Worker, frozen=True, kw_only=True, tag="shard"):

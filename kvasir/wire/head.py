@@ -3,14 +3,12 @@ a disaggregated plan, the KV hand-off between the pools' heads."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from kvasir.wire.base import Tagged
-from kvasir.wire.batch import SampledToken, SamplingParams
-
-BLOCK_KEY_BYTES = 16  # a prefix-cache block key (kvasir/sched/prefix.py), and a request's namespace root
+from kvasir.wire.batch import BLOCK_KEY_BYTES, SampledToken, SamplingParams
 
 
 # -- the head's inbox ---------------------------------------------------------------------
@@ -23,6 +21,7 @@ class Enqueue(Tagged, frozen=True):
         b""  # prefix-cache namespace (empty: shared)
     )
     decode_head: int = -1  # a disaggregated plan: the head of the decode instance it goes on to
+    pooled: int = 0  # the prompt's first blocks the KV pool holds whole for this instance (the bridge's index)
 
 
 class CancelRequest(Tagged, frozen=True):
@@ -85,4 +84,16 @@ class Adopted(Tagged, frozen=True):
     request_id: int
 
 
-HeadMessage = Enqueue | CancelRequest | BatchResult | Handoff | KvDrop | KvHeld | KvPlaced | Adopted
+PoolTier = Literal["host", "disk"]
+
+
+class PoolLoaded(Tagged, frozen=True):
+    """A stage -> its head: of a request's ``PoolLoad``, the blocks it read back, from
+    the first (one tier per block, where each was found); it could not read the next."""
+
+    request_id: int
+    stage: int  # global stage index
+    tiers: tuple[PoolTier, ...]
+
+
+HeadMessage = Enqueue | CancelRequest | BatchResult | Handoff | KvDrop | KvHeld | KvPlaced | Adopted | PoolLoaded

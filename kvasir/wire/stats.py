@@ -42,6 +42,20 @@ class PrefixCounters(Wire, frozen=True):
     hit_tokens: int = 0  # of those, reused from the cache
     cached_blocks: int = 0  # blocks in the cache now (held by requests or idle)
     evicted: int = 0  # cached blocks given up for room
+    pooled_tokens: int = 0  # of hit_tokens, read back from the KV pool (its tiers below the cache)
+
+
+class PoolCounters(Wire, frozen=True):
+    """A stage's side of the KV pool since it started (kvasir/kvpool/stage_side.py)."""
+
+    spilled: int = 0  # slices of evicted blocks queued to be written down
+    dropped: int = 0  # of those offered, dropped: the write queue was full
+    loaded: int = 0  # slices read back into the KV cache
+    unusable: int = 0  # slices wanted and missing, corrupt or made with something else (recomputed)
+    load_bytes: int = 0  # bytes read back
+    load_s: float = 0.0  # of busy time, spent reading slices back
+    host_bytes: int = 0  # bytes its slices take in the host memory tier now
+    disk_bytes: int = 0  # and in the disk tier
 
 
 class HandoffCounters(Wire, frozen=True):
@@ -87,6 +101,7 @@ class StageStats(Tagged, frozen=True):
     head: HeadQueue | None = None  # a ring's head
     prefix: PrefixCounters | None = None  # a head with its prefix cache
     handoff: HandoffCounters | None = None  # a decode pool's stage
+    kv_pool: PoolCounters | None = None  # a plan with [kv_pool]
     experts: ExpertLoad | None = None  # a stage holding MoE layers
     gpu: GpuMemory | None = None  # a CUDA stage
 

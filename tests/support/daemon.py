@@ -61,6 +61,7 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         + f"[supervise]\n{supervise}"
         + (f'[route]\npolicy = "{kw["route"]}"\n' if "route" in kw else "")
         + _http_table(kw.get("http"))
+        + (f"[kv_pool]\n{kw['kv_pool']}\n" if "kv_pool" in kw else "")  # the table's lines, as TOML
         + stages
     )
     return path

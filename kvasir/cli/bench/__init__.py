@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from kvasir.cli.bench.contests import compare, plans
+from kvasir.cli.bench.contests import compare, plans, pool
 from kvasir.cli.bench.probes import hop, roofline
 from kvasir.cli.bench.runs import doors, failover, isolation, load, submit, sweep
 
@@ -45,5 +45,5 @@ def bench() -> None:
     """
 
 
-for command in (load, sweep, submit, failover, isolation, doors, compare, plans, hop, roofline):
+for command in (load, sweep, submit, failover, isolation, doors, compare, plans, pool, hop, roofline):
     bench.add_command(command)

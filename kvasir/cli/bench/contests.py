@@ -1,5 +1,5 @@
-"""``kvasir bench compare | plans``: the same jobs on several contenders, alternating,
-with ratios (each contender's daemon started for its run)."""
+"""``kvasir bench compare | plans | pool``: the same jobs on several contenders,
+alternating, with ratios (each contender's daemon started for its run)."""
 
 from __future__ import annotations
 
@@ -86,3 +86,32 @@ def plans(*, target, workload, slo, plans, concurrency, rate, steps, rounds):
     load = {"rate": rate} if rate is not None else {"concurrency": concurrency or 32}
     report = plans_mode([Path(p) for p in plans], workload, load, rounds=rounds, slo=slo, sweep=sweep, say=target.say)
     finish(target, report)
+
+
+@click.command()
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(dir_okay=False, exists=True),
+    required=True,
+    help="A plan with [kv_pool] and one instance (its sizes; the bench makes its own tiers).",
+)
+@click.option("--prompt-len", type=int, default=2000, show_default=True, help="Tokens of each measured prompt.")
+@click.option("--rounds", type=int, default=2, show_default=True, help="Measured prompts per daemon.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random prompts.")
+@target_options(plan=False)
+@reporting
+def pool(*, target, plan_path, prompt_len, rounds, seed):
+    """Time to first token of a prompt whose prefix was evicted from the instance's cache,
+    against its cold start, with the KV pool off, in host memory only and on disk only
+    (three daemons in turn, each with ratios of its own), and after a restart (disk).
+
+    Exit code: 0 done, 1 a daemon it started failed, 2 bad arguments.
+    """
+    from kvasir.bench.pool import run_pool
+    from kvasir.bench.report import print_pool
+
+    positive("--prompt-len", prompt_len)
+    positive("--rounds", rounds)
+    report = run_pool(Path(plan_path), prompt_len=prompt_len, rounds=rounds, seed=seed, say=target.say)
+    finish(target, {"pool": report}, printer=print_pool)

@@ -1,42 +1,60 @@
-"""The pool's index (kvasir/kvpool/index.py): a block counts at a place only when every
-stage slice of the instance's layout is there, and a lost host takes its slices with it."""
+"""The pool's index (kvasir/kvpool/index.py): a block counts for an instance only when
+each of its stages finds its slice on its own host, and a lost host takes its slices with it."""
 
 from __future__ import annotations
 
-from kvasir.kvpool.index import Place, PoolIndex
+from kvasir.kvpool.index import PoolIndex
 
-LAYOUT = [(0, 17), (17, 30)]
-HOST_A, DISK_A, HOST_B = Place("a", "host"), Place("a", "disk"), Place("b", "host")
+LAYOUT = [("a", (0, 17)), ("a", (17, 30))]
+SPLIT = [("a", (0, 17)), ("b", (17, 30))]  # an instance across two hosts
 
 
 def test_a_block_is_complete_only_with_every_stage_slice():
-    index = PoolIndex()
-    index.stored(b"k1", HOST_A, (0, 17))
-    assert index.places(b"k1", LAYOUT) == []
-    index.stored(b"k1", HOST_A, (17, 30))
-    index.stored(b"k1", DISK_A, (0, 17))
-    assert index.places(b"k1", LAYOUT) == [HOST_A]
-    assert index.places(b"k1", [(0, 10), (10, 30)]) == []  # another layout's slices are other slices
-    index.dropped(b"k1", HOST_A, (17, 30))
-    assert index.places(b"k1", LAYOUT) == []
+    index = PoolIndex(max_keys=100)
+    index.stored(b"k1", ("a", (0, 17)), "host")
+    assert index.tiers(b"k1", LAYOUT) is None
+    index.stored(b"k1", ("a", (17, 30)), "disk")
+    assert index.tiers(b"k1", LAYOUT) == {"disk"}  # one stage has it on disk only: read at disk speed
+    index.stored(b"k1", ("a", (17, 30)), "host")
+    assert index.tiers(b"k1", LAYOUT) == {"host"}
+    assert index.tiers(b"k1", [("a", (0, 10)), ("a", (10, 30))]) is None  # another layout's slices are other slices
+    assert index.tiers(b"k1", SPLIT) is None  # host b holds nothing
+    index.removed(b"k1", ("a", (17, 30)), "host")
+    index.removed(b"k1", ("a", (17, 30)), "disk")
+    assert index.tiers(b"k1", LAYOUT) is None
 
 
 def test_the_longest_complete_run_of_a_prompts_blocks():
-    index = PoolIndex()
+    index = PoolIndex(max_keys=100)
     for key in (b"k1", b"k2", b"k4"):
-        for layers in LAYOUT:
-            index.stored(key, HOST_A, layers)
-    assert index.longest([b"k1", b"k2", b"k3", b"k4"], LAYOUT, HOST_A) == 2  # k3 missing: k4 cannot be used
-    assert index.longest([b"k1"], LAYOUT, HOST_B) == 0
+        for slot in LAYOUT:
+            index.stored(key, slot, "disk")
+    assert index.longest([b"k1", b"k2", b"k3", b"k4"], LAYOUT) == 2  # k3 missing: k4 cannot be used
+    assert index.longest([b"k1"], SPLIT) == 0
 
 
-def test_a_lost_host_takes_its_slices_out():
-    index = PoolIndex()
-    for place in (HOST_A, DISK_A, HOST_B):
-        for layers in LAYOUT:
-            index.stored(b"k1", place, layers)
-    assert index.forget_host("a") == 4
-    assert index.places(b"k1", LAYOUT) == [HOST_B] and len(index) == 1
-    assert index.forget_host("b") == 2 and len(index) == 0
-    index.dropped(b"k9", HOST_A, (0, 17))  # dropping what is not there changes nothing
+def test_a_lost_host_and_a_reset_take_their_slices_out():
+    index = PoolIndex(max_keys=100)
+    for slot in [*LAYOUT, ("b", (17, 30))]:
+        index.stored(b"k1", slot, "host")
+        index.stored(b"k1", slot, "disk")
+    assert index.tiers(b"k1", SPLIT) == {"host", "disk"}
+    assert index.forget_host("b") == 2
+    assert index.tiers(b"k1", SPLIT) is None and index.tiers(b"k1", LAYOUT) == {"host", "disk"}
+    index.reset(("a", (0, 17)), "host")
+    assert index.tiers(b"k1", LAYOUT) == {"disk"}
+    assert index.forget_host("a") == 3 and len(index) == 0
+    index.removed(b"k9", ("a", (0, 17)), "host")  # removing what is not there changes nothing
     assert len(index) == 0
+
+
+def test_the_index_keeps_at_most_its_bound_of_keys_least_recently_touched_first():
+    index = PoolIndex(max_keys=2)
+    for key in (b"k1", b"k2"):
+        for slot in LAYOUT:
+            index.stored(key, slot, "disk")
+    assert index.longest([b"k1"], LAYOUT) == 1  # k1 used: k2 is now the oldest
+    for slot in LAYOUT:
+        index.stored(b"k3", slot, "disk")
+    assert len(index) == 2
+    assert index.longest([b"k1"], LAYOUT) == 1 and index.longest([b"k2"], LAYOUT) == 0

@@ -25,11 +25,11 @@ def cache() -> PagedKVCache:
     return kv
 
 
-def settle(pool: StagePool, count: int) -> list[bytes]:
-    """The keys the writer stored, once there are ``count`` (bounded wait)."""
+def settle(pool: StagePool, count: int, tier: str = "disk") -> list[bytes]:
+    """The keys the writer stored in ``tier``, once there are ``count`` (bounded wait)."""
     stored: list[bytes] = []
     for _ in range(500):
-        stored += pool.take_stored()
+        stored += [key for events in pool.take_events() if events.tier == tier for key in events.stored]
         if len(stored) >= count:
             return stored
         time.sleep(0.01)
@@ -38,25 +38,25 @@ def settle(pool: StagePool, count: int) -> list[bytes]:
 
 def test_spilled_slices_come_back_bit_for_bit_in_other_blocks(tmp_path):
     kv = cache()
-    pool = StagePool(kv, DiskTier(tmp_path, 1 << 20), TEMPLATE, 1 << 20)
+    pool = StagePool(kv, {"disk": DiskTier(tmp_path, 1 << 20)}, TEMPLATE, 1 << 20)
     before = kv.keys[:, 4:8].clone(), kv.values[:, 4:8].clone()  # block 1
     pool.spill([(1, b"a" * 16), (2, b"b" * 16)])
     assert sorted(settle(pool, 2)) == [b"a" * 16, b"b" * 16]
     kv.keys[:, 4:8] = 0  # block 1 reused by another request
-    assert pool.load(6, b"a" * 16)  # the prefix comes back into block 6
+    assert pool.load(6, b"a" * 16) == "disk"  # the prefix comes back into block 6
     assert torch.equal(kv.keys[:, 24:28], before[0]) and torch.equal(kv.values[:, 24:28], before[1])
-    assert not pool.load(7, b"z" * 16) and pool.counters.unusable == 1  # never stored
+    assert pool.load(7, b"z" * 16) is None and pool.counters.unusable == 1  # never stored
     pool.close()
 
 
 def test_a_full_queue_drops_and_a_corrupt_slice_is_never_used(tmp_path):
     kv = cache()
     tier = DiskTier(tmp_path, 1 << 20)
-    cramped = StagePool(kv, DiskTier(tmp_path / "cramped", 1 << 20), TEMPLATE, TEMPLATE.payload_bytes - 1)
+    cramped = StagePool(kv, {"disk": DiskTier(tmp_path / "cramped", 1 << 20)}, TEMPLATE, TEMPLATE.payload_bytes - 1)
     cramped.spill([(0, b"a" * 16), (1, b"b" * 16)])  # no room for one slice queued: dropped, not waited for
     assert cramped.counters.dropped == 2 and cramped.counters.spilled == 0
     cramped.close()
-    pool = StagePool(kv, tier, TEMPLATE, 1 << 20)
+    pool = StagePool(kv, {"disk": tier}, TEMPLATE, 1 << 20)
     pool.spill([(0, b"a" * 16)])
     stored = settle(pool, 1)
     path = tier._path((stored[0], TEMPLATE.layers))
@@ -64,7 +64,7 @@ def test_a_full_queue_drops_and_a_corrupt_slice_is_never_used(tmp_path):
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
     untouched = kv.keys[:, 20:24].clone()
-    assert not pool.load(5, stored[0])  # corrupt: not used, removed, counted
+    assert pool.load(5, stored[0]) is None  # corrupt: not used, removed, counted
     assert torch.equal(kv.keys[:, 20:24], untouched) and (stored[0], TEMPLATE.layers) not in tier
     assert tier.counters.corrupt == 1
     pool.close()
@@ -73,9 +73,48 @@ def test_a_full_queue_drops_and_a_corrupt_slice_is_never_used(tmp_path):
 def test_a_writer_that_fails_fails_the_stage(tmp_path):
     kv = cache()
     tier = DiskTier(tmp_path / "tier", 1 << 20)
-    pool = StagePool(kv, tier, TEMPLATE, 1 << 20)
+    pool = StagePool(kv, {"disk": tier}, TEMPLATE, 1 << 20)
     (tmp_path / "tier").rename(tmp_path / "gone")  # the folder vanished under the tier
     pool.spill([(0, b"a" * 16)])
     pool.close()
     with pytest.raises(RuntimeError, match="the KV pool's writer failed"):
-        pool.take_stored()
+        pool.take_events()
+
+
+def test_slices_go_to_every_tier_load_from_the_first_and_come_back_after_a_restart(tmp_path):
+    kv = cache()
+    host, disk = DiskTier(tmp_path / "host", 1 << 20), DiskTier(tmp_path / "disk", 1 << 20)
+    pool = StagePool(kv, {"host": host, "disk": disk}, TEMPLATE, 1 << 20)
+    assert {events.tier: (events.stored, events.reset) for events in pool.take_events()} == {
+        "host": ([], True),
+        "disk": ([], True),
+    }  # the first events say what each tier holds: nothing yet
+    pool.spill([(1, b"a" * 16), (2, b"b" * 16)])
+    settle(pool, 2, "host")
+    assert len(disk) == 2
+    assert pool.load(6, b"a" * 16) == "host"
+    (tmp_path / "host" / f"{(b'a' * 16).hex()}.2-5.kv").unlink()  # the memory tier lost it: the disk has it
+    assert pool.load(6, b"a" * 16) == "disk"
+    assert [(e.tier, e.removed) for e in pool.take_events()] == [("host", [b"a" * 16])]  # its file went: reported
+    pool.close()
+    again = StagePool(kv, {"disk": DiskTier(tmp_path / "disk", 1 << 20)}, TEMPLATE, 1 << 20)  # a restart
+    [events] = again.take_events()
+    assert events.reset and sorted(events.stored) == [b"a" * 16, b"b" * 16]
+    assert again.load(0, b"b" * 16) == "disk" and torch.equal(kv.keys[:, 0:4], kv.keys[:, 8:12])
+    again.close()
+
+
+def test_a_clean_close_writes_down_the_prefixes_still_cached_and_nothing_twice(tmp_path):
+    kv = cache()
+    disk = DiskTier(tmp_path, 1 << 20)
+    pool = StagePool(kv, {"disk": disk}, TEMPLATE, 1 << 20)
+    pool.registered([(1, b"a" * 16), (2, b"b" * 16), (3, b"c" * 16)])
+    pool.spill([(2, b"b" * 16)])  # evicted: written now, and no longer block 2's
+    settle(pool, 1)
+    pool.spill([(2, b"b" * 16)])  # every tier has it already: not copied again
+    assert pool.counters.spilled == 1
+    pool.close()
+    assert sorted(key for key, _ in disk.stored()) == [b"a" * 16, b"b" * 16, b"c" * 16]
+    again = StagePool(kv, {"disk": DiskTier(tmp_path, 1 << 20)}, TEMPLATE, 1 << 20)
+    assert again.load(0, b"c" * 16) == "disk" and torch.equal(kv.keys[:, 0:4], kv.keys[:, 12:16])
+    again.close()

@@ -45,10 +45,13 @@ def test_only_this_users_segments_of_gone_processes_are_removed(tmp_path):
     for name in kept:
         (tmp_path / name).write_bytes(b"y")
     (tmp_path / f"kvasir-{dead}-0a1b2c3d-edge9").mkdir()  # not a file: left alone, no error
+    pool = tmp_path / f"kvasir-{dead}-0a1b2c3d-kvpool"  # a killed daemon's KV pool host tier: a folder
+    (pool / "model" / "0-3").mkdir(parents=True)
+    (pool / "model" / "0-3" / "slice.kv").write_bytes(b"z" * 5)
 
     removed = sweep_stale_segments(tmp_path)
 
-    assert sorted((path.name, size) for path, size in removed) == sorted(stale.items())
+    assert sorted((path.name, size) for path, size in removed) == sorted([*stale.items(), (pool.name, 5)])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + [f"kvasir-{dead}-0a1b2c3d-edge9"])
     assert sweep_stale_segments(tmp_path) == []
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvasir.sched.scheduler import Scheduler
-from kvasir.stage.heads import DecodeHeadIntake, PrefillHeadIntake
+from kvasir.stage.decode_head import DecodeHeadIntake
+from kvasir.stage.heads import PrefillHeadIntake
 from kvasir.wire.batch import SampledToken, SamplingParams
 from kvasir.wire.bridge import HandoffReport, RequestEnded
 from kvasir.wire.head import Adopted, BatchResult, CancelRequest, Handoff, KvDrop, KvHeld, KvPlaced

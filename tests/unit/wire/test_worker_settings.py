@@ -5,6 +5,7 @@ import msgspec
 import pytest
 
 from kvasir.config.experts import ShardSpec
+from kvasir.config.kvpool import KvPoolSpec
 from kvasir.daemon.children import ChildId
 from kvasir.daemon.follower import Local, localize
 from kvasir.errors import KvasirError
@@ -14,6 +15,7 @@ from kvasir.wire.control import (
     FabricSettings,
     FrontSettings,
     ModelFacts,
+    PoolTiers,
     ShardSettings,
     ShardWiring,
     StageSettings,
@@ -59,9 +61,23 @@ def test_a_follower_takes_stages_and_shards_only():
     fabric = FabricSettings(host="b", keys="/k", secret="/leader-secret", sockets={})
     here = Local(host="b", runtime_dir="/run/b", secret="/b-secret", source="/models/m", model="m")
     names = {SLOT.name: "kvasir-2-0-dispatch"}
-    shard = localize(msgspec.structs.replace(every_role()[1], fabric=fabric), here, names)
+    shard = localize(msgspec.structs.replace(every_role()[1], fabric=fabric), here, names, PLAN)
     assert isinstance(shard, ShardSettings) and shard.wiring.slot.name == "kvasir-2-0-dispatch"
     assert shard.fabric is not None and shard.fabric.secret == "/b-secret" and shard.plan.model.source == "/models/m"
     for other in every_role()[2:]:
         with pytest.raises(KvasirError, match="not a worker of host b"):
-            localize(msgspec.structs.replace(other, fabric=fabric), here, names)
+            localize(msgspec.structs.replace(other, fabric=fabric), here, names, PLAN)
+
+
+def test_a_follower_puts_its_stages_kv_pool_tiers_in_its_own_folders():
+    """The leader's word on where a follower's stage keeps its KV pool slices is not
+    taken: the follower's own plan and shared-memory prefix say."""
+    plan = msgspec.structs.replace(PLAN, kv_pool=KvPoolSpec(host_bytes=1000, disk_dir="/var/kv", disk_bytes=3000))
+    fabric = FabricSettings(host="b", keys="/k", secret="/leader-secret", sockets={})
+    here = Local(host="b", runtime_dir="/run/b", secret="/b-secret", source="/models/m", model="m")
+    leaders = PoolTiers(host_dir="/etc", host_bytes=1 << 40, disk_dir="/", disk_bytes=1 << 40)
+    stage = StageSettings(index=1, edges=[], kv_pool=leaders, fabric=fabric, **{**COMMON, "plan": plan})
+    mine = localize(stage, here, {}, plan)
+    assert isinstance(mine, StageSettings) and mine.kv_pool is not None
+    assert mine.kv_pool.host_dir == f"/dev/shm/{here.prefix}-kvpool" and mine.kv_pool.disk_dir == "/var/kv"
+    assert (mine.kv_pool.host_bytes, mine.kv_pool.disk_bytes) == (500, 1500)  # half the layers, half the bytes

@@ -1,0 +1,79 @@
+"""The bridge's view of the KV pool (docs/architecture.md, The KV pool): the index of
+which stage slices each host's tiers hold (kvasir/kvpool/index.py), fed by the stages'
+``PoolEvents``, and for a routed request how many of its prompt's first blocks its
+instance can read back (sent to its head in the ``Enqueue``).
+
+A stage reports what its tiers hold as soon as it starts, which may be before the
+launcher says its instance serves: events from a process the bridge does not know yet
+are kept (a bounded number per stage) and applied once it serves, so that after a
+restart the first request of a known prefix already finds it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvasir.config.cluster import worker_host
+from kvasir.config.plan import Plan
+from kvasir.kvpool.index import PoolIndex, Slot
+from kvasir.sched.prefix import block_keys
+from kvasir.wire.bridge import PoolEvents
+
+EARLY_KEPT = 64  # events kept per stage whose process does not serve yet
+KEYS_PER_BLOCK = 4  # the index holds at most this many keys per KV block of every instance
+
+
+class PoolView:
+    def __init__(self, plan: Plan) -> None:
+        self.slot_of: dict[int, Slot] = {}  # global stage index -> its host and layers
+        self.layout: dict[str, list[Slot]] = {}  # instance -> its stages' slots
+        self.block_size: dict[str, int] = {}
+        blocks = 0
+        for ring in plan.rings():
+            slots = [(worker_host(plan.cluster, stage.host) or "", stage.layers) for stage in ring.plan.stages]
+            self.layout[ring.name] = slots
+            self.block_size[ring.name] = ring.plan.kv.block_size
+            self.slot_of.update({ring.first + k: slot for k, slot in enumerate(slots)})
+            blocks += ring.plan.kv.num_blocks
+        self.index = PoolIndex(max_keys=KEYS_PER_BLOCK * blocks)
+        self._early: dict[int, deque[PoolEvents]] = {}
+
+    def note(self, events: PoolEvents, current: bool) -> None:
+        """A stage's tiers changed (``current``: it serves its instance now)."""
+        slot = self.slot_of.get(events.stage)
+        if slot is None:
+            return
+        if not current:
+            early = self._early.setdefault(events.stage, deque(maxlen=EARLY_KEPT))
+            if events.reset or any(kept.pid != events.pid for kept in early):
+                early.clear()  # a snapshot, or a newer process of the stage: what came before is stale
+            early.append(events)
+            return
+        if events.reset:
+            self.index.reset(slot, events.tier)
+        for key in events.removed:
+            self.index.removed(key, slot, events.tier)
+        for key in events.stored:
+            self.index.stored(key, slot, events.tier)
+
+    def serve(self, pids: Sequence[int]) -> None:
+        """An instance serves with processes ``pids``: their early events count now."""
+        for stage in list(self._early):
+            kept = [events for events in self._early[stage] if events.pid in pids]
+            if kept:
+                del self._early[stage]
+                for events in kept:
+                    self.note(events, current=True)
+
+    def pooled(self, instance: str, prompt: Sequence[int], root: bytes) -> int:
+        """How many of the prompt's first blocks every stage of ``instance`` can read back."""
+        layout, size = self.layout.get(instance), self.block_size.get(instance, 0)
+        if not layout or size <= 0 or len(self.index) == 0:
+            return 0
+        return self.index.longest(block_keys(prompt, size, len(prompt) // size, root), layout)
+
+    def forget_hosts(self, hosts: Sequence[str]) -> None:
+        """Hosts that are gone take their tiers out of the index."""
+        for host in hosts:
+            self.index.forget_host(host)
