@@ -192,6 +192,8 @@ def print_pool(report: dict, echo: Echo) -> None:
             line += f"  read back at {v['load_gib_s']:.2f} GiB/s"
         echo(line)
         if "restart_ttft_s" in v:
+            cached = ", ".join(f"{sample['disk_tokens']}/{sample['cached_tokens']}" for sample in v["restart"])
             echo(
-                f"             after a restart {v['restart_ttft_s']:7.3f} s  ratio {v['restart_ratio']:5.2f}x (from disk)"
+                f"             after a restart {v['restart_ttft_s']:7.3f} s  ratio {v['restart_ratio']:5.2f}x  "
+                f"read from disk / cached per prompt: {cached}"
             )

@@ -22,7 +22,8 @@ from kvasir.wire.stats import StageStats
 
 
 class Heads:
-    def __init__(self, plan: Plan, sockets: Sockets) -> None:
+    def __init__(self, plan: Plan, sockets: Sockets, kv_bytes_per_token: int = 0) -> None:
+        """``kv_bytes_per_token``: the model's (sizes the KV pool's index)."""
         rings = plan.rings()
         self.rings = rings
         self.sockets = sockets
@@ -36,7 +37,7 @@ class Heads:
             (Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks, "down") for ring in self.decode),
         )
         self.head_of = {ring.name: ring.first for ring in rings}
-        self.pool = PoolView(plan) if plan.kv_pool is not None else None  # the KV pool's index
+        self.pool = PoolView(plan, kv_bytes_per_token) if plan.kv_pool is not None else None  # the KV pool's index
         self.pids: dict[str, frozenset[int]] = {}  # the serving instances' stage processes
         self.restarts: dict[str, int] = {}  # each instance's restarts so far
         self.failures: dict[str, str] = {}  # each instance's last failure

@@ -21,23 +21,37 @@ from kvasir.sched.prefix import block_keys
 from kvasir.wire.bridge import PoolEvents
 
 EARLY_KEPT = 64  # events kept per stage whose process does not serve yet
-KEYS_PER_BLOCK = 4  # the index holds at most this many keys per KV block of every instance
+KEYS_PER_BLOCK = 4  # the index holds this many keys per KV block of every instance, besides the tiers'
+UNSIZED_KEYS = 1 << 18  # the tiers' share of the index when the model's KV size is not known
+MAX_KEYS = 1 << 22  # at most (a few hundred bytes a key)
 
 
 class PoolView:
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, kv_bytes_per_token: int = 0) -> None:
+        """``kv_bytes_per_token``: the model's, to size the index to the blocks the tiers can hold."""
         self.slot_of: dict[int, Slot] = {}  # global stage index -> its host and layers
         self.layout: dict[str, list[Slot]] = {}  # instance -> its stages' slots
         self.block_size: dict[str, int] = {}
-        blocks = 0
+        blocks, block_size = 0, 0
         for ring in plan.rings():
             slots = [(worker_host(plan.cluster, stage.host) or "", stage.layers) for stage in ring.plan.stages]
             self.layout[ring.name] = slots
             self.block_size[ring.name] = ring.plan.kv.block_size
             self.slot_of.update({ring.first + k: slot for k, slot in enumerate(slots)})
             blocks += ring.plan.kv.num_blocks
-        self.index = PoolIndex(max_keys=KEYS_PER_BLOCK * blocks)
+            block_size = max(block_size, ring.plan.kv.block_size)
+        self.index = PoolIndex(
+            max_keys=min(MAX_KEYS, KEYS_PER_BLOCK * blocks + self._tier_blocks(plan, block_size * kv_bytes_per_token))
+        )
         self._early: dict[int, deque[PoolEvents]] = {}
+
+    def _tier_blocks(self, plan: Plan, block_bytes: int) -> int:
+        """How many blocks every host's tiers hold together (their bytes over a block's)."""
+        pool = plan.kv_pool
+        if pool is None or block_bytes <= 0:
+            return UNSIZED_KEYS
+        hosts = len({host for host, _ in self.slot_of.values()})
+        return hosts * (pool.host_bytes + pool.disk_bytes) // block_bytes
 
     def note(self, events: PoolEvents, current: bool) -> None:
         """A stage's tiers changed (``current``: it serves its instance now)."""

@@ -104,7 +104,7 @@ class Bridge:
         self.client_io, self.publisher_io = BatchedSocket(self.clients), BatchedSocket(self.publisher)
         self.inbox_io = BatchedSocket(self.inbox)
         self.ctx = ctx
-        self.heads = Heads(plan, self.sockets)
+        self.heads = Heads(plan, self.sockets, model.kv_bytes_per_token)
         self.stats_interval_s = settings.stats_interval_s
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder: Decoder[ClientMessage] = Decoder(ClientMessage)

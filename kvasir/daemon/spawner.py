@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvasir.config.cluster import worker_host
+from kvasir.config.devices import torch_dtype
 from kvasir.config.kvpool import tier_shares
 from kvasir.config.plan import Plan
 from kvasir.daemon.children import Child, ChildId, spawn_child
@@ -106,8 +107,11 @@ class Spawner:
         return (placement.stages if role == "stage" else placement.shards)[index]
 
     def _model_facts(self) -> ModelFacts:
-        folder = self.source.weights_dir
-        return ModelFacts(self.source.vocab_size, str(folder) if folder is not None else None)
+        source, folder = self.source, self.source.weights_dir
+        per_token = (
+            2 * source.num_layers * source.kv_heads * source.head_dim * torch_dtype(self.plan.model.dtype).itemsize
+        )
+        return ModelFacts(source.vocab_size, str(folder) if folder is not None else None, per_token)
 
 
 def pool_tiers(plan: Plan, index: int, prefix: str) -> PoolTiers | None:

@@ -15,7 +15,7 @@ from itertools import accumulate
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvasir.wire.client import DaemonStats, Histogram, InstanceStats
+from kvasir.wire.client import DaemonStats, Histogram, InstanceStats, KvPoolStats
 from kvasir.wire.stats import ShardStats, StageStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -172,6 +172,33 @@ class _Snapshot:
             model,
             int(stats.state == "serving"),
         )
+        if (pool := stats.kv_pool) is not None:
+            yield from self._kv_pool(pool, model)
+
+    def _kv_pool(self, pool: KvPoolStats, model: list[str]) -> Iterator[Metric]:
+        """The KV pool (a plan with [kv_pool]): what it read back and wrote, what it holds."""
+        for name, doc, value in (
+            (
+                "kv_pool_read_tokens",
+                "Prompt tokens read back from the KV pool instead of computed.",
+                pool.pooled_tokens,
+            ),
+            ("kv_pool_read_bytes", "Bytes of KV slices the stages read back from the pool.", pool.load_bytes),
+            (
+                "kv_pool_written_slices",
+                "Stage slices of evicted prefix blocks queued to be written down.",
+                pool.spilled,
+            ),
+            ("kv_pool_dropped_slices", "Stage slices dropped: a stage's write queue was full.", pool.dropped),
+            ("kv_pool_unusable_slices", "Slices missing, corrupt or mismatched when read (recomputed).", pool.unusable),
+        ):
+            yield self._counter(name, doc, model, value)
+        tiers = GaugeMetricFamily(
+            self._name("kv_pool_bytes"), "Bytes the pool's slices take, per tier.", labels=["model_name", "tier"]
+        )
+        tiers.add_metric([*model, "host"], pool.host_bytes)
+        tiers.add_metric([*model, "disk"], pool.disk_bytes)
+        yield tiers
 
     def _kv_usage(self) -> float:
         """Blocks held at the heads over the blocks their instances have."""

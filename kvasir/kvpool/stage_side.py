@@ -141,9 +141,10 @@ class StagePool:
         for name, changed in changes.items():
             stored = [key for key, kept in changed.items() if kept]
             removed = [key for key, kept in changed.items() if not kept]
-            if snapshot is not None:
-                held = set(snapshot[name]).difference(removed)
-                events.append(TierEvents(name, [*held.difference(stored), *stored], [], reset=True))
+            if snapshot is not None:  # least recently used first, as the tier holds them
+                gone = set(removed) | set(stored)
+                held = [key for key in snapshot[name] if key not in gone]
+                events.append(TierEvents(name, [*held, *stored], [], reset=True))
             elif stored or removed:
                 events.append(TierEvents(name, stored, removed))
         return events

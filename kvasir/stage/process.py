@@ -264,6 +264,7 @@ def run_stage(settings: StageSettings) -> None:
         pin_process(stage.device, stage.threads, stage.cpus)
         sockets = Sockets(zmq.Context(), *open_fabric(settings.runtime_dir, settings.fabric))
         agent, closing = build_agent(settings, sockets, log)
+        agent.pool.events()  # what its KV pool tiers hold, before the first request can be routed
         agent.control.send(Ready("stage", settings.index, os.getpid()))
         log.info("stage ready", layers=list(agent.engine.spec.layers), pool=settings.pool or None)
         agent.serve()

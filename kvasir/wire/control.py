@@ -162,6 +162,7 @@ class ModelFacts(msgspec.Struct, frozen=True):
 
     vocab_size: int
     folder: str | None  # the converted model folder, where a tokenizer may be
+    kv_bytes_per_token: int = 0  # one token's keys and values over every layer, in the plan's dtype
 
 
 class FabricSettings(msgspec.Struct, frozen=True, kw_only=True):

@@ -45,3 +45,10 @@ def test_events_before_an_instance_serves_count_once_it_serves_with_those_proces
     assert view.pooled("b", PROMPT, b"root") == 0
     view.serve([200, 201])
     assert view.pooled("b", PROMPT, b"root") == 2
+
+
+def test_the_index_is_sized_to_the_blocks_every_hosts_tiers_hold():
+    # one host: 1000 bytes of tiers over blocks of 4 tokens x 10 bytes, besides 4 keys per KV block
+    blocks = sum(ring.plan.kv.num_blocks for ring in PLAN.rings())
+    assert PoolView(PLAN, kv_bytes_per_token=10).index.max_keys == 4 * blocks + 1000 // 40
+    assert PoolView(PLAN).index.max_keys == 4 * blocks + (1 << 18)  # the KV size unknown: a fixed share

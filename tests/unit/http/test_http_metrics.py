@@ -161,12 +161,24 @@ DASHBOARD = Path(__file__).parents[3] / "grafana" / "kvasir.json"
 
 def test_the_grafana_dashboard_reads_only_series_that_exist():
     """grafana/kvasir.json: every series and label its queries name is one /metrics serves."""
-    from kvasir.wire.client import InstanceStats
+    from kvasir.wire.client import InstanceStats, KvPoolStats
 
     stats = one_request(
         shards=[ShardStats(0, 1, (0, 4), 300, 10.0, 2.0, 8.0, 0.0, 3, 30, (10, 10, 5, 5))],
         instances=[InstanceStats(name="a", pool="", state="serving", stages=[0, 1])],
         handoff=HandoffSummary(count=2, kv_bytes=4096, p50_s=0.1, p99_s=0.2, gibps=1.0, seconds=0.3),
+        kv_pool=KvPoolStats(
+            indexed_blocks=1,
+            pooled_tokens=4,
+            spilled=1,
+            dropped=0,
+            loaded=2,
+            unusable=0,
+            load_bytes=64,
+            load_gib_s=0.1,
+            host_bytes=64,
+            disk_bytes=64,
+        ),
     )
     served: dict[str, set[str]] = {}  # sample name -> its labels
     for family in text_string_to_metric_families(render(stats, "m", "kvasir", {0: 20}).decode()):
@@ -191,3 +203,21 @@ def test_the_grafana_dashboard_reads_only_series_that_exist():
     covered = " ".join(queries)
     for series in ("worker_busy", "worker_starved", "worker_blocked", "handoff", "prefix_cache", 'role="shard"'):
         assert series in covered  # the issue's list: per stage, hand-off, prefix hits, experts
+
+
+def test_a_kv_pools_series_are_served_only_with_a_pool():
+    from kvasir.wire.client import KvPoolStats
+
+    figures = dict(spilled=9, dropped=1, loaded=14, unusable=2, load_bytes=4096, load_gib_s=0.5)
+    pool = KvPoolStats(indexed_blocks=7, pooled_tokens=28, host_bytes=100, disk_bytes=300, **figures)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(render(one_request(kv_pool=pool), "m").decode())
+        for s in f.samples
+    }
+    model = (("model_name", "m"),)
+    assert samples[("kvasir:kv_pool_read_tokens_total", model)] == 28
+    assert samples[("kvasir:kv_pool_unusable_slices_total", model)] == 2
+    assert samples[("kvasir:kv_pool_bytes", (*model, ("tier", "disk")))] == 300
+    plain = render(one_request(), "m").decode()
+    assert "kv_pool" not in plain

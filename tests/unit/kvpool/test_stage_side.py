@@ -100,6 +100,7 @@ def test_slices_go_to_every_tier_load_from_the_first_and_come_back_after_a_resta
     again = StagePool(kv, {"disk": DiskTier(tmp_path / "disk", 1 << 20)}, TEMPLATE, 1 << 20)  # a restart
     [events] = again.take_events()
     assert events.reset and sorted(events.stored) == [b"a" * 16, b"b" * 16]
+    assert events.stored == [key for key, _ in again.tiers["disk"].stored()]  # least recently used first
     assert again.load(0, b"b" * 16) == "disk" and torch.equal(kv.keys[:, 0:4], kv.keys[:, 8:12])
     again.close()
 
