@@ -78,6 +78,7 @@ class Choice:
     cached_tokens: int = 0  # prompt tokens the conductor expects the instance to have cached
     backlog: int = 0  # what the request adds to the instance's backlog
     pooled: int = 0  # the prompt's first blocks the instance can read back from the KV pool
+    peers: tuple[tuple[int, int], ...] = ()  # (stage, peer): where a stage reads what its host lacks
 
 
 class Conductor:

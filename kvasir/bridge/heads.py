@@ -62,7 +62,8 @@ class Heads:
         try:
             choice = self.conductor.pick(prompt, root, time.monotonic(), key)
             if self.pool is not None:
-                choice = dataclasses.replace(choice, pooled=self.pool.pooled(choice.name, prompt, root))
+                pooled, peers = self.pool.pooled(choice.name, prompt, root)
+                choice = dataclasses.replace(choice, pooled=pooled, peers=peers)
             return choice, decode
         except RequestError:
             if decode is not None:

@@ -39,7 +39,7 @@ class Pending:
     enqueued_ns: int = 0  # when the bridge handed it to the head (the bridge's clock)
     queued_ns: int = 0  # then how long it waited at the head (the head's clock: a duration)
     cached_tokens: int = 0  # of prompt_tokens, found in the head's prefix cache
-    pooled_tokens: tuple[int, int] = (0, 0)  # of those, read back from the KV pool's host and disk tiers
+    pooled_tokens: tuple[int, int, int] = (0, 0, 0)  # of those, read back from the KV pool: host, disk, remote
     first_ns: int = 0
     second_ns: int = 0
     last_ns: int = 0
@@ -77,6 +77,7 @@ class Pending:
                 cached_tokens=self.cached_tokens,
                 cached_host_tokens=self.pooled_tokens[0],
                 cached_disk_tokens=self.pooled_tokens[1],
+                cached_remote_tokens=self.pooled_tokens[2],
             ),
             timings=Timings(
                 queued_s=(max(0, self.enqueued_ns - self.submitted_ns) + self.queued_ns) / 1e9,

@@ -32,14 +32,17 @@ class PoolView:
         self.slot_of: dict[int, Slot] = {}  # global stage index -> its host and layers
         self.layout: dict[str, list[Slot]] = {}  # instance -> its stages' slots
         self.block_size: dict[str, int] = {}
+        self.first: dict[str, int] = {}  # instance -> its head's global index
         blocks, block_size = 0, 0
         for ring in plan.rings():
             slots = [(worker_host(plan.cluster, stage.host) or "", stage.layers) for stage in ring.plan.stages]
             self.layout[ring.name] = slots
             self.block_size[ring.name] = ring.plan.kv.block_size
             self.slot_of.update({ring.first + k: slot for k, slot in enumerate(slots)})
+            self.first[ring.name] = ring.first
             blocks += ring.plan.kv.num_blocks
             block_size = max(block_size, ring.plan.kv.block_size)
+        self.stage_at = {slot: index for index, slot in sorted(self.slot_of.items(), reverse=True)}  # the first
         self.index = PoolIndex(
             max_keys=min(MAX_KEYS, KEYS_PER_BLOCK * blocks + self._tier_blocks(plan, block_size * kv_bytes_per_token))
         )
@@ -80,12 +83,21 @@ class PoolView:
                 for events in kept:
                     self.note(events, current=True)
 
-    def pooled(self, instance: str, prompt: Sequence[int], root: bytes) -> int:
-        """How many of the prompt's first blocks every stage of ``instance`` can read back."""
+    def pooled(self, instance: str, prompt: Sequence[int], root: bytes) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """How many of the prompt's first blocks every stage of ``instance`` can read back,
+        and (stage, peer) for each stage that reads what its host lacks from a stage of
+        the same layers on another host (global indexes)."""
         layout, size = self.layout.get(instance), self.block_size.get(instance, 0)
         if not layout or size <= 0 or len(self.index) == 0:
-            return 0
-        return self.index.longest(block_keys(prompt, size, len(prompt) // size, root), layout)
+            return 0, ()
+        count, sources = self.index.reach(block_keys(prompt, size, len(prompt) // size, root), layout)
+        first = self.first[instance]
+        peers = tuple(
+            (first + k, self.stage_at[(host, layers)])
+            for k, (host, (_, layers)) in enumerate(zip(sources, layout, strict=True))
+            if host is not None and count
+        )
+        return count, peers
 
     def forget_hosts(self, hosts: Sequence[str]) -> None:
         """Hosts that are gone take their tiers out of the index."""

@@ -231,7 +231,7 @@ class Bridge:
         client = self.requests.number(peer)
         await self._send(peer, Accepted(key=msg.key, request_id=rid))
         head = self.heads.head_of[decode] if decode is not None else -1
-        enqueue = Enqueue(rid, tuple(ids), sampling, client, root, head, choice.pooled)
+        enqueue = Enqueue(rid, tuple(ids), sampling, client, root, head, choice.pooled, choice.peers)
         self.outbox.after_turn(partial(self._enqueue, rid, self.encoder.encode(enqueue)))
 
     def _enqueue(self, rid: int, body: bytes) -> None:

@@ -59,8 +59,10 @@ class Streams:
             record.first_ns = now
             record.queued_ns = max(token.queued_ns, 0)
             record.cached_tokens = cached = min(max(token.cached_tokens, 0), record.prompt_tokens)
-            host = min(max(token.pooled_tokens[0], 0), cached)
-            record.pooled_tokens = (host, min(max(token.pooled_tokens[1], 0), cached - host))
+            host, disk, remote = (max(n, 0) for n in token.pooled_tokens)
+            host = min(host, cached)
+            disk = min(disk, cached - host)
+            record.pooled_tokens = (host, disk, min(remote, cached - host - disk))
         elif len(record.token_ids) == 1:
             record.second_ns = now
         record.last_ns = now

@@ -75,9 +75,11 @@ def renamed(segments: HostSegments, leader_prefix: str, prefix: str) -> dict[str
     return {name: prefix + name[len(leader_prefix) :] for name in segments.names() if name.startswith(leader_prefix)}
 
 
-def localize(settings: WorkerSettings, here: Local, names: dict[str, str], plan: Plan) -> StageSettings | ShardSettings:
+def localize(
+    settings: WorkerSettings, here: Local, names: dict[str, str], whole: Plan
+) -> StageSettings | ShardSettings:
     """A worker's settings from the leader, with this host's paths, pid, segment names and
-    KV pool folders (from ``plan``, this host's copy: a follower runs stages and expert
+    KV pool folders (from ``whole``, this host's copy of the plan: a follower runs stages and expert
     shards; anything else is refused)."""
     replace = msgspec.structs.replace
     fabric = settings.fabric
@@ -96,7 +98,7 @@ def localize(settings: WorkerSettings, here: Local, names: dict[str, str], plan:
     if handoff is not None:
         handoff = replace(handoff, prefill=[replace(kv, name=names.get(kv.name, kv.name)) for kv in handoff.prefill])
     edges = [replace(edge, name=names.get(edge.name, edge.name)) for edge in settings.edges]
-    pool = pool_tiers(plan, settings.index, here.prefix)
+    pool = pool_tiers(whole, settings.index, here.prefix)
     shards = [slot(w) for w in settings.shards]
     return replace(settings, edges=edges, shards=shards, handoff=handoff, kv_pool=pool, **common)
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
-Tier = Literal["host", "disk"]
+Tier = Literal["host", "disk", "remote"]  # remote: read from another host's pool (never stored as such)
 Layers = tuple[int, int]
 Slot = tuple[str, Layers]  # a stage's slice of any block: its host and its layers
 
@@ -76,6 +76,39 @@ class PoolIndex:
                 return None
             common &= held
         return common or {"disk"}
+
+    def reach(self, keys: Sequence[bytes], layout: Sequence[Slot]) -> tuple[int, list[str | None]]:
+        """How many of a prompt's chained block ``keys``, from the first, an instance of
+        ``layout`` can read back when each stage may also read what its own host lacks
+        from one other host holding its layers; and that host per stage (None: its own
+        is enough). Each is now most recently used."""
+        sources: list[str | None] = []
+        count = len(keys)
+        for host, layers in layout:
+            local = self._run(keys, {(host, layers)})
+            best, source = local, None
+            for other in self._hosts_with(keys[local], layers, host) if local < len(keys) else ():
+                run = self._run(keys, {(host, layers), (other, layers)})
+                if run > best:
+                    best, source = run, other
+            sources.append(source)
+            count = min(count, best)
+        for key in keys[:count]:
+            self._slices.move_to_end(key)
+        return count, sources
+
+    def _run(self, keys: Sequence[bytes], wanted: set[Slot]) -> int:
+        """How many of ``keys``, from the first, one of the ``wanted`` slots holds."""
+        count = 0
+        for key in keys:
+            slots = self._slices.get(key)
+            if slots is None or wanted.isdisjoint(slots):
+                break
+            count += 1
+        return count
+
+    def _hosts_with(self, key: bytes, layers: Layers, besides: str) -> list[str]:
+        return sorted({host for host, held in self._slices.get(key, {}) if held == layers and host != besides})
 
     def longest(self, keys: Iterable[bytes], layout: Sequence[Slot]) -> int:
         """How many of a prompt's chained block ``keys``, from the first, are complete for

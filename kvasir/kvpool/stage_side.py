@@ -42,7 +42,8 @@ class StageCounters:
     spilled: int = 0  # slices queued for writing
     dropped: int = 0  # slices dropped: the queue was full
     loaded: int = 0  # slices read back into the cache
-    unusable: int = 0  # slices missing, corrupt or made with something else (recomputed)
+    missing: int = 0  # slices asked for that no tier holds (computed)
+    unusable: int = 0  # slices corrupt or made with something else (removed; computed)
 
 
 @dataclass
@@ -112,19 +113,26 @@ class StagePool:
                 data = tier.get(where)
             if data is None:
                 continue
-            try:
-                keys, values = decode_slice(data, msgspec.structs.replace(self.template, key=key))
-            except SliceError:
-                with self._tier_lock:
-                    tier.discard(where)
-                continue
-            cache_keys, cache_values = self._block(block)
-            cache_keys.copy_(keys)
-            cache_values.copy_(values)
-            self.counters.loaded += 1
-            return name
-        self.counters.unusable += 1
+            if self.place(block, key, data):
+                return name
+            with self._tier_lock:
+                tier.discard(where)
+        self.counters.missing += 1
         return None
+
+    def place(self, block: int, key: bytes, data: bytes) -> bool:
+        """Read one stored slice of ``key`` (a tier's file, or another host's) into
+        ``block``; False (nothing written, counted) when it is corrupt or made with anything else."""
+        try:
+            keys, values = decode_slice(data, msgspec.structs.replace(self.template, key=key))
+        except SliceError:
+            self.counters.unusable += 1
+            return False
+        cache_keys, cache_values = self._block(block)
+        cache_keys.copy_(keys)
+        cache_values.copy_(values)
+        self.counters.loaded += 1
+        return True
 
     def take_events(self) -> list[TierEvents]:
         """Each tier's changes since the last call (the first call: all it holds)."""

@@ -16,6 +16,8 @@ from kvasir.sched.prefix import PrefixCache
 from kvasir.sched.requests import RequestState
 from kvasir.wire.batch import PoolLoad
 
+TIERS = ("host", "disk", "remote")  # the order of RequestState.pooled_tokens
+
 
 class PoolLoads:
     def __init__(self, cache: PrefixCache, block_size: int) -> None:
@@ -29,7 +31,8 @@ class PoolLoads:
         until = min(state.pooled, len(keys))
         if until <= cached:
             return False
-        self.pending.append(PoolLoad(state.request_id, tuple(state.blocks[cached:until]), tuple(keys[cached:until])))
+        blocks, wanted = tuple(state.blocks[cached:until]), tuple(keys[cached:until])
+        self.pending.append(PoolLoad(state.request_id, blocks, wanted, state.peers))
         state.loading = until - cached
         return True
 
@@ -39,8 +42,8 @@ class PoolLoads:
 
     def answered(self, state: RequestState, tiers: list[str]) -> None:
         """Every stage read back the first ``len(tiers)`` of the request's pool blocks
-        (``tiers``: the slowest tier each came from; [] when one read none or the wait
-        timed out): they count as cached, the rest is computed."""
+        (``tiers``: the slowest tier each came from, host < disk < remote; [] when one
+        read none or the wait timed out): they count as cached, the rest is computed."""
         count = min(len(tiers), state.loading)
         first = state.registered
         keys = state.keys or []
@@ -48,8 +51,8 @@ class PoolLoads:
             self.cache.register(state.blocks[index], keys[index])
         state.registered = first + count
         state.computed = state.cached_tokens = state.registered * self.block_size
-        disk = sum(1 for tier in tiers[:count] if tier == "disk")
-        state.pooled_tokens = ((count - disk) * self.block_size, disk * self.block_size)
+        size = self.block_size
+        state.pooled_tokens = tuple(sum(1 for tier in tiers[:count] if tier == t) * size for t in TIERS)  # type: ignore[assignment]
         self.cache.hit_tokens += count * self.block_size
         self.cache.pooled_tokens += count * self.block_size
         state.loading = 0

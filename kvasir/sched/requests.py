@@ -39,7 +39,8 @@ class RequestState:
     context: tuple[int, ...] = ()  # a decode pool's request: its prompt's ids where the sampling reads them
     pooled: int = 0  # its prompt's first blocks the KV pool holds for this instance (the bridge's word)
     loading: int = 0  # blocks its stages are reading back from the pool (it waits: not scheduled)
-    pooled_tokens: tuple[int, int] = (0, 0)  # of cached_tokens, read back from the pool's host and disk tiers
+    pooled_tokens: tuple[int, int, int] = (0, 0, 0)  # of cached_tokens, read back from the pool: host, disk, remote
+    peers: tuple[tuple[int, int], ...] = ()  # (stage, peer): where its stages read what their hosts lack
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

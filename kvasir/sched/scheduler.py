@@ -68,17 +68,20 @@ class Scheduler:
         self,
         prompt: list[int],
         sampling: SamplingParams,
+        *,
         request_id: int | None = None,
         client: int = 0,
         cache_root: bytes = b"",
         pooled: int = 0,
+        peers: tuple[tuple[int, int], ...] = (),
     ) -> int:
         """Queue a validated request and return its id; raise RequestError if refused.
 
         ``request_id`` is the id the bridge gave the request; without one the
         scheduler numbers requests itself. ``cache_root``: its prefix-cache namespace
         (kvasir/sched/prefix.py namespace_root); it shares blocks only with requests of
-        the same root. ``pooled``: how many of its prompt's first blocks the KV pool holds.
+        the same root. ``pooled``: how many of its prompt's first blocks the KV pool holds
+        (``peers``: where its stages read what their hosts lack).
         """
         ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
         check_sampling(sampling, self.vocab_size)
@@ -94,7 +97,7 @@ class Scheduler:
         self.waiting[rid] = RequestState(
             rid, ids, sampling, seed, need, client=client, arrival=next(self._arrivals), cache_root=cache_root
         )
-        self.waiting[rid].pooled = max(0, pooled)
+        self.waiting[rid].pooled, self.waiting[rid].peers = max(0, pooled), peers
         self.queues.setdefault(client, deque()).append(rid)
         return rid
 

@@ -88,7 +88,13 @@ class SchedulerIntake:
                 pooled = message.pooled if self.loads is not None else 0
                 try:
                     self.scheduler.submit(
-                        list(ids), sampling, request_id=rid, client=client, cache_root=root, pooled=pooled
+                        list(ids),
+                        sampling,
+                        request_id=rid,
+                        client=client,
+                        cache_root=root,
+                        pooled=pooled,
+                        peers=message.peers,
                     )
                 except RequestError as exc:
                     self.bridge.send(RequestEnded(rid, exc.code, exc.message))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvasir.kvpool.disk import DiskTier
@@ -28,15 +29,17 @@ from kvasir.kvpool.slices import SliceMeta
 from kvasir.kvpool.stage_side import StagePool
 from kvasir.model.fingerprint import model_identity
 from kvasir.model.source import ModelSource
+from kvasir.stage.pool_peers import PeerFetcher, SliceServer
 from kvasir.transport.channels import PushChannel
 from kvasir.units import MIB
-from kvasir.wire.batch import BatchDescriptor
+from kvasir.wire.batch import BatchDescriptor, PoolLoad
 from kvasir.wire.bridge import PoolEvents
 from kvasir.wire.control import PoolTiers
 from kvasir.wire.head import PoolLoaded
 from kvasir.wire.stats import PoolCounters
 
 MAX_QUEUED_BYTES = 256 * MIB  # a stage's slices copied out and not yet written
+SLOWER: tuple[Tier, ...] = ("host", "disk", "remote")  # a block read from several tiers counts at the slowest
 
 
 class NoPool:
@@ -55,11 +58,33 @@ class NoPool:
         pass
 
 
+@dataclass
+class Peers:
+    """A stage of a plan across hosts: its server of slices to other hosts, its fetcher
+    from them, and how long a fetch may take."""
+
+    server: SliceServer
+    fetcher: PeerFetcher
+    fetch_s: float
+
+    def close(self) -> None:
+        self.server.close()
+        self.fetcher.close()
+
+
 class PoolRole:
     """One stage's spills and loads, run on its loop before each descriptor's rows."""
 
     def __init__(
-        self, pool: StagePool, index: int, pid: int, loaded: Callable[[PoolLoaded], None], bridge: PushChannel, log
+        self,
+        pool: StagePool,
+        index: int,
+        pid: int,
+        loaded: Callable[[PoolLoaded], None],
+        bridge: PushChannel,
+        log,
+        *,
+        peers: Peers | None = None,
     ) -> None:
         self.pool = pool
         self.index = index
@@ -67,6 +92,7 @@ class PoolRole:
         self.loaded = loaded  # to the ring's head
         self.bridge = bridge
         self.log = log
+        self.peers = peers
         self.load_s = 0.0
 
     def before(self, descriptor: BatchDescriptor) -> float:
@@ -83,19 +109,37 @@ class PoolRole:
         self.pool.spill(spills)
         loading = time.monotonic()
         for load in descriptor.load:
-            tiers: list[Tier] = []
-            if len(load.blocks) == len(load.keys):
-                for block, key in zip(load.blocks, load.keys, strict=True):
-                    tier = self.pool.load(block, key) if 0 <= block < blocks else None
-                    if tier is None:
-                        break
-                    tiers.append(tier)
+            valid = len(load.blocks) == len(load.keys) and all(0 <= block < blocks for block in load.blocks)
+            tiers = self._read(load) if valid else []
             self.loaded(PoolLoaded(load.request_id, self.index, tuple(tiers)))
         ended = time.monotonic()
         self.load_s += ended - loading
         return ended - started
 
+    def _read(self, load: PoolLoad) -> list[Tier]:
+        """The tier each block was read from, from the first, up to the first it could not:
+        this host's tiers, then the other host the bridge named for this stage."""
+        tiers: list[Tier] = []
+        for block, key in zip(load.blocks, load.keys, strict=True):
+            tier = self.pool.load(block, key)
+            if tier is None:
+                break
+            tiers.append(tier)
+        peer = dict(load.peers).get(self.index)
+        if peer is None or self.peers is None or len(tiers) == len(load.keys):
+            return tiers
+        start, deadline = len(tiers), time.monotonic() + self.peers.fetch_s
+        fetched = self.peers.fetcher.fetch(peer, list(load.keys[start:]), deadline)
+        for block, key, data in zip(load.blocks[start:], load.keys[start:], fetched):
+            if not self.pool.place(block, key, data):
+                break
+            tiers.append("remote")
+        fetched.close()
+        return tiers
+
     def events(self) -> None:
+        if self.peers is not None:
+            self.peers.server.check()
         for changed in self.pool.take_events():
             message = PoolEvents(
                 self.index, self.pid, changed.tier, tuple(changed.stored), tuple(changed.removed), changed.reset
@@ -109,13 +153,18 @@ class PoolRole:
             dropped=c.dropped,
             loaded=c.loaded,
             unusable=c.unusable,
+            missing=c.missing,
             load_bytes=c.loaded * self.pool.template.payload_bytes,
             load_s=self.load_s,
+            remote_bytes=self.peers.fetcher.fetched_bytes if self.peers is not None else 0,
+            remote_s=self.peers.fetcher.fetch_s if self.peers is not None else 0.0,
             host_bytes=tiers["host"].bytes if "host" in tiers else 0,
             disk_bytes=tiers["disk"].bytes if "disk" in tiers else 0,
         )
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         self.pool.close()
 
 
@@ -171,7 +220,7 @@ class LoadWaits:
             return None
         del self._waiting[message.request_id]
         count = min(len(tiers) for tiers in answers.values())
-        return ["disk" if any(t[i] == "disk" for t in answers.values()) else "host" for i in range(count)]
+        return [max((t[i] for t in answers.values()), key=SLOWER.index) for i in range(count)]
 
     def expired(self, now: float) -> list[int]:
         """The requests waited for past their deadline (no longer waited for)."""

@@ -29,7 +29,8 @@ from kvasir.stage.heads import PrefillHeadIntake, SchedulerIntake
 from kvasir.stage.kv_remote import KvInbox, KvStream
 from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.stage.outlets import DownstreamOutlet, PrefillTailOutlet, TailOutlet
-from kvasir.stage.pooling import MAX_QUEUED_BYTES, LoadWaits, NoPool, PoolRole, open_tiers, slice_template
+from kvasir.stage.pool_peers import PeerFetcher, SliceServer
+from kvasir.stage.pooling import MAX_QUEUED_BYTES, LoadWaits, NoPool, Peers, PoolRole, open_tiers, slice_template
 from kvasir.stage.ports import HandoffRole, Intake, Outlet, PoolPart
 from kvasir.stage.sampling import Sampler
 from kvasir.stage.shard_links import Pulse, connect_shards
@@ -162,7 +163,14 @@ def _pool(w: Wiring, engine: StageEngine, source: ModelSource, intake: Intake, b
     else:
         loaded = w.push(HeadMessage, w.ends.stage_in(w.head)).send
     pool = StagePool(engine.cache, tiers, template, MAX_QUEUED_BYTES)
-    return PoolRole(pool, settings.index, os.getpid(), loaded, bridge, w.log)
+    peers = None
+    if settings.fabric is not None:  # a plan across hosts: serve this host's slices, read other hosts'
+        server = SliceServer(
+            w.sockets.bind(zmq.ROUTER, w.ends.kvpool(settings.index)), [t.folder for t in tiers.values()], layers, w.log
+        )
+        fetcher = PeerFetcher(lambda peer: w.sockets.connect(zmq.DEALER, w.ends.kvpool(peer)), layers)
+        peers = Peers(server, fetcher, plan.kv_pool.load_timeout_s)
+    return PoolRole(pool, settings.index, os.getpid(), loaded, bridge, w.log, peers=peers)
 
 
 def _descriptors_in(w: Wiring, ring: SlotRing):

@@ -234,7 +234,7 @@ class Sampler:
             finish,
             state.queued_ns if first else 0,
             state.cached_tokens if first else 0,
-            state.pooled_tokens if first else (0, 0),
+            state.pooled_tokens if first else (0, 0, 0),
         )
         if state.params.logprobs >= 0:
             sampled = msgspec.structs.replace(sampled, **_scores(logits, token, state.params.logprobs))

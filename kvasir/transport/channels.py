@@ -78,6 +78,9 @@ class Endpoints:
     def kv_in(self, index: int) -> str:  # decode stage PULL: KV hand-off announcements and placements
         return self._internal(f"kv-{index}")
 
+    def kvpool(self, index: int) -> str:  # stage ROUTER (a plan across hosts with a KV pool): its slices
+        return self._internal(f"kvpool-{index}")
+
     def shard_in(self, number: int) -> str:  # expert shard PULL: work from its stage
         return self._internal(f"shard-{number}")
 

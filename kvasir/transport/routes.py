@@ -38,6 +38,7 @@ class Placement:
     stages: tuple[str | None, ...]
     shards: tuple[str | None, ...]
     hosts: Mapping[str, HostSpec]
+    kv_pool: bool = False  # the plan has a KV pool: each stage serves its slices to other hosts
 
     @classmethod
     def of(cls, plan: Plan) -> Placement:
@@ -49,6 +50,7 @@ class Placement:
             stages=tuple(worker_host(cluster, stage.host) for stage in stages),
             shards=shards,
             hosts=dict(plan.hosts),
+            kv_pool=plan.kv_pool is not None,
         )
 
     @property
@@ -70,6 +72,8 @@ def socket_names(placement: Placement) -> list[tuple[str, str | None]]:
         names += [(f"{part}-{k}", host) for part in ("stage", "credits", "kv", "experts", f"{COMMAND_PREFIX}stage")]
     for n, host in enumerate(placement.shards):
         names += [(f"shard-{n}", host), (f"{COMMAND_PREFIX}shard-{n}", host)]
+    if placement.kv_pool:  # last: a plan without a pool keeps every port it had
+        names += [(f"kvpool-{k}", host) for k, host in enumerate(placement.stages)]
     return names
 
 

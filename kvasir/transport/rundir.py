@@ -25,7 +25,7 @@ from pathlib import Path
 from kvasir.errors import KvasirError
 
 OURS = re.compile(
-    r"^(kvasird\.lock|(client|events|bridge-in|control|hosts|command-bridge|((stage|credits|kv|shard|experts|command-stage|command-shard|command-front)-[0-9]+))\.sock)$"
+    r"^(kvasird\.lock|(client|events|bridge-in|control|hosts|command-bridge|((stage|credits|kv|kvpool|shard|experts|command-stage|command-shard|command-front)-[0-9]+))\.sock)$"
 )
 
 

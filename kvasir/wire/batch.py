@@ -61,7 +61,7 @@ class NewRequest(Wire, frozen=True):
     generated: int = 0  # output tokens already sampled elsewhere (1 in the decode pool: the prefill pool's first)
     prompt: tuple[int, ...] = ()  # the prompt's ids, where the sampling needs them (``needs_prompt``)
     cached_tokens: int = 0  # prompt tokens the head found in the prefix cache (not computed)
-    pooled_tokens: tuple[int, int] = (0, 0)  # of those, read back from the KV pool's host and disk tiers
+    pooled_tokens: tuple[int, int, int] = (0, 0, 0)  # of those, read back from the KV pool: host, disk, remote
     queued_ns: int = 0  # from its arrival at the head to its first batch (a duration: the head's clock)
     decode_head: int = -1  # a prefill instance's request: the head of the decode instance its KV goes to
     output: tuple[int, ...] = ()  # the tokens output so far, where the sampling needs them (``needs_output``)
@@ -99,6 +99,9 @@ class PoolLoad(Wire, frozen=True):
     request_id: int
     blocks: tuple[int, ...]
     keys: tuple[BlockKey, ...]
+    # (stage, peer): a stage of this ring that reads what its own host lacks from the stage
+    # of the same layers on another host (global indexes; kvasir/wire/kvpool.py)
+    peers: tuple[tuple[int, int], ...] = ()
 
 
 class BatchDescriptor(Wire, frozen=True):
@@ -131,7 +134,7 @@ class SampledToken(Wire, frozen=True):
     finish: FinishReason | None  # None while running
     queued_ns: int = 0  # on a request's first token: how long it waited at the head (a duration)
     cached_tokens: int = 0  # on a request's first token: prompt tokens found in the prefix cache
-    pooled_tokens: tuple[int, int] = (0, 0)  # and of those, read back from the KV pool's host and disk tiers
+    pooled_tokens: tuple[int, int, int] = (0, 0, 0)  # and of those, read back from the KV pool: host, disk, remote
     logprob: float = (
         0.0  # with SamplingParams.logprobs >= 0: the token's log-probability (the model's, before sampling)
     )

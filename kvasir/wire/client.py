@@ -109,7 +109,8 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int
     cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache instead of computed
     cached_host_tokens: int = 0  # of cached_tokens, read back from the KV pool's host memory tier
-    cached_disk_tokens: int = 0  # and from its disk tier (the rest was in the instance's own cache)
+    cached_disk_tokens: int = 0  # and from its disk tier
+    cached_remote_tokens: int = 0  # and from another host's pool (the rest was in the instance's own cache)
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,9 +193,12 @@ class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
     spilled: int  # stage slices of evicted blocks queued to be written down
     dropped: int  # of those offered, dropped: a stage's write queue was full
     loaded: int  # stage slices read back
-    unusable: int  # stage slices wanted and missing, corrupt or made with something else (recomputed)
+    unusable: int  # stage slices corrupt or made with something else (removed; recomputed)
     load_bytes: int
     load_gib_s: float  # load_bytes over the stages' time spent loading
+    missing: int = 0  # stage slices asked for and not found (recomputed)
+    remote_bytes: int = 0  # of load_bytes, read from other hosts' pools
+    remote_gib_s: float = 0.0  # over the time those reads took
     host_bytes: int  # bytes the slices take in the host memory tiers now
     disk_bytes: int  # and in the disk tiers
 
@@ -202,7 +206,8 @@ class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
         """One line for ``kvasir stats``."""
         return (
             f"kv pool: {self.indexed_blocks} blocks indexed, {self.pooled_tokens} prompt tokens read back "
-            f"({self.loaded} slices, {self.load_gib_s:.2f} GiB/s, {self.unusable} unusable); {self.spilled} "
+            f"({self.loaded} slices, {self.load_gib_s:.2f} GiB/s, {format_bytes(self.remote_bytes)} from other hosts "
+            f"at {self.remote_gib_s:.2f} GiB/s; {self.missing} missing, {self.unusable} unusable); {self.spilled} "
             f"written down, {self.dropped} dropped; {format_bytes(self.host_bytes)} in host memory, "
             f"{format_bytes(self.disk_bytes)} on disk"
         )
@@ -220,6 +225,9 @@ class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
             unusable=sum(p.unusable for p in pools),
             load_bytes=nbytes,
             load_gib_s=gib_per_s(nbytes, seconds),
+            missing=sum(p.missing for p in pools),
+            remote_bytes=(remote := sum(p.remote_bytes for p in pools)),
+            remote_gib_s=gib_per_s(remote, sum(p.remote_s for p in pools)),
             host_bytes=sum(p.host_bytes for p in pools),
             disk_bytes=sum(p.disk_bytes for p in pools),
         )

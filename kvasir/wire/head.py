@@ -22,6 +22,7 @@ class Enqueue(Tagged, frozen=True):
     )
     decode_head: int = -1  # a disaggregated plan: the head of the decode instance it goes on to
     pooled: int = 0  # the prompt's first blocks the KV pool holds whole for this instance (the bridge's index)
+    peers: tuple[tuple[int, int], ...] = ()  # (stage, peer): where a stage reads what its host lacks (PoolLoad)
 
 
 class CancelRequest(Tagged, frozen=True):
@@ -84,7 +85,7 @@ class Adopted(Tagged, frozen=True):
     request_id: int
 
 
-PoolTier = Literal["host", "disk"]
+PoolTier = Literal["host", "disk", "remote"]  # remote: read from another host's pool
 
 
 class PoolLoaded(Tagged, frozen=True):

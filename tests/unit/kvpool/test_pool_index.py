@@ -58,3 +58,19 @@ def test_the_index_keeps_at_most_its_bound_of_keys_least_recently_touched_first(
         index.stored(b"k3", slot, "disk")
     assert len(index) == 2
     assert index.longest([b"k1"], LAYOUT) == 1 and index.longest([b"k2"], LAYOUT) == 0
+
+
+def test_a_stage_reads_what_its_host_lacks_from_one_other_host_of_its_layers():
+    index = PoolIndex(max_keys=100)
+    keys = [b"k1", b"k2", b"k3", b"k4"]
+    for key in keys[:2]:
+        for slot in LAYOUT:
+            index.stored(key, slot, "host")  # host a holds the first two blocks
+    for key in keys:
+        index.stored(key, ("b", (17, 30)), "disk")  # host b all four, of the second stage's layers only
+        index.stored(key, ("c", (0, 17)), "host")  # host c all four, of the first stage's
+    assert index.reach(keys, LAYOUT) == (4, ["c", "b"])
+    assert index.reach(keys[:2], LAYOUT) == (2, [None, None])  # a has them: nobody else is asked
+    assert index.reach(keys, [("a", (0, 10)), ("a", (10, 30))]) == (0, [None, None])  # nobody has those layers
+    index.forget_host("c")
+    assert index.reach(keys, LAYOUT) == (2, [None, "b"])  # the first stage finds only two anywhere

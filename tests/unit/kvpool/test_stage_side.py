@@ -45,7 +45,7 @@ def test_spilled_slices_come_back_bit_for_bit_in_other_blocks(tmp_path):
     kv.keys[:, 4:8] = 0  # block 1 reused by another request
     assert pool.load(6, b"a" * 16) == "disk"  # the prefix comes back into block 6
     assert torch.equal(kv.keys[:, 24:28], before[0]) and torch.equal(kv.values[:, 24:28], before[1])
-    assert pool.load(7, b"z" * 16) is None and pool.counters.unusable == 1  # never stored
+    assert pool.load(7, b"z" * 16) is None and pool.counters.missing == 1  # never stored
     pool.close()
 
 

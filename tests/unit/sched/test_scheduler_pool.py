@@ -72,7 +72,7 @@ def test_a_pooled_prefix_is_read_back_before_the_request_runs_and_then_shared():
     [row] = batch.descriptor.rows
     assert (row.start, row.num_tokens) == (8, 5)  # the third block is computed
     [new] = batch.descriptor.new_requests
-    assert (new.cached_tokens, new.pooled_tokens) == (8, (4, 4))
+    assert (new.cached_tokens, new.pooled_tokens) == (8, (4, 4, 0))
     assert s.cache.pooled_tokens == 8
     s.complete(BatchResult(batch.descriptor.batch_id, (SampledToken(rid, 7, 0, "length"),)))
     again = s.submit(prompt(10), SamplingParams(max_tokens=1))  # the read-back blocks are in the cache now

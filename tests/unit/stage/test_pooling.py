@@ -72,7 +72,7 @@ def test_spills_then_loads_in_order_and_answers_the_head(role):
     part.before(descriptor(load=[PoolLoad(7, (5, 6, 7), (A, C, B))]))  # C was never stored: B is not read
     assert answers == [PoolLoaded(7, 3, ("disk",))]
     assert torch.equal(blocks[:, 20:24], before)
-    assert part.counters().loaded == 1 and part.counters().unusable == 1
+    assert part.counters().loaded == 1 and part.counters().missing == 1
 
 
 def test_hostile_loads_are_answered_with_nothing_and_the_stage_goes_on(role):

@@ -76,7 +76,8 @@ def test_a_follower_puts_its_stages_kv_pool_tiers_in_its_own_folders():
     fabric = FabricSettings(host="b", keys="/k", secret="/leader-secret", sockets={})
     here = Local(host="b", runtime_dir="/run/b", secret="/b-secret", source="/models/m", model="m")
     leaders = PoolTiers(host_dir="/etc", host_bytes=1 << 40, disk_dir="/", disk_bytes=1 << 40)
-    stage = StageSettings(index=1, edges=[], kv_pool=leaders, fabric=fabric, **{**COMMON, "plan": plan})
+    view = msgspec.structs.replace(plan, stages=plan.stages[1:])  # a stage's settings carry its ring's view only
+    stage = StageSettings(index=1, edges=[], kv_pool=leaders, fabric=fabric, **{**COMMON, "plan": view})
     mine = localize(stage, here, {}, plan)
     assert isinstance(mine, StageSettings) and mine.kv_pool is not None
     assert mine.kv_pool.host_dir == f"/dev/shm/{here.prefix}-kvpool" and mine.kv_pool.disk_dir == "/var/kv"
