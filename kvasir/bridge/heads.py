@@ -62,8 +62,9 @@ class Heads:
         try:
             choice = self.conductor.pick(prompt, root, time.monotonic(), key)
             if self.pool is not None:
-                pooled, peers = self.pool.pooled(choice.name, prompt, root)
-                choice = dataclasses.replace(choice, pooled=pooled, peers=peers)
+                pooled = self.pool.pooled(choice.name, prompt, root)
+                reason = f"{choice.reason}; kv pool: {pooled.why}" if pooled.why else choice.reason
+                choice = dataclasses.replace(choice, pooled=pooled.blocks, peers=pooled.peers, reason=reason)
             return choice, decode
         except RequestError:
             if decode is not None:

@@ -13,17 +13,29 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from kvasir.bridge.pool_choice import Fetch, Rates, worth_fetching
 from kvasir.config.cluster import worker_host
 from kvasir.config.plan import Plan
 from kvasir.kvpool.index import PoolIndex, Slot
 from kvasir.sched.prefix import block_keys
 from kvasir.wire.bridge import PoolEvents
+from kvasir.wire.stats import StageStats
 
 EARLY_KEPT = 64  # events kept per stage whose process does not serve yet
 KEYS_PER_BLOCK = 4  # the index holds this many keys per KV block of every instance, besides the tiers'
 UNSIZED_KEYS = 1 << 18  # the tiers' share of the index when the model's KV size is not known
 MAX_KEYS = 1 << 22  # at most (a few hundred bytes a key)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """What an instance reads back of a prompt (PoolView.pooled)."""
+
+    blocks: int
+    peers: tuple[tuple[int, int], ...] = ()
+    why: str = ""
 
 
 class PoolView:
@@ -47,6 +59,9 @@ class PoolView:
             max_keys=min(MAX_KEYS, KEYS_PER_BLOCK * blocks + self._tier_blocks(plan, block_size * kv_bytes_per_token))
         )
         self._early: dict[int, deque[PoolEvents]] = {}
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.num_layers = plan.num_layers
+        self.rates = Rates({}, {})
 
     def _tier_blocks(self, plan: Plan, block_bytes: int) -> int:
         """How many blocks every host's tiers hold together (their bytes over a block's)."""
@@ -83,21 +98,42 @@ class PoolView:
                 for events in kept:
                     self.note(events, current=True)
 
-    def pooled(self, instance: str, prompt: Sequence[int], root: bytes) -> tuple[int, tuple[tuple[int, int], ...]]:
-        """How many of the prompt's first blocks every stage of ``instance`` can read back,
-        and (stage, peer) for each stage that reads what its host lacks from a stage of
-        the same layers on another host (global indexes)."""
+    def measured(self, report: StageStats) -> None:
+        """A stage's latest figures: its fetches from other hosts, its tokens per busy second."""
+        if report.kv_pool is not None:
+            self.rates.fetched[report.index] = (report.kv_pool.remote_bytes, report.kv_pool.remote_s)
+        self.rates.ran[report.index] = (report.tokens, report.busy_s)
+
+    def pooled(self, instance: str, prompt: Sequence[int], root: bytes) -> Pooled:
+        """How many of the prompt's first blocks every stage of ``instance`` reads back,
+        (stage, peer) for each stage that reads what its host lacks from a stage of the
+        same layers on another host (global indexes), and why, where another host is
+        involved (kvasir/bridge/pool_choice.py)."""
         layout, size = self.layout.get(instance), self.block_size.get(instance, 0)
         if not layout or size <= 0 or len(self.index) == 0:
-            return 0, ()
-        count, sources = self.index.reach(block_keys(prompt, size, len(prompt) // size, root), layout)
+            return Pooled(0)
+        keys = block_keys(prompt, size, len(prompt) // size, root)
+        count, sources = self.index.reach(keys, layout)
+        if count == 0 or not any(sources):
+            return Pooled(count)
         first = self.first[instance]
+        local = [self.index.held(keys, slot) for slot in layout]
+        fetches = [
+            Fetch(first + k, count - local[k], (end - start) / self.num_layers)
+            for k, (host, (_, (start, end))) in enumerate(zip(sources, layout, strict=True))
+            if host is not None
+        ]
+        own = min(min(local), count)
+        stages = range(first, first + len(layout))
+        fetch, why = worth_fetching(fetches, (count - own) * size, size * self.kv_bytes_per_token, stages, self.rates)
+        if not fetch:
+            return Pooled(own, (), why)
         peers = tuple(
             (first + k, self.stage_at[(host, layers)])
             for k, (host, (_, layers)) in enumerate(zip(sources, layout, strict=True))
-            if host is not None and count
+            if host is not None
         )
-        return count, peers
+        return Pooled(count, peers, why)
 
     def forget_hosts(self, hosts: Sequence[str]) -> None:
         """Hosts that are gone take their tiers out of the index."""

@@ -31,6 +31,8 @@ class Reports:
             case PrefixEvents(head=index, pid=pid) if heads.current(index, pid):
                 heads.conductor.events(heads.instance_of[index], report.stored, report.removed, report.reset)
             case StageStats(index=index, pid=pid) if heads.current(index, pid):
+                if heads.pool is not None:
+                    heads.pool.measured(report)
                 if report.pool == "decode" and report.head is not None:
                     heads.conductor.kv_used(report.instance, report.kv.blocks)
                 self.timelines.setdefault(index, deque(maxlen=TIMELINE_SPANS)).extend(report.spans)

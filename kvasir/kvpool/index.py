@@ -97,6 +97,10 @@ class PoolIndex:
             self._slices.move_to_end(key)
         return count, sources
 
+    def held(self, keys: Sequence[bytes], slot: Slot) -> int:
+        """How many of ``keys``, from the first, ``slot`` holds."""
+        return self._run(keys, {slot})
+
     def _run(self, keys: Sequence[bytes], wanted: set[Slot]) -> int:
         """How many of ``keys``, from the first, one of the ``wanted`` slots holds."""
         count = 0

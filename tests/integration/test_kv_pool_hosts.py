@@ -69,6 +69,7 @@ def test_a_prefix_evicted_on_one_host_is_read_by_an_instance_on_others(network, 
         assert end.token_ids == hf_greedy(reference, prompt, BUDGET)
     usage = ends[-1].usage  # instance b's stages (hosts b and c) read base's blocks from host a's
     assert (usage.cached_tokens, usage.cached_remote_tokens) == (28, 28), (usage, ends[-1].route)
+    assert ends[-1].route.endswith("; kv pool: 28 tokens from another host's pool (no fetch measured yet)")
     for _ in range(100):  # the stages' figures come with their next reports
         pool = daemon.stats().kv_pool
         assert pool is not None

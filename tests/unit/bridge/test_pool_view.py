@@ -21,17 +21,19 @@ KEYS = block_keys(PROMPT, BLOCK, 5, b"root")
 def test_an_instance_reads_back_only_blocks_all_its_stages_hold():
     view = PoolView(PLAN)
     view.note(PoolEvents(0, 100, "host", tuple(KEYS[:3]), reset=True), current=True)
-    assert view.pooled("a", PROMPT, b"root")[0] == 0  # stage 1 holds nothing yet
+    assert view.pooled("a", PROMPT, b"root").blocks == 0  # stage 1 holds nothing yet
     view.note(PoolEvents(1, 101, "disk", tuple(KEYS[:2]) + (KEYS[4],)), current=True)
-    assert view.pooled("a", PROMPT, b"root")[0] == 2 and view.pooled("a", PROMPT, b"other")[0] == 0  # another namespace
-    assert view.pooled("b", PROMPT, b"root")[0] == 0  # other layer ranges: other slices
+    assert (
+        view.pooled("a", PROMPT, b"root").blocks == 2 and view.pooled("a", PROMPT, b"other").blocks == 0
+    )  # another namespace
+    assert view.pooled("b", PROMPT, b"root").blocks == 0  # other layer ranges: other slices
     view.note(PoolEvents(1, 101, "disk", removed=(KEYS[0],)), current=True)
-    assert view.pooled("a", PROMPT, b"root")[0] == 0
+    assert view.pooled("a", PROMPT, b"root").blocks == 0
     view.note(PoolEvents(0, 100, "host", (KEYS[0],), reset=True), current=True)  # a snapshot replaces the rest
     view.note(PoolEvents(1, 101, "disk", (KEYS[0], KEYS[1])), current=True)
-    assert view.pooled("a", PROMPT, b"root")[0] == 1
+    assert view.pooled("a", PROMPT, b"root").blocks == 1
     view.forget_hosts([""])  # the (only) host is gone, and its tiers with it
-    assert view.pooled("a", PROMPT, b"root")[0] == 0 and len(view.index) == 0
+    assert view.pooled("a", PROMPT, b"root").blocks == 0 and len(view.index) == 0
 
 
 def test_events_before_an_instance_serves_count_once_it_serves_with_those_processes():
@@ -42,9 +44,9 @@ def test_events_before_an_instance_serves_count_once_it_serves_with_those_proces
     view.note(PoolEvents(3, 201, "disk", (KEYS[0],), reset=True), current=False)
     view.note(PoolEvents(3, 201, "disk", (KEYS[1], KEYS[2])), current=False)
     view.note(PoolEvents(7, 300, "disk", tuple(KEYS)), current=True)  # no such stage: dropped
-    assert view.pooled("b", PROMPT, b"root")[0] == 0
+    assert view.pooled("b", PROMPT, b"root").blocks == 0
     view.serve([200, 201])
-    assert view.pooled("b", PROMPT, b"root")[0] == 2
+    assert view.pooled("b", PROMPT, b"root").blocks == 2
 
 
 def test_the_index_is_sized_to_the_blocks_every_hosts_tiers_hold():

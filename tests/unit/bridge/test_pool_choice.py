@@ -1,0 +1,33 @@
+"""Fetching a prefix from another host's pool or computing it (kvasir/bridge/pool_choice.py):
+the predicted times from the stages' measured rates, and the fetch tried until measured."""
+
+from __future__ import annotations
+
+from kvasir.bridge.pool_choice import Fetch, Rates, worth_fetching
+from kvasir.units import GIB, MIB
+
+BLOCK = 16 * MIB  # one block's K/V over every layer
+STAGES = [0, 1]
+
+
+def test_a_fast_link_fetches_and_a_slow_one_computes():
+    fetches = [Fetch(0, 10, 0.5), Fetch(1, 10, 0.5)]  # both stages fetch 10 blocks of half the layers: 80 MiB each
+    ran = {0: (1000, 1.0), 1: (2000, 1.0)}  # the slower stage: 1,000 tokens a busy second
+    fast = Rates({0: (GIB, 1.0), 1: (GIB, 1.0)}, ran)
+    fetch, why = worth_fetching(fetches, 160, BLOCK, STAGES, fast)
+    assert fetch and why == (
+        "160 tokens fetched: fetching from another host's pool predicted 0.078 s, computing 0.160 s at 1000 tokens/s"
+    )
+    slow = Rates({0: (GIB, 1.0), 1: (GIB // 4, 1.0)}, ran)  # stage 1's link: 0.25 GiB/s, so 0.3125 s
+    fetch, why = worth_fetching(fetches, 160, BLOCK, STAGES, slow)
+    assert not fetch and "computed" in why and "predicted 0.312 s" in why
+
+
+def test_unmeasured_rates_try_the_fetch():
+    fetches = [Fetch(1, 4, 1.0)]
+    fetch, why = worth_fetching(fetches, 64, BLOCK, STAGES, Rates({}, {0: (10, 1.0), 1: (10, 1.0)}))
+    assert fetch and "no fetch measured yet" in why
+    fetch, why = worth_fetching(fetches, 64, BLOCK, STAGES, Rates({1: (GIB, 0.01)}, {}))  # 10 ms: not yet a rate
+    assert fetch and "no fetch measured yet" in why
+    fetch, why = worth_fetching(fetches, 64, BLOCK, STAGES, Rates({1: (GIB, 1.0)}, {0: (10, 1.0)}))
+    assert fetch and "no compute measured yet" in why  # stage 1 never ran a batch
