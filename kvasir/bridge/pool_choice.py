@@ -1,6 +1,7 @@
 """Whether an instance reads a prefix from another host's pool or computes it: the
 predicted fetch time (each fetching stage's bytes over its measured rate from other
-hosts; stages fetch at once, so the slowest counts) against the predicted compute time
+hosts, added up: the stages read in turn, as the load's descriptor travels the ring)
+against the predicted compute time
 (the tokens over the instance's measured rate: its slowest stage's tokens per busy
 second). Until a rate has been measured the fetch is tried, which measures it.
 
@@ -56,7 +57,7 @@ def worth_fetching(
         if rate is None:
             return True, f"{tokens} tokens from another host's pool (no fetch measured yet)"
         times.append(fetch.blocks * block_bytes * fetch.layer_share / GIB / rate)
-    fetch_s = max(times, default=0.0)
+    fetch_s = sum(times)
     speed = rates.tokens_s(instance)
     if speed is None:
         return True, f"{tokens} tokens from another host's pool (predicted {fetch_s:.3f} s; no compute measured yet)"
