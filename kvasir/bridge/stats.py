@@ -37,5 +37,12 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         metrics=bridge.metrics.snapshot(),
         prefix_cache=PrefixCacheStats.of(stages) if stages else None,
         instances=bridge.heads.report(reports.stages),
-        kv_pool=KvPoolStats.of(len(pool.index), stages) if (pool := bridge.heads.pool) is not None else None,
+        kv_pool=_kv_pool(bridge.heads.pool, stages),
     )
+
+
+def _kv_pool(pool, stages) -> KvPoolStats | None:
+    """The KV pool's figures (a plan with [kv_pool]): the bridge's index, the stages' reads."""
+    if pool is None:
+        return None
+    return KvPoolStats.of(len(pool.index), stages, {index: host for index, (host, _) in pool.slot_of.items()})

@@ -79,6 +79,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         )
     if daemon.kv_pool is not None:
         click.echo(daemon.kv_pool.describe())
+        if (sources := daemon.kv_pool.sources_line()) is not None:
+            click.echo(sources)
     if (cache_line := daemon.prefix_cache_line()) is not None:
         click.echo(cache_line)
     fleet = len(body["instances"]) > 1

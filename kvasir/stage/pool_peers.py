@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from kvasir.errors import KvasirError
 from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.kvpool import SliceGot, SliceWant
 
@@ -96,16 +97,22 @@ class PeerFetcher:
         self.window = window
         self.fetched_bytes = 0
         self.fetch_s = 0.0
+        self.unknown = 0  # fetches from stages the plan does not have (nothing asked)
         self._peers: dict[int, zmq.Socket] = {}
         self._decoder: Decoder[SliceGot] = Decoder(SliceGot)
         self._encoder = msgspec.msgpack.Encoder()
 
     def fetch(self, peer: int, keys: list[bytes], deadline: float) -> Generator[bytes, None, None]:
         """Each of ``keys``' stored slices from stage ``peer``, in order, up to the first it
-        does not have or that has not come by ``deadline`` (CLOCK_MONOTONIC)."""
+        does not have or that has not come by ``deadline`` (CLOCK_MONOTONIC); nothing from
+        a stage the plan does not have."""
         socket = self._peers.get(peer)
         if socket is None:
-            socket = self._peers[peer] = self.connect(peer)
+            try:
+                socket = self._peers[peer] = self.connect(peer)
+            except KvasirError:  # no such stage (kvasir/transport/routes.py RouteError)
+                self.unknown += 1
+                return
         started = time.monotonic()
         asked: set[bytes] = set()
         got: dict[bytes, bytes | None] = {}  # key -> its bytes, or None: not found

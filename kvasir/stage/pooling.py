@@ -36,7 +36,7 @@ from kvasir.wire.batch import BatchDescriptor, PoolLoad
 from kvasir.wire.bridge import PoolEvents
 from kvasir.wire.control import PoolTiers
 from kvasir.wire.head import PoolLoaded
-from kvasir.wire.stats import PoolCounters
+from kvasir.wire.stats import PoolCounters, PoolReads
 
 MAX_QUEUED_BYTES = 256 * MIB  # a stage's slices copied out and not yet written
 SLOWER: tuple[Tier, ...] = ("host", "disk", "remote")  # a block read from several tiers counts at the slowest
@@ -94,6 +94,7 @@ class PoolRole:
         self.log = log
         self.peers = peers
         self.load_s = 0.0
+        self.reads: dict[tuple[Tier, int], tuple[int, int, float]] = {}  # (tier, peer) -> slices, bytes, seconds
 
     def before(self, descriptor: BatchDescriptor) -> float:
         """Spill, then load, what the descriptor names; the seconds it took."""
@@ -120,22 +121,31 @@ class PoolRole:
         """The tier each block was read from, from the first, up to the first it could not:
         this host's tiers, then the other host the bridge named for this stage."""
         tiers: list[Tier] = []
+        size = self.pool.template.payload_bytes
         for block, key in zip(load.blocks, load.keys, strict=True):
+            started = time.monotonic()
             tier = self.pool.load(block, key)
             if tier is None:
                 break
+            self._count(tier, -1, size, time.monotonic() - started)
             tiers.append(tier)
         peer = dict(load.peers).get(self.index)
         if peer is None or self.peers is None or len(tiers) == len(load.keys):
             return tiers
-        start, deadline = len(tiers), time.monotonic() + self.peers.fetch_s
-        fetched = self.peers.fetcher.fetch(peer, list(load.keys[start:]), deadline)
+        start, started = len(tiers), time.monotonic()
+        fetched = self.peers.fetcher.fetch(peer, list(load.keys[start:]), started + self.peers.fetch_s)
         for block, key, data in zip(load.blocks[start:], load.keys[start:], fetched):
             if not self.pool.place(block, key, data):
                 break
             tiers.append("remote")
         fetched.close()
+        if len(tiers) > start:
+            self._count("remote", peer, (len(tiers) - start) * size, time.monotonic() - started, len(tiers) - start)
         return tiers
+
+    def _count(self, tier: Tier, peer: int, nbytes: int, seconds: float, slices: int = 1) -> None:
+        count, total, spent = self.reads.get((tier, peer), (0, 0, 0.0))
+        self.reads[(tier, peer)] = (count + slices, total + nbytes, spent + seconds)
 
     def events(self) -> None:
         if self.peers is not None:
@@ -158,6 +168,10 @@ class PoolRole:
             load_s=self.load_s,
             remote_bytes=self.peers.fetcher.fetched_bytes if self.peers is not None else 0,
             remote_s=self.peers.fetcher.fetch_s if self.peers is not None else 0.0,
+            reads=tuple(
+                PoolReads(tier, slices, nbytes, seconds, peer)
+                for (tier, peer), (slices, nbytes, seconds) in sorted(self.reads.items())
+            ),
             host_bytes=tiers["host"].bytes if "host" in tiers else 0,
             disk_bytes=tiers["disk"].bytes if "disk" in tiers else 0,
         )

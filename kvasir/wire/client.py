@@ -185,6 +185,16 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class PoolSource(msgspec.Struct, frozen=True, kw_only=True):
+    """What the stages read back from one place: "host memory", "disk", or "host NAME"
+    (another host's pool)."""
+
+    source: str
+    slices: int
+    bytes: int
+    gib_s: float
+
+
 class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
     """The KV pool (kvasir/kvpool/): the bridge's index, and the stages' tiers since they started."""
 
@@ -199,6 +209,13 @@ class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
     missing: int = 0  # stage slices asked for and not found (recomputed)
     remote_bytes: int = 0  # of load_bytes, read from other hosts' pools
     remote_gib_s: float = 0.0  # over the time those reads took
+    sources: list[PoolSource] = []  # by tier and remote host
+
+    def sources_line(self) -> str | None:
+        """What was read back from where, for ``kvasir stats``; None before any read."""
+        parts = [f"{s.source} {s.slices} slices, {format_bytes(s.bytes)} at {s.gib_s:.2f} GiB/s" for s in self.sources]
+        return "kv pool read from: " + "; ".join(parts) if parts else None
+
     host_bytes: int  # bytes the slices take in the host memory tiers now
     disk_bytes: int  # and in the disk tiers
 
@@ -213,7 +230,8 @@ class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     @classmethod
-    def of(cls, indexed: int, stages: list[StageStats]) -> KvPoolStats:
+    def of(cls, indexed: int, stages: list[StageStats], host_of: dict[int, str] | None = None) -> KvPoolStats:
+        """Summed over the stages' reports (``host_of``: each stage's host, by global index)."""
         pools = [s.kv_pool for s in stages if s.kv_pool is not None]
         nbytes, seconds = sum(p.load_bytes for p in pools), sum(p.load_s for p in pools)
         return cls(
@@ -228,9 +246,22 @@ class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
             missing=sum(p.missing for p in pools),
             remote_bytes=(remote := sum(p.remote_bytes for p in pools)),
             remote_gib_s=gib_per_s(remote, sum(p.remote_s for p in pools)),
+            sources=_sources(pools, host_of or {}),
             host_bytes=sum(p.host_bytes for p in pools),
             disk_bytes=sum(p.disk_bytes for p in pools),
         )
+
+
+def _sources(pools: list, host_of: dict[int, str]) -> list[PoolSource]:
+    """The stages' reads summed by where they came from."""
+    names = {"host": "host memory", "disk": "disk"}
+    sums: dict[str, tuple[int, int, float]] = {}
+    for pool in pools:
+        for read in pool.reads:
+            source = names.get(read.tier) or f"host {host_of.get(read.peer) or '?'}"
+            slices, nbytes, seconds = sums.get(source, (0, 0, 0.0))
+            sums[source] = (slices + read.slices, nbytes + read.bytes, seconds + read.seconds)
+    return [PoolSource(source=k, slices=n, bytes=b, gib_s=gib_per_s(b, t)) for k, (n, b, t) in sums.items()]
 
 
 class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -5,6 +5,8 @@ stage's hand-off, a MoE stage's expert load, a CUDA stage's memory)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from kvasir.config.sections import Pool
 from kvasir.wire.base import Tagged, Wire
 
@@ -45,6 +47,17 @@ class PrefixCounters(Wire, frozen=True):
     pooled_tokens: int = 0  # of hit_tokens, read back from the KV pool (its tiers below the cache)
 
 
+class PoolReads(Wire, frozen=True):
+    """Slices a stage read back from one place: a tier of its host, or another host's
+    stage (``peer``, its global index)."""
+
+    tier: Literal["host", "disk", "remote"]
+    slices: int
+    bytes: int
+    seconds: float
+    peer: int = -1  # remote: the stage it read from
+
+
 class PoolCounters(Wire, frozen=True):
     """A stage's side of the KV pool since it started (kvasir/kvpool/stage_side.py)."""
 
@@ -59,6 +72,7 @@ class PoolCounters(Wire, frozen=True):
     load_s: float = 0.0  # of busy time, spent reading slices back
     host_bytes: int = 0  # bytes its slices take in the host memory tier now
     disk_bytes: int = 0  # and in the disk tier
+    reads: tuple[PoolReads, ...] = ()  # what it read back, by tier and remote stage
 
 
 class HandoffCounters(Wire, frozen=True):

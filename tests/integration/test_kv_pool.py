@@ -67,6 +67,7 @@ def test_evicted_prefixes_come_back_from_the_pool_exactly_and_after_a_restart(ti
     pool = pooled(daemon, blocks=7, tokens=28)
     assert pool.pooled_tokens == 28 and pool.loaded >= 7 and pool.unusable == 0  # 7 blocks, on each stage
     assert pool.host_bytes > 0 and pool.disk_bytes > 0
+    assert [s.source for s in pool.sources] == ["host memory"] and pool.sources[0].gib_s > 0
     daemon.stop()
 
     # a slice on disk turns corrupt while the daemon is down: its block and those after it are computed

@@ -77,3 +77,4 @@ def test_a_prefix_evicted_on_one_host_is_read_by_an_instance_on_others(network, 
             break
         time.sleep(0.1)
     assert pool.remote_bytes > 0 and pool.remote_gib_s > 0 and pool.unusable == 0, pool
+    assert [(s.source, s.slices) for s in pool.sources] == [("host a", 14)]  # 7 blocks, for each of b's two stages

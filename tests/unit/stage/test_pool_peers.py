@@ -18,6 +18,7 @@ from kvasir.model.kv_cache import PagedKVCache
 from kvasir.stage.pool_peers import PeerFetcher, SliceServer
 from kvasir.stage.pooling import Peers, PoolRole
 from kvasir.transport.channels import PushChannel
+from kvasir.transport.routes import RouteError
 from kvasir.wire.batch import BatchDescriptor, PoolLoad
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.head import PoolLoaded
@@ -53,6 +54,8 @@ def hosts(tmp_path):
     server = SliceServer(router, [tmp_path / "there"], LAYERS, setup_logging("warning"))
 
     def connect(peer: int) -> zmq.Socket:
+        if peer > 50:
+            raise RouteError(f"no worker of the plan owns a socket called 'kvpool-{peer}'")
         dealer = context.socket(zmq.DEALER)
         dealer.connect(f"inproc://kvpool-{peer}")
         return dealer
@@ -84,6 +87,7 @@ def test_a_fetch_gives_up_at_its_deadline_and_garbage_is_dropped(hosts):
     assert list(fetcher.fetch(9, KEYS, started + 0.3)) == []
     assert 0.25 < time.monotonic() - started < 5
     silent.close(linger=0)
+    assert list(fetcher.fetch(99, KEYS, time.monotonic() + 5)) == [] and fetcher.unknown == 1  # no such stage
     rogue = context.socket(zmq.DEALER)
     rogue.connect("inproc://kvpool-7")
     rogue.send(b"\xc1 not msgpack")
@@ -109,5 +113,6 @@ def test_a_load_takes_what_its_host_lacks_from_the_other_host(hosts, tmp_path):
     assert answers == [PoolLoaded(11, 3, ("host", "remote", "remote", "remote"))]
     assert torch.equal(here.cache.keys[:, 20:32], there.cache.keys[:, 4:16])  # blocks 5-7 = there's 1-3
     assert role.counters().remote_bytes > 0
+    assert [(r.tier, r.slices, r.peer) for r in role.counters().reads] == [("host", 1, -1), ("remote", 3, 7)]
     role.close()
     push.close(linger=0)

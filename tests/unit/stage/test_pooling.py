@@ -73,6 +73,9 @@ def test_spills_then_loads_in_order_and_answers_the_head(role):
     assert answers == [PoolLoaded(7, 3, ("disk",))]
     assert torch.equal(blocks[:, 20:24], before)
     assert part.counters().loaded == 1 and part.counters().missing == 1
+    [read] = part.counters().reads  # by tier: one slice from disk, timed
+    assert (read.tier, read.slices, read.bytes, read.peer) == ("disk", 1, TEMPLATE.payload_bytes, -1)
+    assert read.seconds > 0
 
 
 def test_hostile_loads_are_answered_with_nothing_and_the_stage_goes_on(role):
