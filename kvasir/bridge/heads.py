@@ -71,6 +71,15 @@ class Heads:
                 self.conductor.decode_ended(decode)
             raise
 
+    def first_token(self, record) -> None:
+        """A request's first token came (``record``: its kvasir/bridge/ledger.py Pending):
+        its prompt leaves its instance's backlog; the KV pool learns how fast its instance
+        computed the prompt tokens it did not find cached."""
+        self.conductor.first_token(record.instance, record.backlog)
+        if self.pool is not None and not any(record.pooled_tokens) and record.enqueued_ns:
+            running_ns = record.first_ns - record.enqueued_ns - record.queued_ns
+            self.pool.prefilled(record.instance, record.prompt_tokens - record.cached_tokens, running_ns / 1e9)
+
     def send_now(self, instance: str, body: bytes) -> None:
         self._io[instance][1].send_now([body])
 

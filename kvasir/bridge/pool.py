@@ -104,6 +104,11 @@ class PoolView:
             self.rates.fetched[report.index] = (report.kv_pool.remote_bytes, report.kv_pool.remote_s)
         self.rates.ran[report.index] = (report.tokens, report.busy_s)
 
+    def prefilled(self, instance: str, tokens: int, seconds: float) -> None:
+        """A request on ``instance`` computed ``tokens`` prompt tokens in ``seconds`` (from
+        its first batch to its first token)."""
+        self.rates.prefilled(instance, tokens, seconds)
+
     def pooled(self, instance: str, prompt: Sequence[int], root: bytes) -> Pooled:
         """How many of the prompt's first blocks every stage of ``instance`` reads back,
         (stage, peer) for each stage that reads what its host lacks from a stage of the
@@ -112,7 +117,7 @@ class PoolView:
         layout, size = self.layout.get(instance), self.block_size.get(instance, 0)
         if not layout or size <= 0 or len(self.index) == 0:
             return Pooled(0)
-        keys = block_keys(prompt, size, len(prompt) // size, root)
+        keys = block_keys(prompt, size, max(len(prompt) - 1, 0) // size, root)  # the last token is always computed
         count, sources = self.index.reach(keys, layout)
         if count == 0 or not any(sources):
             return Pooled(count)
@@ -125,7 +130,8 @@ class PoolView:
         ]
         own = min(min(local), count)
         stages = range(first, first + len(layout))
-        fetch, why = worth_fetching(fetches, (count - own) * size, size * self.kv_bytes_per_token, stages, self.rates)
+        tokens, block_bytes = (count - own) * size, size * self.kv_bytes_per_token
+        fetch, why = worth_fetching(fetches, tokens, block_bytes, instance, stages, self.rates)
         if not fetch:
             return Pooled(own, (), why)
         peers = tuple(

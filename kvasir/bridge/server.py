@@ -115,7 +115,7 @@ class Bridge:
         conductor = self.heads.conductor
         self.requests = Ledger(
             ended=lambda record: conductor.ended(record.instance, record.backlog, record.decode),
-            started=lambda record: conductor.first_token(record.instance, record.backlog),
+            started=self.heads.first_token,
         )
         self.handoffs = HandoffLog()
         self.metrics = Metrics(plan.model.max_seq_len)

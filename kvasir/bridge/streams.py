@@ -55,7 +55,6 @@ class Streams:
         now = time.monotonic_ns()
         self.metrics.token(now - record.last_ns if record.token_ids else None)
         if not record.token_ids:
-            self.requests.first_token(record)
             record.first_ns = now
             record.queued_ns = max(token.queued_ns, 0)
             record.cached_tokens = cached = min(max(token.cached_tokens, 0), record.prompt_tokens)
@@ -63,6 +62,7 @@ class Streams:
             host = min(host, cached)
             disk = min(disk, cached - host)
             record.pooled_tokens = (host, disk, min(remote, cached - host - disk))
+            self.requests.first_token(record)  # its figures set: the conductor and the pool learn from them
         elif len(record.token_ids) == 1:
             record.second_ns = now
         record.last_ns = now

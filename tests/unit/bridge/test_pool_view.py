@@ -14,7 +14,7 @@ PLAN = parse_plan(
     '[[instances]]\nname = "a"\n[[instances.stages]]\nlayers = [0, 3]\n[[instances.stages]]\nlayers = [3, 6]\n'
     '[[instances]]\nname = "b"\n[[instances.stages]]\nlayers = [0, 2]\n[[instances.stages]]\nlayers = [2, 6]\n'
 )
-PROMPT = list(range(10, 30))  # 5 full blocks
+PROMPT = list(range(10, 31))  # 5 full blocks before its last token
 KEYS = block_keys(PROMPT, BLOCK, 5, b"root")
 
 
