@@ -73,7 +73,7 @@ def test_a_prefix_evicted_on_one_host_is_read_by_an_instance_on_others(network, 
     for _ in range(100):  # the stages' figures come with their next reports
         pool = daemon.stats().kv_pool
         assert pool is not None
-        if pool.remote_bytes > 0 and pool.pooled_tokens >= 28:
+        if pool.pooled_tokens >= 28 and sum(s.slices for s in pool.sources) >= 14:  # both of b's stages
             break
         time.sleep(0.1)
     assert pool.remote_bytes > 0 and pool.remote_gib_s > 0 and pool.unusable == 0, pool
