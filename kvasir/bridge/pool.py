@@ -123,23 +123,16 @@ class PoolView:
             return Pooled(count)
         first = self.first[instance]
         local = [self.index.held(keys, slot) for slot in layout]
-        fetches = [
-            Fetch(first + k, count - local[k], (end - start) / self.num_layers)
-            for k, (host, (_, (start, end))) in enumerate(zip(sources, layout, strict=True))
-            if host is not None
-        ]
+        fetches, peers = [], []
+        for k, (host, (_, layers)) in enumerate(zip(sources, layout, strict=True)):
+            if host is not None:
+                fetches.append(Fetch(first + k, count - local[k], (layers[1] - layers[0]) / self.num_layers))
+                peers.append((first + k, self.stage_at[(host, layers)]))
         own = min(min(local), count)
         stages = range(first, first + len(layout))
         tokens, block_bytes = (count - own) * size, size * self.kv_bytes_per_token
         fetch, why = worth_fetching(fetches, tokens, block_bytes, instance, stages, self.rates)
-        if not fetch:
-            return Pooled(own, (), why)
-        peers = tuple(
-            (first + k, self.stage_at[(host, layers)])
-            for k, (host, (_, layers)) in enumerate(zip(sources, layout, strict=True))
-            if host is not None
-        )
-        return Pooled(count, peers, why)
+        return Pooled(count, tuple(peers), why) if fetch else Pooled(own, (), why)
 
     def forget_hosts(self, hosts: Sequence[str]) -> None:
         """Hosts that are gone take their tiers out of the index."""

@@ -35,6 +35,12 @@ class DiskCounters:
     corrupt: int = 0  # slices a reader found corrupt or mismatched (removed)
 
 
+def file_name(where: Where) -> str:
+    """The file of a block's slice of a layer range (``KEYHEX.FIRST-END.kv``)."""
+    key, (first, end) = where
+    return f"{key.hex()}.{first}-{end}{SUFFIX}"
+
+
 class DiskTier:
     """Slices under ``folder``, at most ``max_bytes`` of them."""
 
@@ -119,8 +125,7 @@ class DiskTier:
                 self._gone.append(where)
 
     def _path(self, where: Where) -> Path:
-        key, (first, end) = where
-        return self.folder / f"{key.hex()}.{first}-{end}{SUFFIX}"
+        return self.folder / file_name(where)
 
     def _reload(self) -> None:
         """The index of what a previous run stored, oldest use first; the rest removed, and

@@ -95,9 +95,17 @@ class Scheduler:
             raise RequestError("invalid_request", f"request id {request_id} is already in use")
         rid = request_id
         self.waiting[rid] = RequestState(
-            rid, ids, sampling, seed, need, client=client, arrival=next(self._arrivals), cache_root=cache_root
+            rid,
+            ids,
+            sampling,
+            seed,
+            need,
+            client=client,
+            arrival=next(self._arrivals),
+            cache_root=cache_root,
+            pooled=max(0, pooled),
+            peers=peers,
         )
-        self.waiting[rid].pooled, self.waiting[rid].peers = max(0, pooled), peers
         self.queues.setdefault(client, deque()).append(rid)
         return rid
 

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from kvasir.errors import KvasirError
+from kvasir.kvpool.disk import file_name
 from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.kvpool import SliceGot, SliceWant
 
@@ -32,12 +33,11 @@ WINDOW = 8  # slices a fetch keeps asked for and unanswered
 class SliceServer:
     """Serves ``layers``' slices from ``folders`` (the stage's tiers, fastest first) on a bound ROUTER."""
 
-    def __init__(self, socket: zmq.Socket, folders: list[Path], layers: tuple[int, int], log) -> None:
+    def __init__(self, socket: zmq.Socket, folders: list[Path], layers: tuple[int, int]) -> None:
         self.socket = socket
         socket.setsockopt(zmq.SNDHWM, SERVER_HWM)
         self.folders = folders
         self.layers = layers
-        self.log = log
         self.served = 0
         self.malformed = 0
         self._stop = threading.Event()
@@ -77,10 +77,10 @@ class SliceServer:
     def _read(self, want: SliceWant) -> bytes | None:
         if tuple(want.layers) != self.layers:
             return None
-        first, end = self.layers
+        name = file_name((want.key, self.layers))
         for folder in self.folders:
             try:
-                data = (folder / f"{want.key.hex()}.{first}-{end}.kv").read_bytes()
+                data = (folder / name).read_bytes()
             except FileNotFoundError:
                 continue
             self.served += 1

@@ -166,7 +166,7 @@ def _pool(w: Wiring, engine: StageEngine, source: ModelSource, intake: Intake, b
     peers = None
     if settings.fabric is not None:  # a plan across hosts: serve this host's slices, read other hosts'
         server = SliceServer(
-            w.sockets.bind(zmq.ROUTER, w.ends.kvpool(settings.index)), [t.folder for t in tiers.values()], layers, w.log
+            w.sockets.bind(zmq.ROUTER, w.ends.kvpool(settings.index)), [t.folder for t in tiers.values()], layers
         )
         fetcher = PeerFetcher(lambda peer: w.sockets.connect(zmq.DEALER, w.ends.kvpool(peer)), layers)
         peers = Peers(server, fetcher, plan.kv_pool.load_timeout_s)

@@ -51,7 +51,7 @@ def hosts(tmp_path):
     stored(there, 4)
     router = context.socket(zmq.ROUTER)
     router.bind("inproc://kvpool-7")
-    server = SliceServer(router, [tmp_path / "there"], LAYERS, setup_logging("warning"))
+    server = SliceServer(router, [tmp_path / "there"], LAYERS)
 
     def connect(peer: int) -> zmq.Socket:
         if peer > 50:
@@ -106,7 +106,7 @@ def test_a_load_takes_what_its_host_lacks_from_the_other_host(hosts, tmp_path):
     push.bind("inproc://bridge")
     role = PoolRole(
         here, 3, 1, answers.append, PushChannel[BridgeMessage](push), setup_logging("warning"),
-        peers=Peers(SliceServer(context.socket(zmq.ROUTER), [], LAYERS, None), fetcher, 5.0),
+        peers=Peers(SliceServer(context.socket(zmq.ROUTER), [], LAYERS), fetcher, 5.0),
     )  # fmt: skip
     load = PoolLoad(11, (4, 5, 6, 7), tuple(KEYS[:4]), peers=((3, 7),))
     role.before(BatchDescriptor(0, -1, 0, (), (), (), 0, load=(load,)))
