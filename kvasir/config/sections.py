@@ -11,6 +11,10 @@ from kvasir.config.experts import ShardSpec
 from kvasir.units import MIB
 
 PrefixShare = Literal["tenant", "all"]
+# How a GGUF model's matrices are served: in their stored block format (Q4_0, Q4_1, Q8_0,
+# kvasir/model/quant/), dequantised to model.dtype, or "auto": as stored where that is fast
+# (bfloat16 on CPU stages), else dequantised. A model folder is the same either way.
+Weights = Literal["auto", "as_stored", "dequantize"]
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -20,6 +24,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 class ModelSpec(_Section, frozen=True):
     source: str = "smollm2-135m"
     dtype: str = "float32"
+    weights: Weights = "auto"
     max_seq_len: int = 2048
     chat_template: str | None = (
         None  # a Jinja file used instead of the model's template (relative: from the plan's folder)

@@ -10,6 +10,7 @@ from kvasir.config.http import default_model_name, read_api_keys, tls_context
 from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_public
 from kvasir.config.plan import Plan, check_model_fit, load_plan
 from kvasir.errors import ModelSourceError, PlanError
+from kvasir.model.quant.stored import check_weights
 from kvasir.model.source import ModelSource, resolve_source
 from kvasir.model.tokenizer import read_template
 
@@ -23,10 +24,17 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
     try:
         source = resolve_source(plan.model.source, base_dir=base)
         check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
+        check_weights(plan.model.weights, plan.model.dtype, worker_devices(plan), source.stored_gguf is not None)
         plan = resolve_template(resolve_http(resolve_cluster(resolve_keys(plan, base), base), base), base)
     except (PlanError, ModelSourceError) as exc:
         raise PlanError(f"{path}: {exc}") from None
     return plan, source
+
+
+def worker_devices(plan: Plan) -> list[str]:
+    """Every stage's and expert shard's device, in every instance."""
+    stages = [stage for ring in plan.rings() for stage in ring.plan.stages]
+    return [stage.device for stage in stages] + [shard.device for stage in stages for shard in stage.experts]
 
 
 def resolve_keys(plan: Plan, base: Path) -> Plan:

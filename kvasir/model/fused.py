@@ -18,6 +18,7 @@ from torch import nn
 
 from kvasir.model.attention import paged_attention
 from kvasir.model.families import FAMILIES, WindowRule
+from kvasir.model.quant.linear import QuantLinear
 
 
 def window(rule: WindowRule, attention: Any) -> int | None:
@@ -30,8 +31,14 @@ def window(rule: WindowRule, attention: Any) -> int | None:
     return None
 
 
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One linear layer computing ``parts`` side by side (their outputs concatenated)."""
+def _fused_linear(parts: list[Any]) -> nn.Module:
+    """One linear layer computing ``parts`` side by side (their outputs concatenated):
+    stored 4-bit matrices stay stored when all parts are (kvasir/model/quant/linear.py),
+    and are dequantised (exactly) to stack with float ones."""
+    if all(isinstance(part, QuantLinear) for part in parts):
+        return QuantLinear.stacked(parts)
+    dtype = next(part.weight.dtype for part in parts if not isinstance(part, QuantLinear))
+    parts = [part.as_float(dtype) if isinstance(part, QuantLinear) else part for part in parts]
     first = parts[0]
     bias = any(part.bias is not None for part in parts)
     outputs = sum(part.out_features for part in parts)

@@ -20,10 +20,14 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from kvasir.config.plan import Plan
+from kvasir.config.sections import Weights
 from kvasir.errors import ModelSourceError
 from kvasir.model.attention import ATTENTION_NAME, register_attention
 from kvasir.model.fused import fuse_layers
 from kvasir.model.moe import LocalExperts, MissingExperts, MoeBlock, MoeLayout, Piece
+from kvasir.model.quant.gguf_weights import GgufTensors
+from kvasir.model.quant.linear import QuantLinear, pack_quantized
+from kvasir.model.quant.stored import StoredLayers, served_weights, swap_stored
 from kvasir.model.source import ModelSource
 
 
@@ -52,6 +56,7 @@ class SliceModules(nn.Module):
         self.norm: Any = inner.norm if spec.is_tail else None
         self.lm_head: Any = model.lm_head if spec.is_tail else None
         self.rotary_type: Any = type(inner.rotary_emb)
+        self.stored = StoredLayers()  # what load_slice serves as stored (kvasir/model/quant/)
         self.moe = MoeLayout.of(model.config)
         if self.moe is not None:
             experts = spec.experts or (0, self.moe.num_experts)
@@ -72,7 +77,7 @@ class SliceModules(nn.Module):
 
     def checkpoint_pieces(self) -> dict[str, list[Piece]]:
         """Map each of this slice's parameter names to the checkpoint tensors that fill it."""
-        pieces = {local: [Piece(self._checkpoint_name(local))] for local in self.state_dict(keep_vars=True)}
+        pieces = {local: [Piece(self.checkpoint_name(local))] for local in self.state_dict(keep_vars=True)}
         for offset in self.moe_offsets():
             block: Any = self.layers[offset].mlp
             experts = block.experts
@@ -81,7 +86,7 @@ class SliceModules(nn.Module):
                     pieces[f"layers.{offset}.mlp.experts.{name}"] = parts
         return pieces
 
-    def _checkpoint_name(self, local: str) -> str:
+    def checkpoint_name(self, local: str) -> str:
         part, _, rest = local.partition(".")
         if part == "layers":
             index, _, tail = rest.partition(".")
@@ -108,19 +113,58 @@ def count_parameters(modules: SliceModules) -> int:
 
 
 def load_slice(
-    source: ModelSource, spec: SliceSpec, dtype: torch.dtype, device: torch.device
+    source: ModelSource, spec: SliceSpec, dtype: torch.dtype, device: torch.device, weights: Weights = "auto"
 ) -> tuple[SliceModules, list[str]]:
     """Materialise the stage's modules, fill them and fuse their projections
-    (kvasir/model/fused.py); return them and the tensors read."""
+    (kvasir/model/fused.py); return them and the tensors read. With ``weights =
+    "as_stored"`` and a GGUF source, the matrices in a served format stay as stored
+    (kvasir/model/quant/; ``modules.stored`` says which)."""
     folder = source.require_weights()
     modules = build_skeleton(source, spec)
+    gguf = source.stored_gguf is not None
+    served = served_weights(weights, str(dtype).removeprefix("torch."), [str(device)], gguf)
+    tensors = stored_tensors(source) if served == "as_stored" else None
+    if tensors is not None:
+        tied = bool(getattr(source.config, "tie_word_embeddings", False))
+        modules.stored = swap_stored(modules, modules.checkpoint_name, tensors, tied, dtype)
+    stored = modules.stored
     modules.to_empty(device=device)
     modules.to(dtype)
     state = modules.state_dict(keep_vars=True)
     wanted = [(state[local], piece) for local, pieces in modules.checkpoint_pieces().items() for piece in pieces]
     read = _read(source, folder, wanted, dtype)
+    if stored.layers:
+        _check_stored(modules, source, folder)
     fuse_layers(modules.layers, source.config.model_type)
-    return modules, read
+    pack_quantized(modules, dtype)
+    return modules, read + stored.layers
+
+
+def stored_tensors(source: ModelSource) -> GgufTensors | None:
+    """The GGUF file a source comes from, for serving it as stored; None for a model folder."""
+    path = source.stored_gguf
+    if path is None:
+        return None
+    config = source.config
+    return GgufTensors(path, source.num_layers, int(config.num_attention_heads), source.kv_heads)
+
+
+def _check_stored(modules: SliceModules, source: ModelSource, folder: Path) -> None:
+    """The slice's first matrix served as stored equals transformers' float32 copy of it:
+    the two readings of the file (row order above all) agree, or the stage refuses."""
+    path, layer = next((p, m) for p, m in modules.named_modules() if isinstance(m, QuantLinear))
+    name = modules.checkpoint_name(f"{path}.weight")
+    index = _tensor_index(folder)
+    if name not in index:  # a tied head: the embeddings' copy
+        name = "model.embed_tokens.weight"
+    with safe_open(str(folder / index[name]), framework="pt", device="cpu") as handle:
+        reference = handle.get_tensor(name).float()
+    ours = layer.unpacked().dequantize()
+    if ours.shape != reference.shape or not torch.allclose(ours, reference, rtol=1e-5, atol=1e-6):
+        raise ModelSourceError(
+            f"model {source.name}: {name} as stored in the GGUF file does not match transformers' reading of it; "
+            'serve it with model.weights = "dequantize"'
+        )
 
 
 def load_experts(

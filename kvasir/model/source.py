@@ -16,6 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from kvasir.errors import ModelSourceError
 from kvasir.model.families import check_gguf, family_of
+from kvasir.model.gguf import smollm2_gguf
 from kvasir.model.moe_layout import MoeLayout
 
 # Decoder families whose checkpoints lay out model.embed_tokens / model.layers.N /
@@ -92,6 +93,14 @@ class ModelSource:
     @property
     def moe_layers(self) -> list[int]:
         return self.moe.moe_layers((0, self.num_layers)) if self.moe is not None else []
+
+    @property
+    def stored_gguf(self) -> Path | None:
+        """The GGUF file the model's weights come from (the built-in's inside its
+        package); None for a model folder."""
+        if self.gguf is not None:
+            return self.gguf
+        return smollm2_gguf() if self.name in BUILTIN_CONFIGS else None
 
     def require_weights(self) -> Path:
         if self.weights_dir is None:
@@ -188,6 +197,18 @@ def _folder(path: Path) -> ModelSource:
 
 def _checked_config(config: PretrainedConfig, name: str) -> PretrainedConfig:
     family_of(config.model_type, f"model {name}")
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = (
+            quantization.get("quant_method", "unnamed")
+            if isinstance(quantization, dict)
+            else type(quantization).__name__
+        )
+        raise ModelSourceError(
+            f"model {name}: its weights are quantized ({method!r} quantization_config), which Kvasir does not "
+            "serve from a model folder: the loader would read them wrong (GGUF files are served: Q4_0, Q4_1 and "
+            "Q8_0 as stored, every other type dequantised)"
+        )
     return config
 
 

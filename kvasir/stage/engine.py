@@ -34,7 +34,7 @@ class StageEngine:
         ordinal = cuda_ordinal(stage.device)
         self.device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)  # "cuda" is cuda:0
         dtype = torch_dtype(plan.model.dtype)
-        modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device)
+        modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device, plan.model.weights)
         self.packed = pack_linears(modules)
         self.dispatch = DispatchClock()
         self.model = StageModel(modules, source, self.device)

@@ -46,7 +46,8 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
             stages = f"[{pool}.kv]\nblock_size = {values['block_size']}\nnum_blocks = {kw[pool + '_blocks']}\n" + stages
     path.write_text(
         f'[model]\nsource = "{source}"\nmax_seq_len = {values["max_seq_len"]}\ndtype = "{kw.get("dtype", "float32")}"\n'
-        f"[batch]\nmax_rows = {values['max_rows']}\nmax_tokens = {values['max_tokens']}\ninflight = {values['inflight']}\n"
+        + (f'weights = "{kw["weights"]}"\n' if "weights" in kw else "")
+        + f"[batch]\nmax_rows = {values['max_rows']}\nmax_tokens = {values['max_tokens']}\ninflight = {values['inflight']}\n"
         f"[kv]\nblock_size = {values['block_size']}\nnum_blocks = {values['num_blocks']}\n"
         + ("prefix_cache = false\n" if kw.get("prefix_cache") is False else "")
         + (f'prefix_share = "{kw["prefix_share"]}"\n' if "prefix_share" in kw else "")

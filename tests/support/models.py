@@ -141,6 +141,7 @@ def make_plan(
     device="cpu",
     experts=None,
     prefix_cache=True,
+    weights=None,
 ):
     """A plan TOML for ``source`` split at the given layer ranges, parsed; ``experts``:
     {stage index: [expert ranges of its shards]}."""
@@ -152,6 +153,7 @@ def make_plan(
 [model]
 source = "{source}"
 dtype = "{dtype}"
+{f'weights = "{weights}"' if weights else ""}
 max_seq_len = {max_seq_len}
 [batch]
 max_rows = {max_rows}

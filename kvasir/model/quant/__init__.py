@@ -1,0 +1,1 @@
+"""Weights served as stored: GGUF's block formats kept packed through loading and serving."""

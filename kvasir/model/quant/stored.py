@@ -1,0 +1,95 @@
+"""Putting a stage's GGUF matrices, as stored, in place of its float layers.
+
+On the stage's skeleton (still on the meta device) every linear layer and embedding whose
+GGUF tensor is in a served format (kvasir/model/quant/ggml.py) becomes a ``QuantLinear``
+or ``QuantEmbedding`` holding that tensor's data; the float parts left (norms, biases,
+tensors of other formats) are then filled from the float32 copy in the cache as before.
+A tied LM head reads the embedding table's tensor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from kvasir.config.sections import Weights
+from kvasir.errors import ModelSourceError
+from kvasir.model.quant.gguf_weights import GgufTensors
+from kvasir.model.quant.linear import QuantEmbedding, QuantLinear
+
+EMBEDDINGS = "model.embed_tokens.weight"
+FAST_DTYPE = "bfloat16"  # PyTorch's int4 CPU kernel is fast with these activations only (BENCHMARKS.md)
+
+Served = Literal["as_stored", "dequantize"]
+
+
+def served_weights(weights: Weights, dtype: str, devices: Iterable[str], gguf: bool) -> Served:
+    """What ``model.weights`` comes to for a model (``gguf``: it comes from a GGUF file)
+    whose workers run on ``devices``: "auto" serves as stored where that is fast
+    (bfloat16, every worker on the CPU); as stored off the CPU is refused."""
+    if not gguf or weights == "dequantize":
+        return "dequantize"
+    elsewhere = sorted({d for d in devices if d != "cpu"})
+    if weights == "auto":
+        return "as_stored" if dtype == FAST_DTYPE and not elsewhere else "dequantize"
+    if elsewhere:
+        raise ModelSourceError(
+            f'model.weights = "as_stored" serves GGUF blocks on CPU stages only in this version, '
+            f'not on {elsewhere[0]}: set model.weights = "dequantize"'
+        )
+    return "as_stored"
+
+
+def check_weights(weights: Weights, dtype: str, devices: Iterable[str], gguf: bool) -> Served:
+    """``served_weights``, refusing also a plan that asks for as stored with activations the
+    kernel is slow with (it would serve, many times slower than dequantised)."""
+    served = served_weights(weights, dtype, devices, gguf)
+    if served == "as_stored" and dtype != FAST_DTYPE:
+        raise ModelSourceError(
+            f'model.weights = "as_stored" needs model.dtype = "{FAST_DTYPE}": PyTorch\'s int4 CPU kernel '
+            f"runs 14 to 80 times slower with {dtype} activations than the dequantised weights (BENCHMARKS.md)"
+        )
+    return served
+
+
+@dataclass
+class StoredLayers:
+    """What a stage serves as stored: its tensors' formats and their bytes as held."""
+
+    formats: Counter[str] = field(default_factory=Counter)
+    stored_bytes: int = 0
+    layers: list[str] = field(default_factory=list)  # checkpoint names of the tensors served as stored
+
+
+def swap_stored(
+    modules: nn.Module, checkpoint_name, tensors: GgufTensors, tied: bool, dtype: torch.dtype
+) -> StoredLayers:
+    """Replace, under ``modules``, each linear layer and embedding whose GGUF tensor is
+    served as stored; ``checkpoint_name`` maps a local parameter name to its checkpoint name."""
+    report = StoredLayers()
+    for path, child in list(modules.named_modules()):
+        if not isinstance(child, (nn.Linear, nn.Embedding)):
+            continue
+        name = checkpoint_name(f"{path}.weight")
+        if name == "lm_head.weight" and tied and tensors.gguf_name(name) is None:
+            name = EMBEDDINGS
+        fmt = tensors.served(name)
+        report.formats[tensors.format(name) or "missing"] += 1
+        if fmt is None:
+            continue
+        replacement: QuantLinear | QuantEmbedding
+        if isinstance(child, nn.Linear):
+            bias = None if child.bias is None else torch.empty(child.out_features, device="meta")
+            replacement = QuantLinear(tensors.nibbles(name), bias)
+        else:
+            replacement = QuantEmbedding(*tensors.blocks(name)[:2], child.embedding_dim, dtype)
+        report.stored_bytes += replacement.stored_bytes
+        report.layers.append(name)
+        parent, _, attribute = path.rpartition(".")
+        setattr(modules.get_submodule(parent) if parent else modules, attribute, replacement)
+    return report

@@ -1,0 +1,89 @@
+"""Tiny GGUF files served as stored through the real loader and the in-process chain,
+against Hugging Face ``generate`` on transformers' float32 reading of the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvasir.errors import ModelSourceError
+from kvasir.model.convert import prepare
+from kvasir.model.loader import SliceSpec, load_slice
+from kvasir.model.quant.linear import QuantEmbedding, QuantLinear, int4_kernels_available
+from kvasir.model.source import resolve_source
+from kvasir.stage.chain import Chain
+from kvasir.wire.batch import SamplingParams
+from tests.support.gguf_models import save_tiny_gguf
+from tests.support.models import hf_greedy, make_plan, random_prompts, reference_model
+
+pytestmark = pytest.mark.skipif(not int4_kernels_available(), reason="this torch has no int4 CPU kernels")
+
+FILES = {  # name: (family, matrices, embeddings)
+    "llama-q4_1": ("llama", "Q4_1", "Q8_0"),  # tied: the LM head is the Q8_0 embedding table
+    "qwen2-q4_0": ("qwen2", "Q4_0", "Q4_1"),  # biases on q/k/v, an LM head of its own
+    "llama-q8_0": ("llama", "Q8_0", "Q8_0"),
+}
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    """Each file written and converted once, into a cache of the module's own."""
+    root = tmp_path_factory.mktemp("gguf")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVASIR_CACHE_DIR", str(root / "cache"))
+        files = {name: save_tiny_gguf(root / f"{name}.gguf", *spec) for name, spec in FILES.items()}
+        for path in files.values():
+            prepare(resolve_source(str(path)))
+        yield files
+
+
+def greedy(plan, source, prompts, budget):
+    chain = Chain(plan, source)
+    ids = [chain.submit(p, SamplingParams(temperature=0, max_tokens=budget)) for p in prompts]
+    outputs = chain.run({})
+    return [outputs[i].token_ids for i in ids], chain
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_a_gguf_served_as_stored_matches_generate(ggufs, name):
+    plan = make_plan(ggufs[name], [(0, 2), (2, 4)], max_rows=6, max_tokens=32, weights="as_stored")
+    source = resolve_source(str(ggufs[name]))
+    prompts = random_prompts(source.vocab_size, [1, 9, 40, 3, 70], seed=3)
+    got, chain = greedy(plan, source, prompts, 12)
+    reference = reference_model(source.weights_dir)
+    assert got == [hf_greedy(reference, p, 12) for p in prompts]
+    head, tail = (stage.model.slice for stage in chain.stages)
+    assert isinstance(head.embed_tokens, QuantEmbedding) and isinstance(tail.lm_head, QuantLinear)
+    assert isinstance(head.layers[0].self_attn.qkv, QuantLinear) and isinstance(
+        tail.layers[1].mlp.down_proj, QuantLinear
+    )
+    family, matrices, embeddings = FILES[name]
+    assert set(head.stored.formats) == {matrices, embeddings} and sum(head.stored.formats.values()) == 2 * 7 + 1
+    assert 0 < head.stored.stored_bytes < sum(p.numel() * 4 for p in reference.model.layers[:2].parameters())
+
+
+def test_dequantize_serves_float_layers_with_the_same_output(ggufs):
+    path = ggufs["llama-q4_1"]
+    source = resolve_source(str(path))
+    spec = SliceSpec((0, 4), True, True)
+    stored, _ = load_slice(source, spec, torch.float32, torch.device("cpu"), "as_stored")
+    floats, _ = load_slice(source, spec, torch.float32, torch.device("cpu"), "dequantize")
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in floats.modules())
+    assert not floats.stored.layers and len(stored.stored.layers) == 4 * 7 + 2
+    plan = make_plan(path, [(0, 1), (1, 4)], weights="dequantize")
+    prompts = random_prompts(source.vocab_size, [5, 30], seed=4)
+    as_stored = make_plan(path, [(0, 1), (1, 4)], weights="as_stored")
+    assert greedy(plan, source, prompts, 8)[0] == greedy(as_stored, source, prompts, 8)[0]
+
+
+def test_a_cuda_stage_is_refused_before_anything_loads(ggufs):
+    source = resolve_source(str(ggufs["llama-q4_1"]))
+    with pytest.raises(ModelSourceError, match='CPU stages only.*model.weights = "dequantize"'):
+        load_slice(source, SliceSpec((0, 2), True, False), torch.float32, torch.device("cuda", 0), "as_stored")
+
+
+def test_rows_read_in_another_order_than_transformers_are_refused(ggufs, monkeypatch):
+    monkeypatch.setattr("kvasir.model.quant.gguf_weights._unrotated_rows", lambda rows, heads: torch.arange(rows))
+    source = resolve_source(str(ggufs["llama-q4_1"]))
+    with pytest.raises(ModelSourceError, match="does not match transformers' reading"):
+        load_slice(source, SliceSpec((0, 2), True, False), torch.float32, torch.device("cpu"), "as_stored")
