@@ -52,7 +52,7 @@ def check_weights(weights: Weights, dtype: str, devices: Iterable[str], gguf: bo
     if served == "as_stored" and dtype != FAST_DTYPE:
         raise ModelSourceError(
             f'model.weights = "as_stored" needs model.dtype = "{FAST_DTYPE}": PyTorch\'s int4 CPU kernel '
-            f"runs 14 to 80 times slower with {dtype} activations than the dequantised weights (BENCHMARKS.md)"
+            f"runs 13 to 180 times slower with {dtype} activations than the dequantised weights (BENCHMARKS.md)"
         )
     return served
 

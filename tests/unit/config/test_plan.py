@@ -243,7 +243,7 @@ def test_default_plan_is_packaged():
     assert load_plan(default_plan_path()) == load_plan(Path(__file__).parents[3] / "plans" / "smollm2-2stage.toml")
 
 
-@pytest.mark.parametrize("name", ["smollm2-2stage.toml", "smollm2-3stage.toml", "tiny-2stage.toml"])
+@pytest.mark.parametrize("name", ["smollm2-2stage.toml", "smollm2-3stage.toml", "smollm2-q4.toml", "tiny-2stage.toml"])
 def test_plan_toml_reads_back_equal(name):
     from kvasir.config.plan import plan_toml
 
