@@ -26,7 +26,7 @@ from kvasir.model.attention import ATTENTION_NAME, register_attention
 from kvasir.model.fused import fuse_layers
 from kvasir.model.moe import LocalExperts, MissingExperts, MoeBlock, MoeLayout, Piece
 from kvasir.model.quant.gguf_weights import GgufTensors
-from kvasir.model.quant.linear import QuantLinear, pack_quantized
+from kvasir.model.quant.linear import QuantEmbedding, QuantLinear, pack_quantized
 from kvasir.model.quant.stored import StoredLayers, served_weights, swap_stored
 from kvasir.model.source import ModelSource
 
@@ -150,21 +150,30 @@ def stored_tensors(source: ModelSource) -> GgufTensors | None:
 
 
 def _check_stored(modules: SliceModules, source: ModelSource, folder: Path) -> None:
-    """The slice's first matrix served as stored equals transformers' float32 copy of it:
-    the two readings of the file (row order above all) agree, or the stage refuses."""
-    path, layer = next((p, m) for p, m in modules.named_modules() if isinstance(m, QuantLinear))
-    name = modules.checkpoint_name(f"{path}.weight")
+    """The slice's first matrix and embedding table served as stored equal transformers'
+    float32 copies of them: the two readings of the file (row order above all) agree,
+    or the stage refuses."""
     index = _tensor_index(folder)
-    if name not in index:  # a tied head: the embeddings' copy
-        name = "model.embed_tokens.weight"
-    with safe_open(str(folder / index[name]), framework="pt", device="cpu") as handle:
-        reference = handle.get_tensor(name).float()
-    ours = layer.unpacked().dequantize()
-    if ours.shape != reference.shape or not torch.allclose(ours, reference, rtol=1e-5, atol=1e-6):
-        raise ModelSourceError(
-            f"model {source.name}: {name} as stored in the GGUF file does not match transformers' reading of it; "
-            'serve it with model.weights = "dequantize"'
-        )
+    for kind in (QuantLinear, QuantEmbedding):
+        first = next(((p, m) for p, m in modules.named_modules() if isinstance(m, kind)), None)
+        if first is None:
+            continue
+        path, layer = first
+        name = modules.checkpoint_name(f"{path}.weight")
+        if name not in index:  # a tied head: the embeddings' copy
+            name = "model.embed_tokens.weight"
+        with safe_open(str(folder / index[name]), framework="pt", device="cpu") as handle:
+            reference = handle.get_tensor(name).float()
+        if isinstance(layer, QuantLinear):
+            ours = layer.unpacked().dequantize()
+        else:  # an embedding table: its first rows
+            reference = reference[:64]
+            ours = layer.rows(torch.arange(reference.shape[0]))
+        if ours.shape != reference.shape or not torch.allclose(ours, reference, rtol=1e-5, atol=1e-6):
+            raise ModelSourceError(
+                f"model {source.name}: {name} as stored in the GGUF file does not match transformers' reading "
+                'of it; serve it with model.weights = "dequantize"'
+            )
 
 
 def load_experts(

@@ -112,10 +112,12 @@ class QuantEmbedding(nn.Module):
         self.blocks = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the file may go
         self.stored_bytes = int(self.blocks.numel())
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (1-D) in float32, exactly as stored."""
+        return decode(self.blocks.index_select(0, ids).numpy(), self.format, self.embedding_dim).dequantize()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks.index_select(0, ids.reshape(-1)).numpy()
-        values = decode(rows, self.format, self.embedding_dim).dequantize().to(self.dtype)
-        return values.view(*ids.shape, self.embedding_dim)
+        return self.rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, self.embedding_dim)
 
 
 def pack_quantized(module: nn.Module, dtype: torch.dtype) -> int:

@@ -87,3 +87,15 @@ def test_rows_read_in_another_order_than_transformers_are_refused(ggufs, monkeyp
     source = resolve_source(str(ggufs["llama-q4_1"]))
     with pytest.raises(ModelSourceError, match="does not match transformers' reading"):
         load_slice(source, SliceSpec((0, 2), True, False), torch.float32, torch.device("cpu"), "as_stored")
+
+
+def test_a_file_with_only_its_embeddings_quantised_stores_them_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVASIR_CACHE_DIR", str(tmp_path / "cache"))
+    path = save_tiny_gguf(tmp_path / "f32.gguf", "llama", "F32", "Q8_0")
+    source = prepare(resolve_source(str(path)))
+    head, _ = load_slice(source, SliceSpec((0, 2), True, False), torch.bfloat16, torch.device("cpu"), "auto")
+    assert isinstance(head.embed_tokens, QuantEmbedding) and head.stored.layers == ["model.embed_tokens.weight"]
+    assert not any(isinstance(m, QuantLinear) for m in head.modules())
+    ids = torch.tensor([0, 5, 319])
+    reference = reference_model(source.weights_dir).model.embed_tokens(ids)
+    assert torch.equal(head.embed_tokens(ids), reference.to(torch.bfloat16))
