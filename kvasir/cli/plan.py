@@ -210,6 +210,19 @@ def _print_costs(costs: dict) -> None:
         click.echo(line)
 
 
+def _dtype_line(path, resolved, source) -> str:
+    """The dtype served in (activations, the boundary between stages, the KV cache), and
+    why where the plan says "auto"."""
+    from kvasir.config.plan import load_plan
+    from kvasir.daemon.resolve import dtype_choice
+
+    dtype = resolved.model.dtype
+    line = f"{dtype}: activations, the boundary between stages and the KV cache"
+    if load_plan(path).model.dtype == "auto":
+        line += f' (model.dtype = "auto": {dtype_choice(resolved, source).why})'
+    return line
+
+
 def _weights_line(resolved, source) -> str:
     """How the model's matrices are served (model.weights), and the file's formats."""
     from kvasir.daemon.resolve import worker_devices
@@ -238,6 +251,7 @@ def _print_plan(path, resolved, source, stages) -> None:
     )
     if source.weights_dir is None:
         click.echo("weights  not prepared yet (no converted weights in the cache)")
+    click.echo(f"dtype    {_dtype_line(path, resolved, source)}")
     click.echo(f"weights  {_weights_line(resolved, source)}")
     many = len(resolved.rings()) > 1
     for ring in resolved.rings():

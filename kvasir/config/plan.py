@@ -129,8 +129,8 @@ def _check_values(plan: Plan) -> None:
     model, batch, kv = plan.model, plan.batch, plan.kv
     if not model.source.strip():
         raise PlanError("model.source must name a model (built-in alias or path), got an empty string")
-    if model.dtype not in DTYPES:
-        raise PlanError(f"model.dtype must be one of {', '.join(DTYPES)}, got {model.dtype!r}")
+    if model.dtype not in (*DTYPES, "auto"):
+        raise PlanError(f"model.dtype must be one of {', '.join(DTYPES)} or auto, got {model.dtype!r}")
     positive("model.max_seq_len", model.max_seq_len)
     _check_widths("batch", batch)
     _check_kv("kv", kv, model.max_seq_len)

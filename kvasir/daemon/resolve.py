@@ -9,6 +9,7 @@ import msgspec
 from kvasir.config.http import default_model_name, read_api_keys, tls_context
 from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_public
 from kvasir.config.plan import Plan, check_model_fit, load_plan
+from kvasir.daemon.dtype import DtypeChoice, auto_dtype, checkpoint_dtype, cpu_flags
 from kvasir.errors import ModelSourceError, PlanError
 from kvasir.model.quant.stored import check_weights
 from kvasir.model.source import ModelSource, resolve_source
@@ -23,12 +24,27 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
     base = path.parent.resolve()
     try:
         source = resolve_source(plan.model.source, base_dir=base)
+        plan = resolve_dtype(plan, source)
         check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
         check_weights(plan.model.weights, plan.model.dtype, worker_devices(plan), source.stored_gguf is not None)
         plan = resolve_template(resolve_http(resolve_cluster(resolve_keys(plan, base), base), base), base)
     except (PlanError, ModelSourceError) as exc:
         raise PlanError(f"{path}: {exc}") from None
     return plan, source
+
+
+def resolve_dtype(plan: Plan, source: ModelSource) -> Plan:
+    """The plan with ``model.dtype = "auto"`` replaced by the dtype it comes to here."""
+    if plan.model.dtype != "auto":
+        return plan
+    dtype = dtype_choice(plan, source).dtype
+    return msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, dtype=dtype))
+
+
+def dtype_choice(plan: Plan, source: ModelSource) -> DtypeChoice:
+    """What ``model.dtype = "auto"`` comes to for this model and machine, and why."""
+    wanted, origin = checkpoint_dtype(getattr(source.config, "dtype", None), source.stored_gguf is not None)
+    return auto_dtype(wanted, origin, worker_devices(plan), cpu_flags())
 
 
 def worker_devices(plan: Plan) -> list[str]:

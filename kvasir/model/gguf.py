@@ -42,13 +42,12 @@ def gguf_cache_name(path: Path) -> str:
 
 def gguf_architecture(path: Path) -> str:
     """The ``general.architecture`` field of a GGUF file; ModelSourceError if unreadable."""
-    try:
-        from gguf import GGUFReader
+    from kvasir.model.quant.gguf_index import GgufFormatError, read_index
 
-        reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except ImportError:
-        raise ModelSourceError("reading GGUF files needs the gguf package: run `pip install gguf accelerate`") from None
-    except Exception as exc:  # the gguf reader raises a variety of errors on bad files
+    try:
+        architecture = read_index(path).metadata.get("general.architecture")
+    except (OSError, GgufFormatError) as exc:
         raise ModelSourceError(f"{path} is not a readable GGUF file: {exc}") from None
+    if not isinstance(architecture, str):
+        raise ModelSourceError(f"{path} is not a readable GGUF file: it names no general.architecture")
+    return architecture

@@ -274,7 +274,15 @@ def run_stage(settings: StageSettings) -> None:
         agent, closing = build_agent(settings, sockets, log)
         agent.pool.events()  # what its KV pool tiers hold, before the first request can be routed
         agent.control.send(Ready("stage", settings.index, os.getpid()))
-        log.info("stage ready", layers=list(agent.engine.spec.layers), pool=settings.pool or None)
+        stored = agent.engine.model.slice.stored  # GGUF matrices served as stored (kvasir/model/quant/)
+        log.info(
+            "stage ready",
+            layers=list(agent.engine.spec.layers),
+            pool=settings.pool or None,
+            dtype=settings.plan.model.dtype,
+            stored=dict(stored.formats) if stored.layers else None,
+            stored_mib=round(stored.stored_bytes / 2**20, 1) if stored.layers else None,
+        )
         agent.serve()
         log.info("stage stopped")
     except Exception:

@@ -237,3 +237,31 @@ def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
     assert chat.usage.prompt_tokens == prompt_len
     assert [choice.finish_reason for choice in parsed] == ["stop"] * 100  # none cut short
     assert all(isinstance(choice.message.parsed, Town) for choice in parsed)  # 100 of 100 validate
+
+
+def test_the_q4_plan_serves_the_gguf_as_stored_near_float32(smollm2, expected, tmp_path):
+    """plans/smollm2-q4.toml: the file's Q4_1 and Q8_0 matrices as stored, bfloat16. The
+    float32 reference holds the same values dequantised, so every greedy token, teacher
+    forced on the ring's own output, is within 5 % of the step's logit scale of the best."""
+    daemon = Daemon(PLANS / "smollm2-q4.toml", tmp_path / "rt", 2)
+    try:
+        daemon.wait_ready()
+        results = asyncio.run(ask_all(daemon.runtime_dir))
+    finally:
+        assert daemon.stop() == 0
+    ready = [line for line in daemon.log().splitlines() if "stage ready" in line]
+    assert len(ready) == 2 and all("dtype=bfloat16" in line and "Q4_1" in line for line in ready), ready
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    for (text, chat), final in results.items():
+        assert isinstance(final, Finished) and final.usage.prompt_tokens == expected[(text, chat)][0]
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer.encode(text)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + final.token_ids])).logits[0, len(ids) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(final.token_ids)[:, None])[:, 0]
+        assert bool((logits.max(dim=-1).values - chosen <= 0.05 * logits.abs().max(dim=-1).values).all()), text
+    assert "Paris" in tokenizer.decode(results[("What is the capital of France?", True)].token_ids)

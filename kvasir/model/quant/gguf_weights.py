@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvasir.errors import ModelSourceError
-from kvasir.model.quant.ggml import FORMATS, Format, Nibbles, decode
+from kvasir.model.quant.ggml import BLOCK, BLOCK_BYTES, FORMATS, Format, Nibbles, decode
+from kvasir.model.quant.gguf_index import GgufFormatError, read_index
 
 
 class GgufTensors:
@@ -28,17 +28,19 @@ class GgufTensors:
         try:
             import gguf
 
-            reader = gguf.GGUFReader(str(path))
-            self.architecture = _text(reader, "general.architecture")
-            arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[self.architecture]
+            self._index = read_index(path)
+            self.architecture = str(self._index.metadata.get("general.architecture", ""))
+            arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}.get(self.architecture)
+            if arch is None:
+                raise GgufFormatError(f"its architecture {self.architecture!r} has no GGUF tensor names")
             self._names = gguf.get_tensor_name_map(arch, num_layers)
         except ImportError:
             raise ModelSourceError("reading GGUF files needs the gguf package: run `pip install gguf`") from None
-        except Exception as exc:  # the gguf reader raises a variety of errors on bad files
+        except (OSError, GgufFormatError) as exc:
             raise ModelSourceError(f"{path} is not a readable GGUF file: {exc}") from None
         self.path = path
-        self._tensors: dict[str, Any] = {t.name: t for t in reader.tensors}
-        name = _text(reader, "general.name") if "general.name" in reader.fields else ""
+        self._tensors = self._index.tensors
+        name = str(self._index.metadata.get("general.name", ""))
         self._rotary_rows = self.architecture == "llama" and "mistral" not in name.lower()
         self._heads = {"attn_q": heads, "attn_k": kv_heads}
 
@@ -49,7 +51,7 @@ class GgufTensors:
     def format(self, hf_name: str) -> str | None:
         """The stored type's name (``Q4_1``, ``F32``, ...); None if the file has no such tensor."""
         name = self.gguf_name(hf_name)
-        return None if name is None else self._tensors[name].tensor_type.name
+        return None if name is None else _type_name(self._tensors[name].type_id)
 
     def served(self, hf_name: str) -> Format | None:
         """The tensor's format if it is one served as stored (kvasir/model/quant/ggml.py)."""
@@ -58,7 +60,7 @@ class GgufTensors:
 
     def formats(self) -> Counter[str]:
         """How many tensors the file stores in each type."""
-        return Counter(t.tensor_type.name for t in self._tensors.values())
+        return Counter(_type_name(t.type_id) for t in self._tensors.values())
 
     def nibbles(self, hf_name: str) -> Nibbles:
         """A served matrix as Nibbles, its rows in transformers' order."""
@@ -76,13 +78,25 @@ class GgufTensors:
         fmt = self.served(hf_name)
         if name is None or fmt is None:
             raise ModelSourceError(f"{self.path}: {hf_name} is not stored in a format served as stored")
-        tensor = self._tensors[name]
-        return np.asarray(tensor.data), fmt, int(tensor.shape[0])
+        info = self._tensors[name]
+        width, rows = int(info.shape[0]), int(np.prod(info.shape[1:], dtype=np.int64))
+        if width % BLOCK:
+            raise ModelSourceError(f"{self.path}: {name} has rows of {width} values, not whole blocks of {BLOCK}")
+        row_bytes = width // BLOCK * BLOCK_BYTES[fmt]
+        try:
+            data = self._index.data(info, rows * row_bytes)
+        except ValueError as exc:  # numpy: the mapping runs past the end of the file
+            raise ModelSourceError(f"{self.path} is truncated: {name}: {exc}") from None
+        return data.reshape(rows, row_bytes), fmt, width
 
 
-def _text(reader: Any, key: str) -> str:
-    field = reader.fields[key]
-    return bytes(field.parts[field.data[0]]).decode()
+def _type_name(type_id: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"type {type_id}"
 
 
 def _unrotated_rows(rows: int, heads: int) -> torch.Tensor:

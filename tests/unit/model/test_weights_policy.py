@@ -86,6 +86,21 @@ def test_plan_check_says_how_the_matrices_are_served(gguf, tmp_path):
     assert result.exit_code == 2 and 'needs model.dtype = "bfloat16"' in result.output
 
 
+def test_dtype_auto_serves_a_gguf_in_bfloat16_where_the_cpu_has_it(gguf, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvasir.daemon.resolve.cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(plan_file(tmp_path, gguf, "auto"))])
+    assert result.exit_code == 0, result.output
+    assert (
+        'bfloat16: activations, the boundary between stages and the KV cache (model.dtype = "auto": a GGUF'
+        in result.output
+    )
+    assert "matrices as stored" in result.output
+    monkeypatch.setattr("kvasir.daemon.resolve.cpu_flags", lambda: frozenset({"avx2"}))
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(plan_file(tmp_path, gguf, "auto"))])
+    assert "float32: activations" in result.output and "not native on this CPU" in result.output
+    assert "dequantised to float32" in result.output
+
+
 @pytest.mark.skipif(not int4_kernels_available(), reason="this torch has no int4 CPU kernels")
 def test_a_bfloat16_ring_serves_the_file_as_stored_near_the_float32_reference(gguf):
     source = resolve_source(str(gguf))
