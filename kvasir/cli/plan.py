@@ -102,7 +102,7 @@ def plan_check(
                 "experts": source.num_experts,
                 "moe_layers": source.moe_layers,
                 "weights": str(source.weights_dir) if source.weights_dir else None,
-                "served": _served(resolved, source),
+                "served": resolved.model.weights,
             },
             "stages": [msgspec.to_builtins(s.__dict__) for s in stages],
             "instances": _instances(resolved),
@@ -116,15 +116,6 @@ def plan_check(
     _print_shards(shards)
     _print_instances(resolved)
     _print_costs(costs)
-
-
-def _served(resolved, source) -> str:
-    """model.weights as it comes to for this model: "as_stored" or "dequantize"."""
-    from kvasir.daemon.resolve import worker_devices
-    from kvasir.model.quant.stored import served_weights
-
-    m = resolved.model
-    return served_weights(m.weights, m.dtype, worker_devices(resolved), source.stored_gguf is not None)
 
 
 def _instances(plan) -> list[dict]:
@@ -210,38 +201,34 @@ def _print_costs(costs: dict) -> None:
         click.echo(line)
 
 
-def _dtype_line(path, resolved, source) -> str:
+def _dtype_line(asked: str, resolved, source) -> str:
     """The dtype served in (activations, the boundary between stages, the KV cache), and
     why where the plan says "auto"."""
-    from kvasir.config.plan import load_plan
     from kvasir.daemon.resolve import dtype_choice
 
-    dtype = resolved.model.dtype
-    line = f"{dtype}: activations, the boundary between stages and the KV cache"
-    if load_plan(path).model.dtype == "auto":
+    line = f"{resolved.model.dtype}: activations, the boundary between stages and the KV cache"
+    if asked == "auto":
         line += f' (model.dtype = "auto": {dtype_choice(resolved, source).why})'
     return line
 
 
-def _weights_line(resolved, source) -> str:
-    """How the model's matrices are served (model.weights), and the file's formats."""
-    from kvasir.daemon.resolve import worker_devices
+def _weights_line(asked: str, resolved, source) -> str:
+    """How the model's matrices are served (model.weights ``asked`` for), and the file's formats."""
     from kvasir.model.quant.gguf_weights import GgufTensors
-    from kvasir.model.quant.stored import served_weights
 
-    m = resolved.model
-    path = source.stored_gguf
-    served = served_weights(m.weights, m.dtype, worker_devices(resolved), path is not None)
+    m, path = resolved.model, source.stored_gguf
     if path is None:
-        return f"{m.dtype} from the model folder (model.weights = {m.weights!r})"
+        return f"{m.dtype} from the model folder (model.weights = {asked!r})"
     config = source.config
     formats = GgufTensors(path, source.num_layers, int(config.num_attention_heads), source.kv_heads).formats()
     counted = ", ".join(f"{n} {name}" for name, n in formats.most_common())
-    how = "Q4_0, Q4_1 and Q8_0 matrices as stored" if served == "as_stored" else f"dequantised to {m.dtype}"
-    return f"{how} (model.weights = {m.weights!r}); the GGUF holds {counted} tensors"
+    how = "Q4_0, Q4_1 and Q8_0 matrices as stored" if m.weights == "as_stored" else f"dequantised to {m.dtype}"
+    return f"{how} (model.weights = {asked!r}); the GGUF holds {counted} tensors"
 
 
 def _print_plan(path, resolved, source, stages) -> None:
+    from kvasir.config.plan import load_plan
+
     m = resolved.model
     config = source.config
     click.echo(f"plan     {path}")
@@ -251,8 +238,9 @@ def _print_plan(path, resolved, source, stages) -> None:
     )
     if source.weights_dir is None:
         click.echo("weights  not prepared yet (no converted weights in the cache)")
-    click.echo(f"dtype    {_dtype_line(path, resolved, source)}")
-    click.echo(f"weights  {_weights_line(resolved, source)}")
+    asked = load_plan(path).model  # before "auto" was resolved
+    click.echo(f"dtype    {_dtype_line(asked.dtype, resolved, source)}")
+    click.echo(f"weights  {_weights_line(asked.weights, resolved, source)}")
     many = len(resolved.rings()) > 1
     for ring in resolved.rings():
         b, kv, pool = ring.plan.batch, ring.plan.kv, ring.pool

@@ -26,7 +26,7 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
         source = resolve_source(plan.model.source, base_dir=base)
         plan = resolve_dtype(plan, source)
         check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
-        check_weights(plan.model.weights, plan.model.dtype, worker_devices(plan), source.stored_gguf is not None)
+        plan = resolve_weights(plan, source)
         plan = resolve_template(resolve_http(resolve_cluster(resolve_keys(plan, base), base), base), base)
     except (PlanError, ModelSourceError) as exc:
         raise PlanError(f"{path}: {exc}") from None
@@ -39,6 +39,14 @@ def resolve_dtype(plan: Plan, source: ModelSource) -> Plan:
         return plan
     dtype = dtype_choice(plan, source).dtype
     return msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, dtype=dtype))
+
+
+def resolve_weights(plan: Plan, source: ModelSource) -> Plan:
+    """The plan with ``model.weights`` as it comes to for every worker ("as_stored" or
+    "dequantize"), once the plan's choice is checked (kvasir/model/quant/stored.py)."""
+    gguf = source.stored_gguf is not None
+    served = check_weights(plan.model.weights, plan.model.dtype, worker_devices(plan), gguf)
+    return msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, weights=served))
 
 
 def dtype_choice(plan: Plan, source: ModelSource) -> DtypeChoice:
