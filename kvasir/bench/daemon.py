@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,6 +56,18 @@ def stop_gracefully(process: subprocess.Popen, timeout_s: float = 60.0) -> int:
             process.kill()
             process.wait()
     return process.returncode
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` TCP ports on 127.0.0.1 free a moment ago (bound together, then closed)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class ManagedDaemon:

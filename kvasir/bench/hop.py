@@ -18,7 +18,6 @@ TCP with CURVE and two throwaway host key pairs, and so are the round trips.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import msgspec
 import torch
 import zmq
 
+from kvasir.bench.daemon import free_ports
 from kvasir.config.keys import generate as generate_keys
 from kvasir.ring.attach import attach_ring, create_ring
 from kvasir.ring.handshake import IpcRing
@@ -67,18 +67,8 @@ def _edge(device: str, link: HopLink) -> EdgeSpec:
 
 def _endpoints(folder: Path, link: HopLink) -> tuple[str, str, str]:
     if link == "tcp":
-        return cast(tuple[str, str, str], tuple(f"tcp://127.0.0.1:{port}" for port in _free_ports(3)))
+        return cast(tuple[str, str, str], tuple(f"tcp://127.0.0.1:{port}" for port in free_ports(3)))
     return (f"ipc://{folder / 'descriptors.sock'}", f"ipc://{folder / 'credits.sock'}", f"ipc://{folder / 'ping.sock'}")
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def _fabric(folder: Path, side: str, ends: tuple[str, str, str]) -> Fabric | None:

@@ -173,7 +173,18 @@ def plans_mode(paths: list[Path], workload: Workload, load: dict, *, rounds: int
     return {"plans": report}
 
 
-def compare_mode(target: Target, workload: Workload, *, concurrency: int, contenders, rounds: int, slo, plot: bool):
+def compare_mode(
+    target: Target,
+    workload: Workload,
+    *,
+    concurrency: int,
+    contenders,
+    rounds: int,
+    slo,
+    plot: bool,
+    llama_server=None,
+    door=None,
+):
     """The ring against its baselines (drained ring, transformers), alternating: (report, pictures)."""
     from kvasir.bench.compare import run_compare
     from kvasir.bench.plot import RunPicture
@@ -192,7 +203,17 @@ def compare_mode(target: Target, workload: Workload, *, concurrency: int, conten
             fractions = stage_fractions(result.stats_before, result.stats_after)
             pictures[kind] = RunPicture(kind, result.records, fractions, spans)
 
-    report = run_compare(path, load, contenders=contenders, rounds=rounds, slo=slo, on_ring_result=keep, say=target.say)
+    report = run_compare(
+        path,
+        load,
+        contenders=contenders,
+        rounds=rounds,
+        slo=slo,
+        llama_server=llama_server,
+        door=door,
+        on_ring_result=keep,
+        say=target.say,
+    )
     report["workload"].update(**workload.report())
     del report["workload"]["ignore_eos"]
     return {"compare": report}, list(pictures.values())

@@ -13,6 +13,7 @@ NAMES = {
     "drained": "(b) drained ring, inflight = 1",
     "hf-static": "(c) transformers generate, static batches",
     "hf-continuous": "(d) transformers generate_batch",
+    "llama.cpp": "(e) llama.cpp llama-server, same GGUF",
 }
 
 
@@ -123,6 +124,8 @@ def print_compare(report: dict, echo: Echo) -> None:
         f"{prompt_words(w)}, output {w.get('output_len')} tokens; {report['threads']} torch threads "
         f"per contender; {report['rounds']} round(s), alternating"
     )
+    if "served" in report:
+        echo(f"the ring serves {report['served']['dtype']} weights {report['served']['weights']}")
     for name, entry in report["contenders"].items():
         rounds = ", ".join(f"{v:.1f}" for v in entry["output_tokens_per_s"])
         echo(
@@ -136,7 +139,13 @@ def print_compare(report: dict, echo: Echo) -> None:
             )
             if s["cached_tokens"]:
                 echo(prefix_line(s, "    "))
-            print_stages(entry["stages"], echo, indent="    ", shards=entry.get("shards", ()))
+            if entry.get("door") == "http":
+                echo("    through its OpenAI HTTP front (streamed /v1/completions)")
+            if "served" in entry:
+                v = entry["served"]
+                echo(f"    {v['gguf']}, {v['threads']} threads, {v['slots']} slots of {v['slot_context']} tokens")
+            if "stages" in entry:
+                print_stages(entry["stages"], echo, indent="    ", shards=entry.get("shards", ()))
     for name, value in report["ratios"].items():
         echo(f"ratio {name:<22} {value:.2f}x")
 

@@ -102,15 +102,35 @@ async def run_load(
     if warmup:
         await _closed(send, jobs[:warmup], concurrency or 8, None)
     before = await client.stats()
+    records, duration = await drive(
+        send, jobs[warmup:], concurrency=concurrency, rate=rate, seed=seed, progress=progress
+    )
+    after = await fresh_stats(client, before, duration)
+    return LoadResult(records, duration, before, after)
+
+
+async def drive(
+    send,
+    jobs: list[Job],
+    *,
+    warmup: int = 0,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    progress=None,
+) -> tuple[list[RequestRecord], float]:
+    """``jobs`` through ``send`` after ``warmup`` of them (not measured), closed loop
+    (``concurrency``) or open (``rate``): the measured records and their duration (first
+    measured submission to last completion)."""
+    if warmup:
+        await _closed(send, jobs[:warmup], concurrency or 8, None)
     measured = jobs[warmup:]
     started = time.perf_counter()
     if concurrency is not None:
         records = await _closed(send, measured, concurrency, progress)
     else:
         records = await _open(send, measured, rate, random.Random(seed), progress)
-    duration = max((r.submitted + r.e2e_s for r in records), default=started) - started
-    after = await fresh_stats(client, before, duration)
-    return LoadResult(records, duration, before, after)
+    return records, max((r.submitted + r.e2e_s for r in records), default=started) - started
 
 
 async def fresh_stats(client: AsyncClient, before: DaemonStats, window_s: float, timeout_s: float = 3.0) -> DaemonStats:

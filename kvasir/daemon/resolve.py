@@ -11,6 +11,7 @@ from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_publi
 from kvasir.config.plan import Plan, check_model_fit, load_plan
 from kvasir.daemon.dtype import DtypeChoice, auto_dtype, checkpoint_dtype, cpu_flags
 from kvasir.errors import ModelSourceError, PlanError
+from kvasir.model.quant.linear import int4_kernels_available
 from kvasir.model.quant.stored import check_weights
 from kvasir.model.source import ModelSource, resolve_source
 from kvasir.model.tokenizer import read_template
@@ -45,7 +46,8 @@ def resolve_weights(plan: Plan, source: ModelSource) -> Plan:
     """The plan with ``model.weights`` as it comes to for every worker ("as_stored" or
     "dequantize"), once the plan's choice is checked (kvasir/model/quant/stored.py)."""
     gguf = source.stored_gguf is not None
-    served = check_weights(plan.model.weights, plan.model.dtype, worker_devices(plan), gguf)
+    kernels = int4_kernels_available()
+    served = check_weights(plan.model.weights, plan.model.dtype, worker_devices(plan), gguf, kernels=kernels)
     return msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, weights=served))
 
 

@@ -26,7 +26,7 @@ from kvasir.model.attention import ATTENTION_NAME, register_attention
 from kvasir.model.fused import fuse_layers
 from kvasir.model.moe import LocalExperts, MissingExperts, MoeBlock, MoeLayout, Piece
 from kvasir.model.quant.gguf_weights import GgufTensors
-from kvasir.model.quant.linear import QuantEmbedding, QuantLinear, pack_quantized
+from kvasir.model.quant.linear import QuantEmbedding, QuantLinear, int4_kernels_available, pack_quantized
 from kvasir.model.quant.stored import StoredLayers, served_weights, swap_stored
 from kvasir.model.source import ModelSource
 
@@ -122,7 +122,9 @@ def load_slice(
     folder = source.require_weights()
     modules = build_skeleton(source, spec)
     gguf = source.stored_gguf is not None
-    served = served_weights(weights, str(dtype).removeprefix("torch."), [str(device)], gguf)
+    served = served_weights(
+        weights, str(dtype).removeprefix("torch."), [str(device)], gguf, kernels=int4_kernels_available()
+    )
     tensors = stored_tensors(source) if served == "as_stored" else None
     if tensors is not None:
         tied = bool(getattr(source.config, "tie_word_embeddings", False))
@@ -132,9 +134,10 @@ def load_slice(
     modules.to(dtype)
     state = modules.state_dict(keep_vars=True)
     wanted = [(state[local], piece) for local, pieces in modules.checkpoint_pieces().items() for piece in pieces]
-    read = _read(source, folder, wanted, dtype)
+    index = _tensor_index(folder)
+    read = _read(source, folder, index, wanted, dtype)
     if stored.layers:
-        _check_stored(modules, source, folder)
+        _check_stored(modules, source, folder, index)
     fuse_layers(modules.layers, source.config.model_type)
     pack_quantized(modules, dtype)
     return modules, read + stored.layers
@@ -149,11 +152,10 @@ def stored_tensors(source: ModelSource) -> GgufTensors | None:
     return GgufTensors(path, source.num_layers, int(config.num_attention_heads), source.kv_heads)
 
 
-def _check_stored(modules: SliceModules, source: ModelSource, folder: Path) -> None:
+def _check_stored(modules: SliceModules, source: ModelSource, folder: Path, index: dict[str, str]) -> None:
     """The slice's first matrix and embedding table served as stored equal transformers'
     float32 copies of them: the two readings of the file (row order above all) agree,
-    or the stage refuses."""
-    index = _tensor_index(folder)
+    or the stage refuses. ``index``: the folder's tensor -> file map."""
     for kind in (QuantLinear, QuantEmbedding):
         first = next(((p, m) for p, m in modules.named_modules() if isinstance(m, kind)), None)
         if first is None:
@@ -193,14 +195,20 @@ def load_experts(
         for name, pieces in module.pieces(layer).items()
         for piece in pieces
     ]
-    _read(source, folder, wanted, dtype)
+    _read(source, folder, _tensor_index(folder), wanted, dtype)
     return bank
 
 
-def _read(source: ModelSource, folder: Path, wanted: list[tuple[torch.Tensor, Piece]], dtype: torch.dtype) -> list[str]:
-    """Fill each parameter's pieces from the checkpoint; the names of the tensors read."""
+def _read(
+    source: ModelSource,
+    folder: Path,
+    index: dict[str, str],
+    wanted: list[tuple[torch.Tensor, Piece]],
+    dtype: torch.dtype,
+) -> list[str]:
+    """Fill each parameter's pieces from the checkpoint (``index``: its tensor -> file
+    map); the names of the tensors read."""
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
-    index = _tensor_index(folder)
     by_file: dict[str, list[tuple[torch.Tensor, Piece]]] = {}
     for param, piece in wanted:
         if piece.stored not in index and piece.stored == "lm_head.weight" and tied:

@@ -20,31 +20,66 @@ from kvasir.cli.bench.output import PLOT, finish
     help="Which contenders, comma-separated.",
 )
 @click.option("--rounds", type=int, default=1, show_default=True, help="Alternating rounds.")
+@click.option(
+    "--llama-server",
+    "llama_server",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The llama-server binary for the llama.cpp contender (default: $KVASIR_LLAMA_SERVER, else the one "
+    "scripts/llama-server builds, else llama-server on PATH).",
+)
+@click.option(
+    "--door",
+    type=click.Choice(["zeromq", "http"]),
+    default=None,
+    help="How the rings are driven: the ZeroMQ client, or a loopback OpenAI HTTP front added to their plans "
+    "(default: http when llama.cpp is a contender, else zeromq).",
+)
 @PLOT
 @slo_options()
 @workload_options()
 @target_options()
 @reporting
-def compare(*, target, workload, slo, concurrency, contenders, rounds, plot_dir):
+def compare(*, target, workload, slo, concurrency, contenders, rounds, llama_server, door, plot_dir):
     """Run the workload on the ring (--plan, else the default plan), the drained ring
     (inflight = 1), transformers generate (static batches) and generate_batch, alternating,
     with exact output lengths and the same threads; print the ratios.
 
+    Contender llama.cpp (not run unless named) is llama.cpp's own llama-server on the GGUF
+    file the plan's model comes from, with -np = --concurrency slots and the plan's
+    threads; with it the rings are driven through a loopback OpenAI HTTP front, as it is
+    (--door http).
+
     Exit code: 0 done, 1 a daemon it started failed, 2 bad arguments.
     """
-    from kvasir.bench.compare import RING_KINDS
+    from kvasir.bench.compare import CONTENDERS, RING_KINDS
     from kvasir.bench.modes import compare_mode
 
     positive("--concurrency", concurrency)
     positive("--rounds", rounds)
     names = tuple(name.strip() for name in contenders.split(",") if name.strip())
+    unknown = [name for name in names if name not in CONTENDERS]
+    if unknown or not names:
+        raise click.UsageError(
+            f"--contenders: {', '.join(unknown) or 'none given'}; choose among {', '.join(CONTENDERS)}"
+        )
+    if door == "zeromq" and "llama.cpp" in names:
+        raise click.UsageError("llama.cpp is measured through its HTTP server: --door zeromq cannot drive it")
     if workload.lengths[0].turns > 1 and not set(names) <= set(RING_KINDS):
         raise click.UsageError(
-            "--turns compares rings only: give --contenders ring,drained (the transformers baselines do "
-            "not hold conversations)"
+            "--turns compares rings only: give --contenders ring,drained (the transformers baselines and "
+            "llama.cpp are not sent conversations)"
         )
     report, pictures = compare_mode(
-        target, workload, concurrency=concurrency, contenders=names, rounds=rounds, slo=slo, plot=bool(plot_dir)
+        target,
+        workload,
+        concurrency=concurrency,
+        contenders=names,
+        rounds=rounds,
+        slo=slo,
+        plot=bool(plot_dir),
+        llama_server=llama_server,
+        door=door,
     )
     finish(target, report, pictures, plot_dir)
 

@@ -60,11 +60,23 @@ class Nibbles:
             raise ValueError(f"a matrix of {self.planes} planes cannot become {planes}")
         if extra == 0:
             return self
-        n, groups = self.out_features, self.in_features // BLOCK
-        codes = torch.cat([self.codes, self.codes.new_full((n, extra * self.in_features), 8)], dim=1)
-        scale = torch.cat([self.scale, self.scale.new_zeros(n, extra * groups)], dim=1)
-        zero = torch.cat([self.zero, self.zero.new_zeros(n, extra * groups)], dim=1)
+        pad = self.zero_rows(self.out_features, extra)
+        codes, scale, zero = (torch.cat(pair, dim=1) for pair in zip(self.tensors, pad.tensors, strict=True))
         return Nibbles(codes, scale, zero, self.in_features, planes)
+
+    def zero_rows(self, rows: int, planes: int | None = None) -> Nibbles:
+        """``rows`` rows of zeros (code 8, scale and zero 0) of this matrix's width, over
+        ``planes`` planes (default: as many as this one)."""
+        planes = self.planes if planes is None else planes
+        groups = planes * self.in_features // BLOCK
+        codes = self.codes.new_full((rows, planes * self.in_features), 8)
+        return Nibbles(
+            codes, self.scale.new_zeros(rows, groups), self.zero.new_zeros(rows, groups), self.in_features, planes
+        )
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.zero
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix [N, in_features]."""
@@ -85,13 +97,8 @@ def cat_rows(parts: list[Nibbles]) -> Nibbles:
     if len(widths) != 1:
         raise ValueError(f"cannot stack matrices of widths {sorted(widths)}")
     parts = [part.as_planes(planes) for part in parts]
-    return Nibbles(
-        torch.cat([p.codes for p in parts]),
-        torch.cat([p.scale for p in parts]),
-        torch.cat([p.zero for p in parts]),
-        parts[0].in_features,
-        planes,
-    )
+    codes, scale, zero = (torch.cat(column) for column in zip(*(part.tensors for part in parts), strict=True))
+    return Nibbles(codes, scale, zero, parts[0].in_features, planes)
 
 
 def decode(raw: np.ndarray, fmt: Format, in_features: int) -> Nibbles:

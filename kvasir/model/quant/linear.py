@@ -87,16 +87,7 @@ class QuantLinear(nn.Module):
 def _padded(weights: Nibbles) -> Nibbles:
     """``weights`` with zero rows (code 8, scale and zero 0) up to a multiple of ROW_MULTIPLE."""
     extra = -weights.out_features % ROW_MULTIPLE
-    if not extra:
-        return weights
-    groups = weights.scale.shape[1]
-    return Nibbles(
-        torch.cat([weights.codes, weights.codes.new_full((extra, weights.codes.shape[1]), 8)]),
-        torch.cat([weights.scale, weights.scale.new_zeros(extra, groups)]),
-        torch.cat([weights.zero, weights.zero.new_zeros(extra, groups)]),
-        weights.in_features,
-        weights.planes,
-    )
+    return cat_rows([weights, weights.zero_rows(extra)]) if extra else weights
 
 
 class QuantEmbedding(nn.Module):

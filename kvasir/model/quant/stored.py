@@ -28,27 +28,33 @@ FAST_DTYPE = "bfloat16"  # PyTorch's int4 CPU kernel is fast with these activati
 Served = Literal["as_stored", "dequantize"]
 
 
-def served_weights(weights: Weights, dtype: str, devices: Iterable[str], gguf: bool) -> Served:
+def served_weights(weights: Weights, dtype: str, devices: Iterable[str], gguf: bool, *, kernels: bool = True) -> Served:
     """What ``model.weights`` comes to for a model (``gguf``: it comes from a GGUF file)
-    whose workers run on ``devices``: "auto" serves as stored where that is fast
-    (bfloat16, every worker on the CPU); as stored off the CPU is refused."""
+    whose workers run on ``devices``, where this torch has (``kernels``) or lacks the int4
+    CPU kernels: "auto" serves as stored where that is fast (bfloat16, every worker on the
+    CPU, the kernels there); as stored off the CPU or without the kernels is refused."""
     if not gguf or weights == "dequantize":
         return "dequantize"
     elsewhere = sorted({d for d in devices if d != "cpu"})
     if weights == "auto":
-        return "as_stored" if dtype == FAST_DTYPE and not elsewhere else "dequantize"
+        return "as_stored" if dtype == FAST_DTYPE and not elsewhere and kernels else "dequantize"
     if elsewhere:
         raise ModelSourceError(
             f'model.weights = "as_stored" serves GGUF blocks on CPU stages only in this version, '
             f'not on {elsewhere[0]}: set model.weights = "dequantize"'
         )
+    if not kernels:
+        raise ModelSourceError(
+            f'model.weights = "as_stored" needs PyTorch\'s int4 CPU kernels (aten._weight_int4pack_mm_for_cpu), '
+            f'which torch {torch.__version__} lacks: set model.weights = "dequantize", or install a newer torch'
+        )
     return "as_stored"
 
 
-def check_weights(weights: Weights, dtype: str, devices: Iterable[str], gguf: bool) -> Served:
+def check_weights(weights: Weights, dtype: str, devices: Iterable[str], gguf: bool, *, kernels: bool = True) -> Served:
     """``served_weights``, refusing also a plan that asks for as stored with activations the
     kernel is slow with (it would serve, many times slower than dequantised)."""
-    served = served_weights(weights, dtype, devices, gguf)
+    served = served_weights(weights, dtype, devices, gguf, kernels=kernels)
     if served == "as_stored" and dtype != FAST_DTYPE:
         raise ModelSourceError(
             f'model.weights = "as_stored" needs model.dtype = "{FAST_DTYPE}": PyTorch\'s int4 CPU kernel '

@@ -41,6 +41,8 @@ def test_the_old_mode_flags_name_the_subcommand_that_took_each_over(flag, mode):
         (("load", "--turns", "2", "--prompts", __file__), "not with --prompts"),
         (("sweep",), "needs --slo-ttft and --slo-tpot"),
         (("compare", "--turns", "2", "--warmup", "2"), "--contenders ring,drained"),
+        (("compare", "--contenders", "ring,vllm"), "--contenders: vllm; choose among"),
+        (("compare", "--contenders", "ring,llama.cpp", "--door", "zeromq"), "--door zeromq cannot drive it"),
         (("plans", "a.toml"), "does not exist"),
         (("doors", "127.0.0.1:1"), "give the front's URL"),
         (("failover", "--rounds", "0"), "--rounds must be positive"),

@@ -46,6 +46,12 @@ def test_as_stored_where_it_would_be_slow_or_cannot_run_is_refused_by_name():
     assert served_weights("as_stored", "float32", ["cpu"], True) == "as_stored"
 
 
+def test_a_torch_without_the_int4_kernels_dequantises_on_auto_and_refuses_as_stored():
+    assert check_weights("auto", "bfloat16", ["cpu"], True, kernels=False) == "dequantize"
+    with pytest.raises(ModelSourceError, match=r"needs PyTorch's int4 CPU kernels.*lacks"):
+        check_weights("as_stored", "bfloat16", ["cpu"], True, kernels=False)
+
+
 def test_a_checkpoint_with_a_quantization_config_is_refused_with_its_format(tmp_path):
     folder = save_tiny_model(tmp_path / "awq", "llama")
     config = json.loads((folder / "config.json").read_text())
