@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -160,3 +161,53 @@ async def _drive(door: Door, load: Load):
     async with aiohttp.ClientSession(connector=connector) as session:
         send = http_sender(session, door, "model", ignore_eos=True)
         return await drive(send, load.jobs, warmup=load.warmup, concurrency=concurrency)
+
+
+def perplexity_binary(server: Path) -> Path:
+    """``llama-perplexity``, built next to ``llama-server`` (scripts/llama-server builds both)."""
+    found = server.parent / "llama-perplexity"
+    if not _executable(str(found)):
+        raise KvasirError(f"no llama-perplexity next to {server}: build both with scripts/llama-server")
+    return found
+
+
+def llama_perplexity(binary: Path, gguf: Path, text: Path, n_ctx: int, threads: int, log_path: Path) -> float:
+    """llama.cpp's own perplexity of the text file (its chunks of ``n_ctx``, second halves)."""
+    args = [str(binary), "--model", str(gguf), "--file", str(text), "--ctx-size", str(n_ctx)]
+    args += ["--threads", str(threads), "--threads-batch", str(threads)]
+    with open(log_path, "wb") as log:
+        done = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=3600)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", log_path.read_text(errors="replace"))
+    if done.returncode != 0 or found is None:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        raise LlamaServerError(f"llama-perplexity exited with {done.returncode} without a perplexity:\n{tail}")
+    return float(found.group(1))
+
+
+async def llama_tokens(session, door: Door, text: str) -> list[int]:
+    """How llama.cpp tokenises ``text`` (no special tokens added), from its /tokenize."""
+    async with session.post(f"{door.url}/tokenize", json={"content": text, "add_special": False}) as response:
+        body = await response.json()
+        if response.status != 200:
+            raise LlamaServerError(f"llama-server's /tokenize answered {response.status}: {body}")
+        return [int(token) for token in body["tokens"]]
+
+
+def llama_top_one(session, door: Door):
+    """llama-server's greedy next token at each of ``continuation``'s positions, given the
+    prompt and the continuation before it: one request a position (its slot keeps the
+    common prefix cached, so each computes one new token)."""
+
+    async def top_one(prompt: list[int], continuation: list[int]) -> list[int]:
+        picked = []
+        for i in range(len(continuation)):
+            body = {"prompt": prompt + continuation[:i], "n_predict": 1, "temperature": 0.0}
+            body |= {"return_tokens": True, "cache_prompt": True}
+            async with session.post(f"{door.url}/completion", json=body) as response:
+                answer = await response.json()
+                if response.status != 200 or not answer.get("tokens"):
+                    raise LlamaServerError(f"llama-server's /completion answered {response.status}: {answer}")
+                picked.append(int(answer["tokens"][0]))
+        return picked
+
+    return top_one

@@ -206,3 +206,24 @@ def print_pool(report: dict, echo: Echo) -> None:
                 f"             after a restart {v['restart_ttft_s']:7.3f} s  ratio {v['restart_ratio']:5.2f}x  "
                 f"read from disk / cached per prompt: {cached}"
             )
+
+
+def print_quality(report: dict, echo: Echo) -> None:
+    """``kvasir bench quality``: both perplexities, the agreement, the verdicts."""
+    t, ours, ref, agreed, checks = (report[k] for k in ("text", "ours", "reference", "agreement", "checks"))
+    served = report["served"]
+    echo(
+        f"text: {t['source']}, {t['chars']} characters, {t['tokens']} tokens (sha256 {t['sha256'][:12]}); "
+        f"{report['chunks']} chunks of {report['n_ctx']}, {ours['scored_tokens']} tokens scored"
+    )
+    echo(f"plan {report['plan']} ({served['dtype']}, weights {served['weights']}): perplexity {ours['ppl']:.4f}")
+    name = ref["gguf"] if ref["kind"] == "llama.cpp" else ref["plan"]
+    echo(f"reference {ref['kind']} {name}: perplexity {ref['ppl']:.4f}")
+    margins = report["margins"]
+    verdict = "ok" if checks["ppl_within_margin"] else "OUT OF MARGIN"
+    echo(f"perplexity ratio {checks['ppl_ratio']:.4f} (within {margins['ppl']:.1%}: {verdict})")
+    verdict = "ok" if checks["agreement_enough"] else "TOO LOW"
+    echo(
+        f"top-1 agreement {agreed['top1_agreement']:.1%} of {agreed['positions']} greedy tokens "
+        f"(at least {margins['top1']:.0%}: {verdict})"
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import click
 
+from kvasir.cli.bench.checks import quality
 from kvasir.cli.bench.contests import compare, plans, pool
 from kvasir.cli.bench.probes import hop, roofline
 from kvasir.cli.bench.runs import doors, failover, isolation, load, submit, sweep
@@ -45,5 +46,5 @@ def bench() -> None:
     """
 
 
-for command in (load, sweep, submit, failover, isolation, doors, compare, plans, pool, hop, roofline):
+for command in (load, sweep, submit, failover, isolation, doors, compare, plans, pool, quality, hop, roofline):
     bench.add_command(command)

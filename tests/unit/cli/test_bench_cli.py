@@ -5,7 +5,7 @@ from click.testing import CliRunner
 
 from kvasir.cli.main import kvasir
 
-MODES = ("load", "sweep", "submit", "failover", "doors", "compare", "plans", "hop", "roofline")
+MODES = ("load", "sweep", "submit", "failover", "doors", "compare", "plans", "quality", "hop", "roofline")
 
 
 def bench(*args: str):
@@ -42,6 +42,8 @@ def test_the_old_mode_flags_name_the_subcommand_that_took_each_over(flag, mode):
         (("sweep",), "needs --slo-ttft and --slo-tpot"),
         (("compare", "--turns", "2", "--warmup", "2"), "--contenders ring,drained"),
         (("compare", "--contenders", "ring,vllm"), "--contenders: vllm; choose among"),
+        (("quality", "--reference", "vllm"), "--reference is llama.cpp or a plan file"),
+        (("quality", "--n-ctx", "0"), "--n-ctx must be positive"),
         (("compare", "--contenders", "ring,llama.cpp", "--door", "zeromq"), "--door zeromq cannot drive it"),
         (("plans", "a.toml"), "does not exist"),
         (("doors", "127.0.0.1:1"), "give the front's URL"),
