@@ -1,6 +1,6 @@
 """The quality check's pieces: the text, its chunks and prompts, the agreement count and
 the verdicts (kvasir/bench/quality.py); the daemons' side runs in
-tests/integration/test_quality.py."""
+tests/integration/test_quality_checks.py."""
 
 from __future__ import annotations
 
