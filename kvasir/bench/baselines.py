@@ -15,12 +15,15 @@ from kvasir.bench.workload import Job
 from kvasir.errors import KvasirError
 
 
-def load_reference(folder: Path, threads: int):
+def load_reference(folder: Path, threads: int, dtype: str = "float32"):
+    """The model folder in transformers, in ``dtype`` (a plan's: float32, bfloat16, float16)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kvasir.config.devices import torch_dtype
+
     torch.set_num_threads(threads)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype)).eval()
 
 
 def static_batches(model, jobs: list[Job], batch_size: int, pad_id: int) -> tuple[int, float]:

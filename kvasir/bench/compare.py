@@ -75,12 +75,15 @@ async def _drive(runtime_dir: Path, load: Load, on_result: Callable | None, door
 
 
 class Baselines:
-    """The transformers model, loaded once for every baseline run of a compare."""
+    """The transformers model, loaded once for every baseline run of a compare, in the
+    plan's dtype (a GGUF's matrices dequantised: transformers reads no other way)."""
 
-    def __init__(self, folder: Path, threads: int, pad_id: int, warmup: list[Job], concurrency: int) -> None:
+    def __init__(
+        self, folder: Path, threads: int, pad_id: int, warmup: list[Job], concurrency: int, dtype: str = "float32"
+    ) -> None:
         from kvasir.bench.baselines import load_reference
 
-        self.model = load_reference(folder, threads)
+        self.model = load_reference(folder, threads, dtype)
         self.pad_id = pad_id
         self.concurrency = concurrency
         self._warmup = warmup[:4]
@@ -178,6 +181,7 @@ class _Contest:
                 0 if pad is None else int(pad),
                 self.load.jobs[: self.load.warmup],
                 self.load.concurrency or 1,
+                self.plan.model.dtype,
             )
         return self.baselines.run(kind, self.load.measured)
 

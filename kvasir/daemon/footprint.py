@@ -16,7 +16,8 @@ from kvasir.config.fleet import Ring
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
 from kvasir.model.kv_cache import PagedKVCache
-from kvasir.model.loader import build_skeleton, count_parameters, slice_spec
+from kvasir.model.loader import build_skeleton, count_parameters, slice_spec, stored_tensors
+from kvasir.model.quant.stored import stored_footprint
 from kvasir.model.source import ModelSource
 from kvasir.ring.edges import pool_edges, torch_peer_access
 from kvasir.ring.expert_slots import dispatch_slot_bytes
@@ -35,7 +36,7 @@ class StageFootprint:
     device: str
     threads: int
     parameters: int
-    parameter_bytes: int
+    parameter_bytes: int  # as held: the matrices served as stored in their packed form
     kv_bytes: int
     slot_bytes: int  # one boundary slot on the edge into this stage (0 on the head)
     slots: int  # slots in that edge's ring
@@ -44,6 +45,7 @@ class StageFootprint:
     )
     edge_reason: str = ""
     host: str | None = None  # a plan with [cluster]: the host it runs on
+    stored_bytes: int = 0  # of parameter_bytes, the GGUF matrices served as stored (model.weights)
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,15 @@ def _ring_footprint(ring: Ring[Plan], source: ModelSource) -> list[StageFootprin
     hosts = [worker_host(plan.cluster, stage.host) for stage in plan.stages]
     edges = pool_edges(plan.stages, torch_peer_access(plan.stages), hosts)
     out = []
+    tensors = stored_tensors(source) if plan.model.weights == "as_stored" else None
+    tied = bool(getattr(source.config, "tie_word_embeddings", False))
     for index, stage in enumerate(plan.stages):
         spec = slice_spec(plan, index)
-        params = count_parameters(build_skeleton(source, spec))
+        skeleton = build_skeleton(source, spec)
+        params = count_parameters(skeleton)
+        stored_params, stored = (0, 0)
+        if tensors is not None:
+            stored_params, stored = stored_footprint(skeleton, skeleton.checkpoint_name, tensors, tied, dtype)
         role: StageRole = "head" if spec.is_head else "tail" if spec.is_tail else "middle"
         kv = PagedKVCache.bytes_needed(
             stage.layers[1] - stage.layers[0],
@@ -136,13 +144,14 @@ def _ring_footprint(ring: Ring[Plan], source: ModelSource) -> list[StageFootprin
                 device=stage.device,
                 threads=stage.threads,
                 parameters=params,
-                parameter_bytes=params * dtype.itemsize,
+                parameter_bytes=(params - stored_params) * dtype.itemsize + stored,
                 kv_bytes=kv,
                 slot_bytes=0 if spec.is_head else slot,
                 slots=0 if spec.is_head else plan.batch.inflight,
                 edge="" if spec.is_head else edges[index - 1].kind,
                 edge_reason="" if spec.is_head else edges[index - 1].reason,
                 host=hosts[index],
+                stored_bytes=stored,
             )
         )
     return out

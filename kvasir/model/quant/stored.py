@@ -19,6 +19,7 @@ from torch import nn
 
 from kvasir.config.sections import Weights
 from kvasir.errors import ModelSourceError
+from kvasir.model.quant.ggml import BLOCK, BLOCK_BYTES
 from kvasir.model.quant.gguf_weights import GgufTensors
 from kvasir.model.quant.linear import QuantEmbedding, QuantLinear
 
@@ -78,13 +79,7 @@ def swap_stored(
     """Replace, under ``modules``, each linear layer and embedding whose GGUF tensor is
     served as stored; ``checkpoint_name`` maps a local parameter name to its checkpoint name."""
     report = StoredLayers()
-    for path, child in list(modules.named_modules()):
-        if not isinstance(child, (nn.Linear, nn.Embedding)):
-            continue
-        name = checkpoint_name(f"{path}.weight")
-        if name == "lm_head.weight" and tied and tensors.gguf_name(name) is None:
-            name = EMBEDDINGS
-        fmt = tensors.served(name)
+    for path, child, name, fmt in _candidates(modules, checkpoint_name, tensors, tied):
         report.formats[tensors.format(name) or "missing"] += 1
         if fmt is None:
             continue
@@ -99,3 +94,36 @@ def swap_stored(
         parent, _, attribute = path.rpartition(".")
         setattr(modules.get_submodule(parent) if parent else modules, attribute, replacement)
     return report
+
+
+def stored_footprint(
+    modules: nn.Module, checkpoint_name, tensors: GgufTensors, tied: bool, dtype: torch.dtype
+) -> tuple[int, int]:
+    """Of ``modules`` (a skeleton: shapes only, nothing read), the parameters
+    ``swap_stored`` would serve as stored and their bytes as held once packed: per plane
+    half a byte a weight and a scale and a zero per group of 32 in ``dtype`` (a Q8_0
+    matrix is two planes); an embedding table its file's blocks."""
+    params = held = 0
+    for _, child, _, fmt in _candidates(modules, checkpoint_name, tensors, tied):
+        if fmt is None:
+            continue
+        rows, width = child.weight.shape
+        params += rows * width
+        if isinstance(child, nn.Linear):
+            planes = 2 if fmt == "Q8_0" else 1
+            held += planes * (rows * width // 2 + rows * (width // BLOCK) * 2 * dtype.itemsize)
+        else:
+            held += rows * (width // BLOCK) * BLOCK_BYTES[fmt]
+    return params, held
+
+
+def _candidates(modules: nn.Module, checkpoint_name, tensors: GgufTensors, tied: bool):
+    """Every linear layer and embedding under ``modules``: (path, module, its checkpoint
+    name, its GGUF tensor's format if served as stored, else None)."""
+    for path, child in list(modules.named_modules()):
+        if not isinstance(child, (nn.Linear, nn.Embedding)):
+            continue
+        name = checkpoint_name(f"{path}.weight")
+        if name == "lm_head.weight" and tied and tensors.gguf_name(name) is None:
+            name = EMBEDDINGS
+        yield path, child, name, tensors.served(name)

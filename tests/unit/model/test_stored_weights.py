@@ -99,3 +99,24 @@ def test_a_file_with_only_its_embeddings_quantised_stores_them_alone(tmp_path, m
     ids = torch.tensor([0, 5, 319])
     reference = reference_model(source.weights_dir).model.embed_tokens(ids)
     assert torch.equal(head.embed_tokens(ids), reference.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_plan_checks_stored_bytes_are_what_a_loaded_stage_holds(ggufs, name):
+    """kvasir/daemon/footprint.py predicts from the skeleton what the packed stage holds."""
+    from kvasir.model.loader import build_skeleton, stored_tensors
+    from kvasir.model.quant.stored import stored_footprint
+
+    source = resolve_source(str(ggufs[name]))
+    spec = SliceSpec((0, 4), True, True)
+    skeleton = build_skeleton(source, spec)
+    tied = bool(getattr(source.config, "tie_word_embeddings", False))
+    _, predicted = stored_footprint(skeleton, skeleton.checkpoint_name, stored_tensors(source), tied, torch.bfloat16)
+    loaded, _ = load_slice(source, spec, torch.bfloat16, torch.device("cpu"), "as_stored")
+    held = 0
+    for module in loaded.modules():
+        if isinstance(module, QuantLinear):
+            held += module.packed.nbytes + module.terms.nbytes
+        elif isinstance(module, QuantEmbedding):
+            held += module.blocks.nbytes
+    assert predicted == held  # the tiny models' rows are whole multiples of 16: no padding
