@@ -13,7 +13,7 @@ import pytest
 from tests.support.daemon import BIN
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
-SMALL = ("--chars", "12000", "--prompts", "4", "--prompt-len", "48", "--new-tokens", "16")
+SMALL = ("--chars", "8000", "--prompts", "3", "--prompt-len", "32", "--new-tokens", "12")
 
 
 def quality(*args: str) -> tuple[int, dict, str]:
@@ -32,15 +32,18 @@ def prepared():
 
 
 def test_the_q4_file_served_as_stored_keeps_the_float32_copys_quality(prepared):
+    # 36 greedy tokens here, not the check's 512: 80 % leaves room for a near tie or two on
+    # another CPU, and a wrong reading of the file agrees far less (BENCHMARKS.md: 97 %)
     code, report, err = quality(
-        "--plan", str(PLANS / "smollm2-q4.toml"), "--reference", str(PLANS / "smollm2-2stage.toml"), *SMALL
-    )
+        "--plan", str(PLANS / "smollm2-q4.toml"), "--reference", str(PLANS / "smollm2-2stage.toml"),
+        *SMALL, "--min-agreement", "0.8",
+    )  # fmt: skip
     assert report, err
     assert report["served"] == {"dtype": "bfloat16", "weights": "as_stored"}
     assert report["reference"]["served"] == {"dtype": "float32", "weights": "dequantize"}
-    assert report["chunks"] >= 5 and report["ours"]["scored_tokens"] == report["chunks"] * 255
+    assert report["chunks"] >= 3 and report["ours"]["scored_tokens"] == report["chunks"] * 255
     assert 3 < report["reference"]["ppl"] < 60, "a real model reads the language reference well"
-    assert report["agreement"]["positions"] == 4 * 16
+    assert report["agreement"]["positions"] == 3 * 12
     assert report["checks"]["passed"], report["checks"]
     assert code == 0
 
