@@ -72,6 +72,8 @@ class ServerSpec:
     def for_load(cls, binary: Path, gguf: Path, threads: int, load: Load) -> ServerSpec:
         if load.concurrency is None:
             raise KvasirError("llama-server runs a closed loop: give the load a concurrency")
+        if any(job.token_ids is None for job in load.jobs):
+            raise KvasirError("the llama.cpp contender runs token-id prompts only (its slots are sized in tokens)")
         longest = max(len(job.token_ids or ()) + job.max_tokens for job in load.jobs)
         context = -(-longest // CONTEXT_STEP) * CONTEXT_STEP
         return cls(binary, gguf, threads, load.concurrency, context)

@@ -34,9 +34,12 @@ def test_the_spec_gives_each_slot_the_longest_job_rounded_up_and_the_plans_threa
     assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "8123" and args[-1] == "--no-webui"
 
 
-def test_an_open_loop_load_is_refused():
+def test_an_open_loop_load_and_text_prompts_are_refused():
     with pytest.raises(KvasirError, match="closed loop"):
         ServerSpec.for_load(Path("x"), Path("m.gguf"), 2, Load(jobs((4, 4)), warmup=0, rate=2.0))
+    texts = [*jobs((4, 4)), Job(token_ids=None, text="Hello", max_tokens=4)]
+    with pytest.raises(KvasirError, match="token-id prompts only"):
+        ServerSpec.for_load(Path("x"), Path("m.gguf"), 2, Load(texts, warmup=0, concurrency=2))
 
 
 def test_the_binary_given_must_be_executable_and_none_found_says_how_to_build_one(tmp_path, monkeypatch):
