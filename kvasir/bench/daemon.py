@@ -58,6 +58,14 @@ def stop_gracefully(process: subprocess.Popen, timeout_s: float = 60.0) -> int:
     return process.returncode
 
 
+def read_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log file ("(no log)" if it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` TCP ports on 127.0.0.1 free a moment ago (bound together, then closed)."""
     sockets = [socket.socket() for _ in range(count)]
@@ -122,10 +130,7 @@ class ManagedDaemon:
         wait_serving(self.process, self.runtime_dir, self.stages, self.ready_timeout_s, self.log_tail)
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return read_tail(self.log_path, lines)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.process is not None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvasir.bench.daemon import BenchDaemonError, free_ports, stop_gracefully
+from kvasir.bench.daemon import BenchDaemonError, free_ports, read_tail, stop_gracefully
 from kvasir.bench.doors import Door, http_sender
 from kvasir.bench.runner import drive, summary_data
 from kvasir.bench.workload import Load
@@ -56,6 +56,20 @@ def find_binary(given: str | None) -> Path:
     )
 
 
+def slot_context(tokens: int) -> int:
+    """A slot's context for sequences of up to ``tokens``: rounded up to CONTEXT_STEP."""
+    return -(-tokens // CONTEXT_STEP) * CONTEXT_STEP
+
+
+def client_session():
+    """An aiohttp session for llama-server: a connection per request, as llama-server
+    closes one after a streamed response without saying so, and a reused one fails its
+    next request (0.3.36's llama.cpp)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+
 def _executable(path: str) -> bool:
     return Path(path).is_file() and os.access(path, os.X_OK)
 
@@ -75,8 +89,7 @@ class ServerSpec:
         if any(job.token_ids is None for job in load.jobs):
             raise KvasirError("the llama.cpp contender runs token-id prompts only (its slots are sized in tokens)")
         longest = max(len(job.token_ids or ()) + job.max_tokens for job in load.jobs)
-        context = -(-longest // CONTEXT_STEP) * CONTEXT_STEP
-        return cls(binary, gguf, threads, load.concurrency, context)
+        return cls(binary, gguf, threads, load.concurrency, slot_context(longest))
 
     def args(self, port: int) -> list[str]:
         n = str(self.threads)
@@ -139,10 +152,7 @@ class LlamaServer:
         raise LlamaServerError(f"llama-server not serving after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return read_tail(self.log_path, lines)
 
 
 def run_llama_server(spec: ServerSpec, load: Load, log_path: Path, slo: tuple[float, float] | None) -> dict:
@@ -154,13 +164,9 @@ def run_llama_server(spec: ServerSpec, load: Load, log_path: Path, slo: tuple[fl
 
 
 async def _drive(door: Door, load: Load):
-    import aiohttp
 
     concurrency = load.concurrency or 1
-    # a connection per request: llama-server closes one after a streamed response without
-    # saying so, and a reused one fails its next request (0.3.36's llama.cpp)
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with client_session() as session:
         send = http_sender(session, door, "model", ignore_eos=True)
         return await drive(send, load.jobs, warmup=load.warmup, concurrency=concurrency)
 
@@ -181,7 +187,7 @@ def llama_perplexity(binary: Path, gguf: Path, text: Path, n_ctx: int, threads: 
         done = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=3600)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", log_path.read_text(errors="replace"))
     if done.returncode != 0 or found is None:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        tail = read_tail(log_path, 15)
         raise LlamaServerError(f"llama-perplexity exited with {done.returncode} without a perplexity:\n{tail}")
     return float(found.group(1))
 

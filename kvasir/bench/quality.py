@@ -235,10 +235,17 @@ async def _ours(runtime_dir: Path, pieces, starts, new_tokens: int) -> tuple[dic
 
 def _against_llama(context: Context, gguf: Path, llama_server: str | None, spec: QualitySpec) -> tuple[dict, dict]:
     """llama-server's next tokens on the plan's greedy paths, then llama-perplexity."""
-    from kvasir.bench.llamacpp import LlamaServer, ServerSpec, find_binary, llama_perplexity, perplexity_binary
+    from kvasir.bench.llamacpp import (
+        LlamaServer,
+        ServerSpec,
+        find_binary,
+        llama_perplexity,
+        perplexity_binary,
+        slot_context,
+    )
 
     binary = find_binary(llama_server)
-    slot = -(-(spec.prompt_len + spec.new_tokens) // 256) * 256
+    slot = slot_context(spec.prompt_len + spec.new_tokens)
     with LlamaServer(ServerSpec(binary, gguf, context.threads, 1, slot), context.folder / "server.log") as server:
         tokens, agreed = asyncio.run(_llama_tokens_and_agreement(server.door, context))
     if tokens != context.ids:
@@ -256,12 +263,9 @@ def _against_llama(context: Context, gguf: Path, llama_server: str | None, spec:
 
 
 async def _llama_tokens_and_agreement(door, context: Context) -> tuple[list[int], dict]:
-    import aiohttp
+    from kvasir.bench.llamacpp import client_session, llama_tokens, llama_top_one
 
-    from kvasir.bench.llamacpp import llama_tokens, llama_top_one
-
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)  # as kvasir/bench/llamacpp.py drives it
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with client_session() as session:
         tokens = await llama_tokens(session, door, context.text)
         agreed = await agreement(context.continuations, context.starts, llama_top_one(session, door))
     return tokens, agreed
