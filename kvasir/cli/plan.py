@@ -286,7 +286,7 @@ def _print_plan(path, resolved, source, stages) -> None:
             f"{s.pool} {s.role}" if s.pool else s.role,
             f"[{s.layers[0]}, {s.layers[1]})",
             s.device,
-            str(s.threads),
+            str(s.threads) if s.solo_threads in (None, s.threads) else f"{s.threads}, solo {s.solo_threads}",
             f"{s.parameters:,}",
             format_bytes(s.parameter_bytes),
             format_bytes(s.kv_bytes),

@@ -20,7 +20,7 @@ from kvasir.config.experts import check_shards, check_shards_fit
 from kvasir.config.fleet import Ring, check_pools, rings
 from kvasir.config.http import HttpSpec, check_http, is_loopback
 from kvasir.config.kvpool import KvPoolSpec, check_kv_pool
-from kvasir.config.resources import check_placement, positive
+from kvasir.config.resources import check_placement, check_solo_threads, positive
 from kvasir.config.sections import (
     POOLS,
     BatchSpec,
@@ -265,6 +265,7 @@ def _check_stages(stages: tuple[StageSpec, ...], name: str) -> None:
                 f"{key}.layers = [{start}, {end}] is not a half-open range [start, end) with 0 <= start < end"
             )
         check_placement(key, stage.device, stage.threads, stage.cpus)
+        check_solo_threads(key, stage.threads, stage.solo_threads)
         check_shards(key, stage.experts)
     for i, stage in enumerate(stages):
         consumer = stages[i + 1].device if i + 1 < len(stages) else None

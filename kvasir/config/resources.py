@@ -15,6 +15,15 @@ def positive(key: str, value: int) -> None:
         raise PlanError(f"{key} must be a positive integer, got {value}")
 
 
+def check_solo_threads(key: str, threads: int, solo: int | None) -> None:
+    """A stage's threads for a batch alone in the ring: at least its usual ``threads``."""
+    if solo is not None and solo < threads:
+        raise PlanError(
+            f"{key}.solo_threads = {solo} is below {key}.threads = {threads}: a batch alone in the ring "
+            "runs with at least the stage's usual threads"
+        )
+
+
 def check_placement(key: str, device: str, threads: int, cpus: tuple[int, ...] | None) -> None:
     """``key``: the worker's table, e.g. ``stages[1]`` or ``stages[1].experts[0]``."""
     if not _DEVICE_RE.match(device):

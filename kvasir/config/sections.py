@@ -72,6 +72,7 @@ class StageSpec(_Section, frozen=True):
     layers: tuple[int, int]
     device: str = "cpu"
     threads: int = 1
+    solo_threads: int | None = None  # threads for a batch alone in the ring (the head marks it); default: threads
     cpus: tuple[int, ...] | None = None
     edge: str | None = None  # slot kind of the edge to the next stage: auto (default) | cuda-ipc | pinned | shm
     experts: tuple[ShardSpec, ...] = ()  # expert shards of its MoE layers; none: the stage runs its experts

@@ -94,6 +94,12 @@ def ending(code: int) -> str:
 
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
+# How long (busy-wait iterations) an OpenMP worker thread waits for torch's next parallel
+# region before it sleeps. GNU OpenMP's default (300,000) keeps it spinning for several
+# milliseconds after a stage's last product: it then takes a core from the next stage,
+# which is what a batch alone in the ring runs on (``solo_threads``, kvasir/model/pinning.py).
+# 3,000 still covers the gaps between one batch's products (BENCHMARKS.md).
+OPENMP_SPIN = "3000"
 
 
 def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -104,8 +110,13 @@ def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
     A stage reads every weight once per batch; with 4 KiB pages the CPU's prefetchers stop
     at each page edge, with 2 MiB pages they stream on (BENCHMARKS.md: the fixed workload
     4-6 % faster on the development machine). glibc before 2.35 and kernels with THP off
-    ignore the request."""
+    ignore the request.
+
+    OpenMP's worker threads wait ``OPENMP_SPIN`` busy iterations, unless
+    ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` already says how they wait."""
     env = dict(environ)
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        env["GOMP_SPINCOUNT"] = OPENMP_SPIN
     tunables = [part for part in env.get("GLIBC_TUNABLES", "").split(":") if part]
     if not any(part.split("=", 1)[0] == HUGE_PAGES_TUNABLE for part in tunables):
         env["GLIBC_TUNABLES"] = ":".join([*tunables, f"{HUGE_PAGES_TUNABLE}=1"])

@@ -46,6 +46,7 @@ class StageFootprint:
     edge_reason: str = ""
     host: str | None = None  # a plan with [cluster]: the host it runs on
     stored_bytes: int = 0  # of parameter_bytes, the GGUF matrices served as stored (model.weights)
+    solo_threads: int | None = None  # threads for a batch alone in the ring (None: threads)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ def _ring_footprint(ring: Ring[Plan], source: ModelSource) -> list[StageFootprin
                 edge_reason="" if spec.is_head else edges[index - 1].reason,
                 host=hosts[index],
                 stored_bytes=stored,
+                solo_threads=stage.solo_threads,
             )
         )
     return out

@@ -1,8 +1,7 @@
-"""Paged KV attention, plugged into Hugging Face decoder layers through AttentionInterface.
+"""Paged KV attention, called by each layer's fused attention (kvasir/model/fused.py).
 
 Per-batch metadata is built once per batch (``PagedBatch``) and handed to the layers as
-a call argument (``kvasir=...``), which transformers forwards to the attention
-function; nothing is kept in module-level state. Each layer writes the batch's keys and
+a call argument; nothing is kept in module-level state. Each layer writes the batch's keys and
 values into the cache, then attends: in place on CPU (kvasir/model/paged_inplace.py),
 by gathering every row's context on an accelerator (kvasir/model/paged_gather.py).
 """
@@ -12,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cached_property
-from typing import cast
 
 import torch
-from transformers import AttentionInterface
 
 from kvasir.errors import BatchError
 from kvasir.model.host_index import to_device
@@ -23,13 +20,6 @@ from kvasir.model.kv_cache import PagedKVCache, flat_slots
 from kvasir.model.paged_gather import GatherPlan, attend_gathered
 from kvasir.model.paged_inplace import RowPlan, attend_rows
 from kvasir.wire.batch import Row
-
-ATTENTION_NAME = "kvasir_paged"
-
-
-def register_attention() -> None:
-    """Make the paged attention available under ATTENTION_NAME (idempotent)."""
-    AttentionInterface.register(ATTENTION_NAME, paged_attention)
 
 
 @dataclass
@@ -84,32 +74,26 @@ def build_batch(
     return PagedBatch(cache, first_layer, at, slots, plans, emits, scores, in_place=device.type == "cpu")
 
 
-def paged_attention(
-    module: torch.nn.Module,
+def attend(
+    batch: PagedBatch,
+    layer_idx: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
     *,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    kvasir: PagedBatch | None = None,
-    **_: object,
-) -> tuple[torch.Tensor, None]:
-    """Write this batch's K/V into the paged cache, then attend over it.
-
-    ``query`` is [1, heads, T, dim] and ``key``/``value`` are [1, kv_heads, T, dim]
-    (rotary already applied); returns [1, T, heads, dim].
-    """
-    if kvasir is None:
-        raise RuntimeError("kvasir_paged attention called without its batch metadata (kvasir=...)")
-    layer = cast(int, module.layer_idx) - kvasir.first_layer
-    caches = (kvasir.cache.keys[layer], kvasir.cache.values[layer])
-    caches[0].index_copy_(0, kvasir.write_slots, key[0].transpose(0, 1))
-    caches[1].index_copy_(0, kvasir.write_slots, value[0].transpose(0, 1))
-    if kvasir.in_place:
-        out = attend_rows(kvasir.rows, query[0], key[0], value[0], caches, window=sliding_window, scale=scaling)
-    else:
-        out = attend_gathered(kvasir.gathered, query[0], caches, sliding_window, scaling, key.shape[1])
-    return out.unsqueeze(0), None
+    window: int | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """Write this batch's K/V of model layer ``layer_idx`` into the paged cache, then attend
+    over it: ``query`` [T, heads, dim], ``key``/``value`` [T, kv_heads, dim] (rotary already
+    applied); returns [T, heads, dim]."""
+    layer = layer_idx - batch.first_layer
+    caches = (batch.cache.keys[layer], batch.cache.values[layer])
+    caches[0].index_copy_(0, batch.write_slots, key)
+    caches[1].index_copy_(0, batch.write_slots, value)
+    query = query.transpose(0, 1)
+    if batch.in_place:
+        return attend_rows(
+            batch.rows, query, key.transpose(0, 1), value.transpose(0, 1), caches, window=window, scale=scale
+        )
+    return attend_gathered(batch.gathered, query, caches, window, scale, key.shape[1])

@@ -2,7 +2,7 @@
 already does (no torch here: the launcher and ``kvasir plan check`` read it before any
 weights are loaded).
 
-A family is a transformers ``model_type``. Kvasir runs transformers' own decoder layers
+A family is a transformers ``model_type``. Kvasir runs transformers' own decoder-layer modules
 on its paged KV cache, so a family needs only: which sliding window its attention passes
 to the attention function (``window``), whether a GGUF file of it converts (``gguf``),
 and, for a mixture of experts, where its config and checkpoint keep the experts

@@ -3,21 +3,22 @@ weight, and a dense MLP's gate and up projections another, once the weights are 
 
 On CPU a decode batch's projections read their weights from memory once per batch, so
 one [hidden, q + 2 kv] product costs less than three (and one [hidden, 2 x intermediate]
-less than two); the attention forward also skips transformers' generic plumbing. Each
+less than two). The attention runs as Kvasir's layers do (kvasir/model/decoder.py): on
+``[T, hidden]``, queries and keys rotated together, straight onto the paged cache. Each
 architecture's attention keeps its own details: biases (Qwen2), per-head query/key
 norms (Qwen3), and which sliding window transformers hands its attention function.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from kvasir.model.attention import paged_attention
-from kvasir.model.families import FAMILIES, WindowRule
+from kvasir.model.attention import PagedBatch, attend
+from kvasir.model.decoder import Rope, rms_norm, rotate
+from kvasir.model.families import WindowRule, family_of
 from kvasir.model.quant.linear import QuantLinear
 
 
@@ -64,31 +65,25 @@ class FusedAttention(nn.Module):
         self.scaling = attention.scaling
         self.sliding_window = window
         self.qkv = _fused_linear([attention.q_proj, attention.k_proj, attention.v_proj])
-        self.sizes = [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
+        self.heads = attention.q_proj.out_features // self.head_dim
+        self.kv_heads = attention.k_proj.out_features // self.head_dim
         self.o_proj = attention.o_proj
         self.q_norm: Any = getattr(attention, "q_norm", None)
         self.k_norm: Any = getattr(attention, "k_norm", None)  # both or neither (Qwen3)
-        self.rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
 
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], **kwargs: Any
-    ) -> tuple[torch.Tensor, None]:
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key, value = (part.view(shape) for part in self.qkv(hidden_states).split(self.sizes, dim=-1))
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotate(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
-        out, _ = paged_attention(
-            self,
-            query,
-            key,
-            value.transpose(1, 2),
-            None,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            kvasir=kwargs.get("kvasir"),
-        )
-        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+    def forward(self, hidden: torch.Tensor, rope: Rope, batch: PagedBatch) -> torch.Tensor:
+        """``hidden`` [T, hidden] in and out."""
+        tokens = hidden.shape[0]
+        qkv = self.qkv(hidden).view(tokens, -1, self.head_dim)  # [T, heads + 2 kv_heads, dim]
+        both = self.heads + self.kv_heads
+        if self.q_norm is None:
+            rotated = rotate(qkv[:, :both], rope)
+        else:  # per-head norms before the rotation
+            normed = [rms_norm(self.q_norm, qkv[:, : self.heads]), rms_norm(self.k_norm, qkv[:, self.heads : both])]
+            rotated = rotate(torch.cat(normed, dim=1), rope)
+        query, key, value = rotated[:, : self.heads], rotated[:, self.heads :], qkv[:, both:]
+        out = attend(batch, self.layer_idx, query, key, value, window=self.sliding_window, scale=self.scaling)
+        return self.o_proj(out.reshape(tokens, -1))
 
 
 class FusedMLP(nn.Module):
@@ -107,11 +102,8 @@ class FusedMLP(nn.Module):
 
 
 def fuse_layers(layers: nn.ModuleList, model_type: str) -> None:
-    """Replace each layer's attention, and each dense MLP, by its fused form (in place).
-    An architecture without a known window rule is left as transformers builds it."""
-    family = FAMILIES.get(model_type)
-    if family is None:
-        return
+    """Replace each layer's attention, and each dense MLP, by its fused form (in place)."""
+    family = family_of(model_type, "model")
     for layer in layers:
         layer.self_attn = FusedAttention(layer.self_attn, window(family.window, layer.self_attn))
         mlp = layer.mlp

@@ -22,7 +22,6 @@ from transformers import AutoModelForCausalLM
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Weights
 from kvasir.errors import ModelSourceError
-from kvasir.model.attention import ATTENTION_NAME, register_attention
 from kvasir.model.fused import fuse_layers
 from kvasir.model.moe import LocalExperts, MissingExperts, MoeBlock, MoeLayout, Piece
 from kvasir.model.quant.gguf_weights import GgufTensors
@@ -102,8 +101,7 @@ class SliceModules(nn.Module):
 def build_skeleton(source: ModelSource, spec: SliceSpec) -> SliceModules:
     """The stage's modules on the meta device: shapes only, nothing allocated."""
     config = source.fresh_config()
-    register_attention()
-    config._attn_implementation = ATTENTION_NAME
+    config._attn_implementation = "eager"  # never called: every layer's attention is Kvasir's (kvasir/model/fused.py)
     with torch.device("meta"):
         return SliceModules(AutoModelForCausalLM.from_config(config), spec)
 

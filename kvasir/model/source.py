@@ -20,8 +20,8 @@ from kvasir.model.gguf import smollm2_gguf
 from kvasir.model.moe_layout import MoeLayout
 
 # Decoder families whose checkpoints lay out model.embed_tokens / model.layers.N /
-# model.norm / lm_head and whose layers call attention through AttentionInterface; the
-# last three are mixtures of experts (kvasir/model/moe.py).
+# model.norm / lm_head and whose decoder layers are transformers' pre-norm structure
+# (kvasir/model/decoder.py runs it); the last three are mixtures of experts (kvasir/model/moe.py).
 
 # SmolLM2-135M-Instruct (Apache-2.0): the embedded default model.
 _SMOLLM2_135M = {

@@ -1,7 +1,8 @@
 """One stage's forward pass over a packed batch.
 
 Whether the stage embeds token ids (head) and whether it ends in logits (tail) is
-chosen once at construction; the forward pass itself never branches on topology.
+chosen once at construction; the forward pass itself never branches on topology. Each
+layer runs as kvasir/model/decoder.py says, on transformers' modules.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from kvasir.model.attention import PagedBatch
+from kvasir.model.decoder import decoder_layer, rms_norm, rope_tables
 from kvasir.model.loader import SliceModules
 from kvasir.model.source import ModelSource
 
@@ -36,18 +38,11 @@ class StageModel(nn.Module):
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """Token ids [T] (head) or boundary [T, hidden] in; boundary or logits [E, vocab] out."""
-        hidden = self._enter(inputs).unsqueeze(0)
-        positions = batch.positions.unsqueeze(0)
-        rope = self.rotary(hidden, positions)
+        hidden = self._enter(inputs)
+        rope = rope_tables(*self.rotary(hidden, batch.positions.unsqueeze(0)))
         for layer in self.slice.layers:
-            hidden = layer(
-                hidden,
-                attention_mask=None,
-                position_ids=positions,
-                position_embeddings=rope,
-                kvasir=batch,
-            )
-        return self._exit(hidden[0], batch)
+            hidden = decoder_layer(layer, hidden, rope, batch)
+        return self._exit(hidden, batch)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.slice.embed_tokens(token_ids)
@@ -62,7 +57,7 @@ class StageModel(nn.Module):
         if batch.score_index.numel():
             index = torch.cat([index, batch.score_index])
         last = hidden.index_select(0, index)
-        return self.slice.lm_head(self.slice.norm(last)).float()
+        return self.slice.lm_head(rms_norm(self.slice.norm, last)).float()
 
     def _boundary(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         return hidden

@@ -159,6 +159,7 @@ class Scheduler:
         registered, spill = self.cache.take_pool_news()
         batch_id = self._next_batch
         self._next_batch += 1
+        solo = not self.inflight  # the ring holds no other batch: its stages' cores are idle
         self.inflight[batch_id] = tuple(row.request_id for row in rows)
         descriptor = BatchDescriptor(
             batch_id=batch_id,
@@ -171,6 +172,7 @@ class Scheduler:
             registered=registered,
             spill=spill,
             load=self.pool.take(),
+            solo=solo,
         )
         self._release.clear()
         return ScheduledBatch(descriptor, torch.tensor(tokens, dtype=torch.long))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from kvasir.model.pinning import Threads
 from kvasir.stage.engine import StageEngine
 from kvasir.stage.handoff import NoHandoff
 from kvasir.stage.pooling import NoPool
@@ -57,11 +58,13 @@ class StageAgent:
         bridge: PushChannel,
         control: PushChannel,
         log,
+        threads: Threads,
         handoff: HandoffRole | None = None,
         pool: PoolPart | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
+        self.threads = threads
         self.intake = intake
         self.outlet = outlet
         self.handoff: HandoffRole = handoff if handoff is not None else NoHandoff()
@@ -107,6 +110,7 @@ class StageAgent:
             self.handoff.after(descriptor)  # no rows: it only forgets the released requests
             self.outlet.emit(descriptor, None)
             return
+        self.threads.follow(descriptor.solo)
         output = self.engine.run(descriptor, inputs, self.outlet.scored(descriptor))
         self.handoff.after(descriptor)
         self.intake.consumed(descriptor)

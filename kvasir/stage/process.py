@@ -13,7 +13,7 @@ import zmq
 from kvasir.errors import KvasirError
 from kvasir.kvpool.stage_side import StagePool
 from kvasir.logs import Logger, setup_logging
-from kvasir.model.pinning import pin_process
+from kvasir.model.pinning import Threads, pin_process
 from kvasir.model.source import ModelSource, resolve_source
 from kvasir.ring.attach import attach_ring
 from kvasir.ring.handshake import IpcRing, exchange_handles
@@ -143,6 +143,7 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
         bridge=bridge,
         control=control,
         log=log,
+        threads=Threads(plan.stages[w.local].threads, plan.stages[w.local].solo_threads),
         handoff=handoff,
         pool=pool,
     )

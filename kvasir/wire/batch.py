@@ -125,6 +125,7 @@ class BatchDescriptor(Wire, frozen=True):
     registered: tuple[tuple[int, BlockKey], ...] = ()  # (block, prefix key) the head's cache registered
     spill: tuple[tuple[int, BlockKey], ...] = ()  # and evicted
     load: tuple[PoolLoad, ...] = ()
+    solo: bool = False  # fixed while no other batch was in flight: each stage may run it on its solo_threads
 
 
 class SampledToken(Wire, frozen=True):

@@ -34,6 +34,7 @@ def test_defaults_fill_omitted_keys():
     assert plan.bridge.max_waiting == 1024
     assert [s.layers for s in plan.stages] == [(0, 3), (3, 6)]
     assert all(s.device == "cpu" and s.threads == 1 and s.cpus is None for s in plan.stages)
+    assert all(s.solo_threads is None for s in plan.stages)
 
 
 def test_explicit_values_are_kept():
@@ -135,6 +136,9 @@ def test_bad_threads_cpus_and_dtype():
     assert "stages[0].threads must be a positive integer" in refused(TWO.replace("[0, 3]", "[0, 3]\nthreads = 0"))
     assert "distinct non-negative" in refused(TWO.replace("[0, 3]", "[0, 3]\ncpus = [1, 1]"))
     assert "stages[0].cpus is empty" in refused(TWO.replace("[0, 3]", "[0, 3]\ncpus = []"))
+    below = refused(TWO.replace("[3, 6]", "[3, 6]\nthreads = 2\nsolo_threads = 1"))
+    assert "stages[1].solo_threads = 1 is below stages[1].threads = 2" in below
+    assert parse_plan(TWO.replace("[3, 6]", "[3, 6]\nsolo_threads = 2")).stages[1].solo_threads == 2
     assert "model.dtype must be one of float32, bfloat16, float16" in refused('[model]\ndtype = "float64"\n' + TWO)
 
 

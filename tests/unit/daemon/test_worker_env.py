@@ -1,4 +1,5 @@
-"""A worker's environment asks glibc for transparent huge pages, and the request takes hold."""
+"""A worker's environment asks glibc for transparent huge pages, and the request takes hold;
+it shortens OpenMP's busy wait unless the user said how OpenMP threads wait."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kvasir.daemon.children import worker_env
+from kvasir.daemon.children import OPENMP_SPIN, worker_env
 
 
 def test_adds_the_huge_page_tunable_and_keeps_everything_else():
     env = worker_env({"PATH": "/bin", "KVASIR_CACHE_DIR": "/c"})
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     assert env["PATH"] == "/bin" and env["KVASIR_CACHE_DIR"] == "/c"
+    assert set(env) == {"PATH", "KVASIR_CACHE_DIR", "GLIBC_TUNABLES", "GOMP_SPINCOUNT"}
 
 
 def test_appends_to_a_users_other_tunables():
@@ -27,6 +29,17 @@ def test_appends_to_a_users_other_tunables():
 @pytest.mark.parametrize("setting", ["glibc.malloc.hugetlb=0", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2"])
 def test_a_users_own_huge_page_setting_wins(setting):
     assert worker_env({"GLIBC_TUNABLES": setting})["GLIBC_TUNABLES"] == setting
+
+
+def test_shortens_openmps_busy_wait():
+    assert worker_env({})["GOMP_SPINCOUNT"] == OPENMP_SPIN
+
+
+@pytest.mark.parametrize("setting", [{"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "PASSIVE"}])
+def test_a_users_own_openmp_wait_wins(setting):
+    env = worker_env(setting)
+    assert {key: env.get(key) for key in setting} == setting
+    assert "GOMP_SPINCOUNT" not in env or "GOMP_SPINCOUNT" in setting
 
 
 def _thp_mode() -> str:

@@ -71,6 +71,19 @@ def test_inflight_limit_and_no_request_in_two_batches():
     assert ids.isdisjoint(r.request_id for r in second.descriptor.rows)
 
 
+def test_a_batch_fixed_with_no_other_in_flight_is_marked_solo():
+    s = scheduler(max_rows=1, max_tokens=4, inflight=2)
+    s.submit(prompt(3), SamplingParams(max_tokens=3))
+    alone = s.next_batch()
+    assert alone.descriptor.solo  # the ring was empty
+    s.submit(prompt(3), SamplingParams(max_tokens=3))
+    beside = s.next_batch()
+    assert not beside.descriptor.solo  # the first is still in flight
+    finish_batch(s, alone)
+    assert not s.next_batch().descriptor.solo  # the second still is
+    finish_batch(s, beside)
+
+
 def test_admission_reserves_kv_and_waits_for_room():
     # 8 blocks of 4 tokens; each request needs ceil((6 + 10) / 4) = 4 blocks
     s = scheduler(max_rows=8, max_tokens=64, inflight=1, block_size=4, num_blocks=8, max_seq_len=32)

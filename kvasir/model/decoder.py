@@ -1,0 +1,54 @@
+"""A decoder layer's forward, run by Kvasir on transformers' own modules.
+
+Every family Kvasir serves (kvasir/model/families.py) has transformers' pre-norm decoder
+layer: ``h = x + attention(norm(x))``, then ``h + mlp(norm(h))``. The stages keep
+transformers' modules (their weights, norms, MLPs and Kvasir's MoE blocks) and run that
+structure themselves on the packed batch as ``[T, hidden]``: transformers' layer call
+adds keyword plumbing and a deprecation wrapper per layer, and its rotary embedding
+builds each rotated half with a slice, a negation and a concatenation, for queries and
+keys apart. Here the rotary tables are built once per batch (``Rope``) and queries and
+keys rotate together in four operations. Each step is the same arithmetic, in the same
+order and dtype, as transformers' (tests/unit/model/test_decoder.py checks every family
+against transformers' own layer), so the outputs are bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Rope(NamedTuple):
+    """One batch's rotary tables, ``[T, 1, head_dim]`` (broadcast over heads)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor  # first half negated: rotate_half(x) * sin == x.roll(half) * this
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> Rope:
+    """From a transformers rotary embedding's ``[1, T, head_dim]`` cos and sin."""
+    half = cos.shape[-1] // 2
+    signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+    return Rope(cos[0, :, None], signed[:, None])
+
+
+def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """``x`` [T, heads, head_dim] with the rotary embedding applied, as transformers'
+    ``x * cos + rotate_half(x) * sin`` (negating a factor is exact, so the products match)."""
+    return x * rope.cos + x.roll(x.shape[-1] // 2, -1) * rope.sin
+
+
+def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """A transformers RMS norm module's output: normalised in float32, back to ``x``'s
+    dtype, then scaled by the module's weight."""
+    normalised = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
+    return norm.weight * normalised.to(x.dtype)
+
+
+def decoder_layer(layer: Any, hidden: torch.Tensor, rope: Rope, batch: Any) -> torch.Tensor:
+    """One layer on ``hidden`` [T, hidden]; ``layer.self_attn`` is Kvasir's fused attention
+    (kvasir/model/fused.py), ``batch`` its paged batch."""
+    hidden = hidden + layer.self_attn(rms_norm(layer.input_layernorm, hidden), rope, batch)
+    return hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
