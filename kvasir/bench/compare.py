@@ -119,7 +119,7 @@ class _Contest:
         door: str,
         tmp: Path,
     ):
-        from kvasir.config.devices import torch_dtype
+        from kvasir.daemon.footprint import plan_footprint
         from kvasir.daemon.resolve import resolve_plan
         from kvasir.model.convert import prepare
 
@@ -127,7 +127,7 @@ class _Contest:
         self.source = prepare(source)
         self.load, self.slo, self.tmp = load, slo, tmp
         self.threads = sum(stage.threads for stage in self.plan.all_stages)
-        self.dtype_bytes = torch_dtype(self.plan.model.dtype).itemsize
+        self.product_bytes = {stage.index: stage.product_bytes for stage in plan_footprint(self.plan, self.source)}
         self.llama = self._llama_spec(llama_server) if "llama.cpp" in contenders else None
         self.doors = contender_plans(self.plan, self.source.name, tmp, http=door == "http")
         self.baselines: Baselines | None = None
@@ -151,7 +151,7 @@ class _Contest:
         report = ring_report(result, self.slo.targets if self.slo is not None else None)
         tail = len(self.plan.all_stages) - 1
         for stage in report["stages"]:
-            stage.update(stage_rates(self.source, stage, stage["index"] == tail, self.dtype_bytes))
+            stage.update(stage_rates(self.source, stage, stage["index"] == tail, self.product_bytes[stage["index"]]))
         report["door"] = "http" if self.doors[kind] is not None else "zeromq"
         return report
 

@@ -49,12 +49,12 @@ def model_products(source: ModelSource) -> list[Product]:
     ]
 
 
-def stage_rates(source: ModelSource, stage: dict, is_tail: bool, itemsize: int = 4) -> dict:
+def stage_rates(source: ModelSource, stage: dict, is_tail: bool, weight_bytes: int) -> dict:
     """What a stage achieved over a measured window (a ``stage_fractions`` entry): GFLOP/s
-    of its matrix products and GB/s of weights read (each batch reads every weight of
-    the slice once), per busy second. Attention's own products are left out (a few
-    percent at these lengths); a mixture-of-experts model gets nothing (its products
-    depend on routing)."""
+    of its matrix products and GB/s of weights read (each batch reads ``weight_bytes``,
+    every weight of the slice as held, once), per busy second. Attention's own products
+    are left out (a few percent at these lengths); a mixture-of-experts model gets
+    nothing (its products depend on routing)."""
     if source.moe is not None:
         return {}
     shapes = model_products(source)
@@ -65,7 +65,7 @@ def stage_rates(source: ModelSource, stage: dict, is_tail: bool, itemsize: int =
     batches = stage["batches_per_s"] * stage["window_s"]
     tokens, rows = stage["tokens_per_batch"] * batches, stage["rows_per_batch"] * batches
     flops = 2 * layer * (last - first) * tokens + 2 * head * rows  # the LM head runs on emitting rows (<= rows)
-    weights = itemsize * (layer * (last - first) + head) * batches
+    weights = weight_bytes * batches
     return {"gflop_s": flops / busy_s / 1e9, "weight_gb_s": weights / busy_s / 1e9}
 
 

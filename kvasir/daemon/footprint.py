@@ -10,14 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from kvasir.config.cluster import worker_host
 from kvasir.config.devices import DispatchKind, dispatch_kind, torch_dtype
 from kvasir.config.fleet import Ring
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
 from kvasir.model.kv_cache import PagedKVCache
-from kvasir.model.loader import build_skeleton, count_parameters, slice_spec, stored_tensors
-from kvasir.model.quant.stored import stored_footprint
+from kvasir.model.loader import SliceModules, build_skeleton, count_parameters, slice_spec, stored_tensors
+from kvasir.model.quant.stored import StoredBytes, stored_footprint
 from kvasir.model.source import ModelSource
 from kvasir.ring.edges import pool_edges, torch_peer_access
 from kvasir.ring.expert_slots import dispatch_slot_bytes
@@ -46,6 +48,7 @@ class StageFootprint:
     edge_reason: str = ""
     host: str | None = None  # a plan with [cluster]: the host it runs on
     stored_bytes: int = 0  # of parameter_bytes, the GGUF matrices served as stored (model.weights)
+    product_bytes: int = 0  # of parameter_bytes, what one batch reads: all but the embedding table (looked up by row)
     solo_threads: int | None = None  # threads for a batch alone in the ring (None: threads)
 
 
@@ -110,6 +113,13 @@ def plan_footprint(plan: Plan, source: ModelSource) -> list[StageFootprint]:
     return out
 
 
+def _table_bytes(skeleton: SliceModules, stored: StoredBytes, dtype: torch.dtype) -> int:
+    """The bytes a head stage holds its embedding table in (0 elsewhere)."""
+    if skeleton.embed_tokens is None:
+        return 0
+    return stored.tables or skeleton.embed_tokens.weight.numel() * dtype.itemsize
+
+
 def _ring_footprint(ring: Ring[Plan], source: ModelSource) -> list[StageFootprint]:
     plan, first = ring.plan, ring.first
     dtype = torch_dtype(plan.model.dtype)
@@ -123,9 +133,10 @@ def _ring_footprint(ring: Ring[Plan], source: ModelSource) -> list[StageFootprin
         spec = slice_spec(plan, index)
         skeleton = build_skeleton(source, spec)
         params = count_parameters(skeleton)
-        stored_params, stored = (0, 0)
+        stored = StoredBytes(0, 0, 0)
         if tensors is not None:
-            stored_params, stored = stored_footprint(skeleton, skeleton.checkpoint_name, tensors, tied, dtype)
+            stored = stored_footprint(skeleton, skeleton.checkpoint_name, tensors, tied, dtype)
+        held = (params - stored.params) * dtype.itemsize + stored.held
         role: StageRole = "head" if spec.is_head else "tail" if spec.is_tail else "middle"
         kv = PagedKVCache.bytes_needed(
             stage.layers[1] - stage.layers[0],
@@ -145,14 +156,15 @@ def _ring_footprint(ring: Ring[Plan], source: ModelSource) -> list[StageFootprin
                 device=stage.device,
                 threads=stage.threads,
                 parameters=params,
-                parameter_bytes=(params - stored_params) * dtype.itemsize + stored,
+                parameter_bytes=held,
+                product_bytes=held - _table_bytes(skeleton, stored, dtype),
                 kv_bytes=kv,
                 slot_bytes=0 if spec.is_head else slot,
                 slots=0 if spec.is_head else plan.batch.inflight,
                 edge="" if spec.is_head else edges[index - 1].kind,
                 edge_reason="" if spec.is_head else edges[index - 1].reason,
                 host=hosts[index],
-                stored_bytes=stored,
+                stored_bytes=stored.held,
                 solo_threads=stage.solo_threads,
             )
         )

@@ -96,14 +96,21 @@ def swap_stored(
     return report
 
 
+@dataclass(frozen=True)
+class StoredBytes:
+    params: int  # parameters served as stored
+    held: int  # their bytes as held
+    tables: int  # of those bytes, the embedding tables' (looked up by row, not read whole by a batch)
+
+
 def stored_footprint(
     modules: nn.Module, checkpoint_name, tensors: GgufTensors, tied: bool, dtype: torch.dtype
-) -> tuple[int, int]:
+) -> StoredBytes:
     """Of ``modules`` (a skeleton: shapes only, nothing read), the parameters
     ``swap_stored`` would serve as stored and their bytes as held once packed: per plane
     half a byte a weight and a scale and a zero per group of 32 in ``dtype`` (a Q8_0
     matrix is two planes); an embedding table its file's blocks."""
-    params = held = 0
+    params = held = tables = 0
     for _, child, _, fmt in _candidates(modules, checkpoint_name, tensors, tied):
         if fmt is None:
             continue
@@ -113,8 +120,8 @@ def stored_footprint(
             planes = 2 if fmt == "Q8_0" else 1
             held += planes * (rows * width // 2 + rows * (width // BLOCK) * 2 * dtype.itemsize)
         else:
-            held += rows * (width // BLOCK) * BLOCK_BYTES[fmt]
-    return params, held
+            tables += rows * (width // BLOCK) * BLOCK_BYTES[fmt]
+    return StoredBytes(params, held + tables, tables)
 
 
 def _candidates(modules: nn.Module, checkpoint_name, tensors: GgufTensors, tied: bool):

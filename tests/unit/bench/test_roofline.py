@@ -42,11 +42,12 @@ def test_stage_rates_count_the_slices_products_per_busy_second(tiny_models):
     layer = 576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576  # one layer's weights, fused as run
     stage = {"layers": [17, 30], "busy": 0.5, "window_s": 10.0, "batches_per_s": 4.0}
     stage |= {"tokens_per_batch": 40.0, "rows_per_batch": 14.0}
-    tail = stage_rates(source, stage, is_tail=True)
+    held = 4 * (13 * layer + 576 * 49152)  # float32, as the stage holds them
+    tail = stage_rates(source, stage, is_tail=True, weight_bytes=held)
     # 40 batches in 5 busy seconds: 1,600 tokens through 13 layers, 560 rows through the LM head
     flops = 2 * layer * 13 * 1600 + 2 * 576 * 49152 * 560
     assert abs(tail["gflop_s"] - flops / 5 / 1e9) < 1e-6
-    assert abs(tail["weight_gb_s"] - 4 * (13 * layer + 576 * 49152) * 40 / 5 / 1e9) < 1e-6
-    inner = stage_rates(source, stage, is_tail=False)
+    assert abs(tail["weight_gb_s"] - held * 40 / 5 / 1e9) < 1e-6
+    inner = stage_rates(source, stage, is_tail=False, weight_bytes=4 * 13 * layer)
     assert inner["gflop_s"] < tail["gflop_s"] and inner["weight_gb_s"] < tail["weight_gb_s"]
-    assert stage_rates(resolve_source(str(tiny_models["mixtral"])), stage, is_tail=True) == {}
+    assert stage_rates(resolve_source(str(tiny_models["mixtral"])), stage, is_tail=True, weight_bytes=held) == {}

@@ -188,6 +188,9 @@ def test_plan_check_json_reports_sizes(tmp_path, tiny_models):
     # max_tokens 256 x hidden 64 x 4 bytes, one slot per batch in flight
     assert head["slot_bytes"] == 0 and tail["slot_bytes"] == 256 * 64 * 4 and tail["slots"] == 3
     assert head["parameter_bytes"] == head["parameters"] * 4
+    # a batch reads every weight but the embedding table, which it looks up by row (vocab 320 x hidden 64)
+    assert head["product_bytes"] == head["parameter_bytes"] - 320 * 64 * 4
+    assert tail["product_bytes"] == tail["parameter_bytes"]
     assert body["model"]["layers"] == 6
 
 
