@@ -128,7 +128,7 @@ def _ring_footprint(ring: Ring[Plan], source: ModelSource) -> list[StageFootprin
     edges = pool_edges(plan.stages, torch_peer_access(plan.stages), hosts)
     out = []
     tensors = stored_tensors(source) if plan.model.weights == "as_stored" else None
-    tied = bool(getattr(source.config, "tie_word_embeddings", False))
+    tied = source.tied_embeddings
     for index, stage in enumerate(plan.stages):
         spec = slice_spec(plan, index)
         skeleton = build_skeleton(source, spec)

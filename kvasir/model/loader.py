@@ -125,8 +125,7 @@ def load_slice(
     )
     tensors = stored_tensors(source) if served == "as_stored" else None
     if tensors is not None:
-        tied = bool(getattr(source.config, "tie_word_embeddings", False))
-        modules.stored = swap_stored(modules, modules.checkpoint_name, tensors, tied, dtype)
+        modules.stored = swap_stored(modules, modules.checkpoint_name, tensors, source.tied_embeddings, dtype)
     stored = modules.stored
     modules.to_empty(device=device)
     modules.to(dtype)
@@ -206,10 +205,9 @@ def _read(
 ) -> list[str]:
     """Fill each parameter's pieces from the checkpoint (``index``: its tensor -> file
     map); the names of the tensors read."""
-    tied = bool(getattr(source.config, "tie_word_embeddings", False))
     by_file: dict[str, list[tuple[torch.Tensor, Piece]]] = {}
     for param, piece in wanted:
-        if piece.stored not in index and piece.stored == "lm_head.weight" and tied:
+        if piece.stored not in index and piece.stored == "lm_head.weight" and source.tied_embeddings:
             piece = Piece("model.embed_tokens.weight", piece.index)
         if piece.stored not in index:
             raise ModelSourceError(f"model folder {folder}: tensor {piece.stored!r} is missing from the weights")

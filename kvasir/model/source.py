@@ -73,6 +73,11 @@ class ModelSource:
         return int(self.config.vocab_size)
 
     @property
+    def tied_embeddings(self) -> bool:
+        """The LM head is the embedding table (no lm_head tensor of its own)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    @property
     def kv_heads(self) -> int:
         return int(self.config.num_key_value_heads)
 

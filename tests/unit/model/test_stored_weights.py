@@ -110,7 +110,7 @@ def test_plan_checks_stored_bytes_are_what_a_loaded_stage_holds(ggufs, name):
     source = resolve_source(str(ggufs[name]))
     spec = SliceSpec((0, 4), True, True)
     skeleton = build_skeleton(source, spec)
-    tied = bool(getattr(source.config, "tie_word_embeddings", False))
+    tied = source.tied_embeddings
     predicted = stored_footprint(skeleton, skeleton.checkpoint_name, stored_tensors(source), tied, torch.bfloat16)
     loaded, _ = load_slice(source, spec, torch.bfloat16, torch.device("cpu"), "as_stored")
     held = tables = 0
