@@ -33,12 +33,14 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def checkpoint_dtype(config_dtype: object, gguf: bool) -> tuple[str, str]:
-    """The dtype a model's weights want and where that comes from: a GGUF's matrices are
-    served as stored in bfloat16; a folder's config names its own (float32 where it names
-    none Kvasir serves)."""
+def checkpoint_dtype(config_dtype: object, gguf: bool, quantized: bool = False) -> tuple[str, str]:
+    """The dtype a model's weights want and where that comes from: packed matrices (a
+    GGUF file's, a quantized checkpoint's) are served as stored in bfloat16; a folder's
+    config names its own (float32 where it names none Kvasir serves)."""
     if gguf:
         return "bfloat16", "a GGUF file's matrices are served as stored in bfloat16"
+    if quantized:
+        return "bfloat16", "a quantized checkpoint's matrices are served as stored in bfloat16"
     name = str(config_dtype).removeprefix("torch.") if config_dtype is not None else "float32"
     return (name, "the checkpoint's dtype") if name in DTYPES else ("float32", f"the checkpoint's {name} is not served")
 

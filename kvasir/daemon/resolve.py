@@ -45,15 +45,16 @@ def resolve_dtype(plan: Plan, source: ModelSource) -> Plan:
 def resolve_weights(plan: Plan, source: ModelSource) -> Plan:
     """The plan with ``model.weights`` as it comes to for every worker ("as_stored" or
     "dequantize"), once the plan's choice is checked (kvasir/model/quant/stored.py)."""
-    gguf = source.stored_gguf is not None
     kernels = int4_kernels_available()
-    served = check_weights(plan.model.weights, plan.model.dtype, worker_devices(plan), gguf, kernels=kernels)
+    served = check_weights(plan.model.weights, plan.model.dtype, worker_devices(plan), source.packed, kernels=kernels)
     return msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, weights=served))
 
 
 def dtype_choice(plan: Plan, source: ModelSource) -> DtypeChoice:
     """What ``model.dtype = "auto"`` comes to for this model and machine, and why."""
-    wanted, origin = checkpoint_dtype(getattr(source.config, "dtype", None), source.stored_gguf is not None)
+    wanted, origin = checkpoint_dtype(
+        getattr(source.config, "dtype", None), source.stored_gguf is not None, source.scheme is not None
+    )
     return auto_dtype(wanted, origin, worker_devices(plan), cpu_flags())
 
 

@@ -24,9 +24,10 @@ from kvasir.config.sections import Weights
 from kvasir.errors import ModelSourceError
 from kvasir.model.fused import fuse_layers
 from kvasir.model.moe import LocalExperts, MissingExperts, MoeBlock, MoeLayout, Piece
+from kvasir.model.quant.checkpoint_weights import CheckpointTensors
 from kvasir.model.quant.gguf_weights import GgufTensors
 from kvasir.model.quant.linear import QuantEmbedding, QuantLinear, int4_kernels_available, pack_quantized
-from kvasir.model.quant.stored import StoredLayers, served_weights, swap_stored
+from kvasir.model.quant.stored import StoredLayers, StoredTensors, dequantize_stored, served_weights, swap_stored
 from kvasir.model.source import ModelSource
 
 
@@ -115,15 +116,16 @@ def load_slice(
 ) -> tuple[SliceModules, list[str]]:
     """Materialise the stage's modules, fill them and fuse their projections
     (kvasir/model/fused.py); return them and the tensors read. With ``weights =
-    "as_stored"`` and a GGUF source, the matrices in a served format stay as stored
-    (kvasir/model/quant/; ``modules.stored`` says which)."""
+    "as_stored"`` and packed matrices (a GGUF source, a quantized checkpoint), those in a
+    served format stay as stored (kvasir/model/quant/; ``modules.stored`` says which); a
+    quantized checkpoint served dequantised has them decoded to floats (it holds no
+    float copy)."""
     folder = source.require_weights()
     modules = build_skeleton(source, spec)
-    gguf = source.stored_gguf is not None
     served = served_weights(
-        weights, str(dtype).removeprefix("torch."), [str(device)], gguf, kernels=int4_kernels_available()
+        weights, str(dtype).removeprefix("torch."), [str(device)], source.packed, kernels=int4_kernels_available()
     )
-    tensors = stored_tensors(source) if served == "as_stored" else None
+    tensors = stored_tensors(source) if served == "as_stored" or source.scheme is not None else None
     if tensors is not None:
         modules.stored = swap_stored(modules, modules.checkpoint_name, tensors, source.tied_embeddings, dtype)
     stored = modules.stored
@@ -133,20 +135,26 @@ def load_slice(
     wanted = [(state[local], piece) for local, pieces in modules.checkpoint_pieces().items() for piece in pieces]
     index = _tensor_index(folder)
     read = _read(source, folder, index, wanted, dtype)
-    if stored.layers:
+    if stored.layers and source.stored_gguf is not None:
         _check_stored(modules, source, folder, index)
     fuse_layers(modules.layers, source.config.model_type)
+    if served == "dequantize":
+        dequantize_stored(modules, dtype, device)
     pack_quantized(modules, dtype)
     return modules, read + stored.layers
 
 
-def stored_tensors(source: ModelSource) -> GgufTensors | None:
-    """The GGUF file a source comes from, for serving it as stored; None for a model folder."""
+def stored_tensors(source: ModelSource) -> StoredTensors | None:
+    """Where a source's packed matrices come from: its GGUF file, or its quantized
+    checkpoint's folder; None for a float model folder."""
     path = source.stored_gguf
-    if path is None:
-        return None
-    config = source.config
-    return GgufTensors(path, source.num_layers, int(config.num_attention_heads), source.kv_heads)
+    if path is not None:
+        config = source.config
+        return GgufTensors(path, source.num_layers, int(config.num_attention_heads), source.kv_heads)
+    if source.scheme is not None:
+        folder = source.require_weights()
+        return CheckpointTensors(folder, _tensor_index(folder), source.scheme)
+    return None
 
 
 def _check_stored(modules: SliceModules, source: ModelSource, folder: Path, index: dict[str, str]) -> None:

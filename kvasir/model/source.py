@@ -18,6 +18,7 @@ from kvasir.errors import ModelSourceError
 from kvasir.model.families import check_gguf, family_of
 from kvasir.model.gguf import smollm2_gguf
 from kvasir.model.moe_layout import MoeLayout
+from kvasir.model.quant.schemes import Scheme, read_scheme
 
 # Decoder families whose checkpoints lay out model.embed_tokens / model.layers.N /
 # model.norm / lm_head and whose decoder layers are transformers' pre-norm structure
@@ -58,6 +59,7 @@ class ModelSource:
     eos_token_ids: tuple[int, ...]
     gguf: Path | None = None  # the GGUF file to convert from (None for the built-in: found on demand)
     cache_name: str | None = None  # the converted folder's name in the cache
+    scheme: Scheme | None = None  # a quantized checkpoint's quantization (kvasir/model/quant/schemes.py)
 
     @property
     def num_layers(self) -> int:
@@ -107,6 +109,11 @@ class ModelSource:
             return self.gguf
         return smollm2_gguf() if self.name in BUILTIN_CONFIGS else None
 
+    @property
+    def packed(self) -> bool:
+        """Its matrices come packed: a GGUF file's blocks, or a quantized checkpoint's words."""
+        return self.stored_gguf is not None or self.scheme is not None
+
     def require_weights(self) -> Path:
         if self.weights_dir is None:
             raise ModelSourceError(
@@ -119,8 +126,12 @@ class ModelSource:
         return folder
 
     def fresh_config(self) -> PretrainedConfig:
-        """A private copy of the config, safe to adjust for one stage."""
-        return copy.deepcopy(self.config)
+        """A private copy of the config, safe to adjust for one stage; without a
+        quantization_config (the stages read the packed matrices themselves)."""
+        config = copy.deepcopy(self.config)
+        if getattr(config, "quantization_config", None) is not None:
+            del config.quantization_config
+        return config
 
 
 def cache_dir() -> Path:
@@ -197,23 +208,17 @@ def _folder(path: Path) -> ModelSource:
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSourceError(f"model folder {path}: config.json is not a usable config: {exc}") from None
     config = _checked_config(config, str(path))
-    return ModelSource(str(path), config, path, _eos_ids(config, path))
+    quantization = getattr(config, "quantization_config", None)
+    scheme = read_scheme(quantization, str(path)) if quantization else None
+    if scheme is not None and family_of(config.model_type, str(path)).moe is not None:
+        raise ModelSourceError(
+            f"model {path}: a quantized mixture-of-experts checkpoint ({scheme.describe()}) is not served yet"
+        )
+    return ModelSource(str(path), config, path, _eos_ids(config, path), scheme=scheme)
 
 
 def _checked_config(config: PretrainedConfig, name: str) -> PretrainedConfig:
     family_of(config.model_type, f"model {name}")
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = (
-            quantization.get("quant_method", "unnamed")
-            if isinstance(quantization, dict)
-            else type(quantization).__name__
-        )
-        raise ModelSourceError(
-            f"model {name}: its weights are quantized ({method!r} quantization_config), which Kvasir does not "
-            "serve from a model folder: the loader would read them wrong (GGUF files are served: Q4_0, Q4_1 and "
-            "Q8_0 as stored, every other type dequantised)"
-        )
     return config
 
 

@@ -64,6 +64,10 @@ def _nibbles(codes: torch.Tensor, scale: torch.Tensor, zero_int: torch.Tensor, g
     """``codes`` ``[N, K]`` (0..15), ``scale`` and integer zeros ``z`` ``[N, K / group]``
     (as unsigned codes: ``w = (c - z) scale``) as Nibbles."""
     in_features = codes.shape[1]
+    if scale.shape[0] != codes.shape[0] or zero_int.shape != scale.shape:
+        raise ModelSourceError(
+            f"{codes.shape[0]} rows of codes, scales of shape {list(scale.shape)}, zeros of shape {list(zero_int.shape)}"
+        )
     scale32 = regroup(scale, group, in_features)
     zero = regroup((8 - zero_int.float()) * scale.float(), group, in_features)
     return Nibbles(codes.to(torch.uint8).contiguous(), scale32, zero, in_features, 1)

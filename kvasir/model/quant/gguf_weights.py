@@ -44,13 +44,13 @@ class GgufTensors:
         self._rotary_rows = self.architecture == "llama" and "mistral" not in name.lower()
         self._heads = {"attn_q": heads, "attn_k": kv_heads}
 
-    def gguf_name(self, hf_name: str) -> str | None:
+    def stored_name(self, hf_name: str) -> str | None:
         name = self._names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         return name if name in self._tensors else None
 
     def format(self, hf_name: str) -> str | None:
         """The stored type's name (``Q4_1``, ``F32``, ...); None if the file has no such tensor."""
-        name = self.gguf_name(hf_name)
+        name = self.stored_name(hf_name)
         return None if name is None else _type_name(self._tensors[name].type_id)
 
     def served(self, hf_name: str) -> Format | None:
@@ -66,7 +66,7 @@ class GgufTensors:
         """A served matrix as Nibbles, its rows in transformers' order."""
         raw, fmt, width = self.blocks(hf_name)
         weights = decode(raw, fmt, width)
-        name = self.gguf_name(hf_name) or ""
+        name = self.stored_name(hf_name) or ""
         kind = name.split(".")[-2] if name.count(".") >= 2 else ""
         if self._rotary_rows and kind in self._heads:
             weights = weights.rows(_unrotated_rows(weights.out_features, self._heads[kind]))
@@ -74,7 +74,7 @@ class GgufTensors:
 
     def blocks(self, hf_name: str) -> tuple[np.ndarray, Format, int]:
         """A served matrix's stored bytes [rows, bytes per row], format and row length."""
-        name = self.gguf_name(hf_name)
+        name = self.stored_name(hf_name)
         fmt = self.served(hf_name)
         if name is None or fmt is None:
             raise ModelSourceError(f"{self.path}: {hf_name} is not stored in a format served as stored")

@@ -20,18 +20,9 @@ from kvasir.model.quant.checkpoint_formats import (
     gptq,
     unpack_words,
 )
+from tests.support.quantized import pack_words
 
 N, K = 48, 256
-
-
-def pack_rows(values: np.ndarray, order=tuple(range(8))) -> torch.Tensor:
-    """[R, 8 C] values 0..15 to int32 [R, C]: nibble i of a word holds value order[i] of its eight."""
-    rows, columns = values.shape
-    words = np.zeros((rows, columns // 8), dtype=np.uint32)
-    for c in range(columns // 8):
-        for i in range(8):
-            words[:, c] |= values[:, 8 * c + order[i]].astype(np.uint32) << np.uint32(4 * i)
-    return torch.from_numpy(words.view(np.int32))
 
 
 def draw(group: int, seed: int = 0):
@@ -58,8 +49,8 @@ def test_compressed_tensors_pack_quantized(group, symmetric):
     q, zeros, scales = draw(group)
     if symmetric:
         zeros[:] = 8
-    packed = pack_rows(q)  # stored codes are q + 8 for q in [-8, 7]: the unsigned values themselves
-    zero_point = None if symmetric else pack_rows(zeros.T).t().contiguous()  # packed along the outputs
+    packed = pack_words(q)  # stored codes are q + 8 for q in [-8, 7]: the unsigned values themselves
+    zero_point = None if symmetric else pack_words(zeros.T).t().contiguous()  # packed along the outputs
     nibbles = compressed_tensors(packed, scales, (N, K), group, zero_point)
     assert torch.equal(nibbles.dequantize(), reference(q, zeros, scales, group))
 
@@ -70,8 +61,8 @@ def test_gptq(v2):
     q, zeros, scales = draw(group, seed=1)
     stored = np.clip(zeros - (0 if v2 else 1), 0, 15)  # the original format keeps each zero minus one
     real = stored + (0 if v2 else 1)
-    qweight = pack_rows(q).t().contiguous()  # [K / 8, N]: packed along the inputs
-    qzeros = pack_rows(stored.T.copy())  # [K / G, N / 8]
+    qweight = pack_words(q).t().contiguous()  # [K / 8, N]: packed along the inputs
+    qzeros = pack_words(stored.T.copy())  # [K / G, N / 8]
     nibbles = gptq(qweight, qzeros, scales.t().contiguous(), group, v2=v2)
     assert torch.equal(nibbles.dequantize(), reference(q, real, scales, group))
 
@@ -79,8 +70,8 @@ def test_gptq(v2):
 def test_awq_gemm_order():
     group = 128
     q, zeros, scales = draw(group, seed=2)
-    qweight = pack_rows(q.T.copy(), AWQ_ORDER)  # [K, N / 8], outputs packed in AWQ's order
-    qzeros = pack_rows(zeros.T.copy(), AWQ_ORDER)  # [K / G, N / 8]
+    qweight = pack_words(q.T.copy(), AWQ_ORDER)  # [K, N / 8], outputs packed in AWQ's order
+    qzeros = pack_words(zeros.T.copy(), AWQ_ORDER)  # [K / G, N / 8]
     nibbles = awq(qweight, qzeros, scales.t().contiguous(), group)
     assert torch.equal(nibbles.dequantize(), reference(q, zeros, scales, group))
 
@@ -88,7 +79,7 @@ def test_awq_gemm_order():
 def test_groups_that_are_not_whole_blocks_and_activation_order_are_refused():
     q, zeros, scales = draw(32)
     with pytest.raises(ModelSourceError, match="whole blocks of 32"):
-        compressed_tensors(pack_rows(q), torch.ones(N, K // 16).half(), (N, K), 16, None)
+        compressed_tensors(pack_words(q), torch.ones(N, K // 16).half(), (N, K), 16, None)
     check_group_order(torch.arange(K) // 128, 128)
     with pytest.raises(ModelSourceError, match="activation order"):
         check_group_order(torch.randperm(K, generator=torch.Generator().manual_seed(0)) // 128, 128)

@@ -52,12 +52,21 @@ def test_a_torch_without_the_int4_kernels_dequantises_on_auto_and_refuses_as_sto
         check_weights("as_stored", "bfloat16", ["cpu"], True, kernels=False)
 
 
-def test_a_checkpoint_with_a_quantization_config_is_refused_with_its_format(tmp_path):
-    folder = save_tiny_model(tmp_path / "awq", "llama")
+def test_a_checkpoint_whose_quantization_is_not_served_is_refused_with_its_format(tmp_path):
+    folder = save_tiny_model(tmp_path / "fp8", "llama")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelSourceError, match="'awq' quantization_config.*does not serve"):
+    with pytest.raises(ModelSourceError, match="'fbgemm_fp8' quantization_config is not a served method"):
+        resolve_source(str(folder))
+
+
+def test_a_quantized_mixture_of_experts_checkpoint_is_refused(tmp_path):
+    folder = save_tiny_model(tmp_path / "moe", "mixtral")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelSourceError, match="quantized mixture-of-experts checkpoint"):
         resolve_source(str(folder))
 
 
