@@ -1,7 +1,9 @@
-"""Tiny quantized checkpoints in the formats Kvasir serves, laid out word by word as their
-tools write them (kvasir/model/quant/checkpoint_formats.py describes each), and the float
-model each stands for: the same weights with every decoder matrix replaced by its
-dequantised values, ``(q - zero) * scale`` in float32 (the reference for ``generate``)."""
+"""Tiny quantized checkpoints in the formats Kvasir serves, and the float model each stands
+for: the same weights with every decoder matrix replaced by its dequantised values,
+``(q - zero) * scale`` in float32 (the reference for ``generate``). compressed-tensors'
+words are packed by the compressed-tensors package's own packer; GPTQ's and AWQ's (whose
+tools need CUDA builds) word by word as those tools lay them out
+(kvasir/model/quant/checkpoint_formats.py describes each)."""
 
 from __future__ import annotations
 
@@ -53,13 +55,17 @@ def dequantized(q: np.ndarray, zero: np.ndarray, scale: torch.Tensor, group: int
 def packed(method: str, prefix: str, q: np.ndarray, zero: np.ndarray, scale: torch.Tensor, group: int) -> dict:
     rows, columns = q.shape
     if method.startswith("compressed-tensors"):
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+        signed = torch.from_numpy(q - 8).to(torch.int8)  # compressed-tensors' codes are signed, packed with + 8
         out = {
-            f"{prefix}.weight_packed": pack_words(q),
+            f"{prefix}.weight_packed": pack_to_int32(signed, 4),
             f"{prefix}.weight_scale": scale,
             f"{prefix}.weight_shape": torch.tensor([rows, columns]),
         }
         if method == "compressed-tensors":  # asymmetric: zero points packed along the outputs
-            out[f"{prefix}.weight_zero_point"] = pack_words(zero.T.copy()).t().contiguous()
+            zero_point = torch.from_numpy(zero - 8).to(torch.int8)
+            out[f"{prefix}.weight_zero_point"] = pack_to_int32(zero_point, 4, packed_dim=0)
         return out
     if method == "gptq":  # the original format stores each zero minus one
         return {
