@@ -8,7 +8,8 @@ int32 word, with a float scale (and an integer zero) per group of ``group_size``
   int32 ``[N, K / 8]``, input ``k`` in bits ``4 (k % 8)`` of word ``k // 8``, stored as
   ``q + 8`` (``q`` in [-8, 7]); ``weight_scale`` ``[N, K / G]``; asymmetric schemes add
   ``weight_zero_point`` packed the same way along the output axis (``[N / 8, K / G]``).
-  ``w = (q - zero) scale``.
+  ``w = (q - zero) scale``. With activation order by group, ``weight_g_idx`` says each
+  input's group (served only when that is input order).
 - **GPTQ**: ``qweight`` int32 ``[K / 8, N]`` packed along the input axis, ``qzeros`` int32
   ``[K / G, N / 8]`` along the output axis, ``scales`` ``[K / G, N]``, ``g_idx`` ``[K]``;
   ``w = (q - zero) scale`` with the stored zero one less than the real one in the
@@ -111,9 +112,8 @@ def _awq_columns(values: torch.Tensor) -> torch.Tensor:
 
 
 def check_group_order(g_idx: torch.Tensor, group: int) -> None:
-    """GPTQ's ``g_idx`` must put input ``k`` in group ``k // group`` (no activation order)."""
+    """A ``g_idx`` (GPTQ's, compressed-tensors' ``weight_g_idx``) must put input ``k`` in
+    group ``k // group``: groups out of input order (activation order) are not served."""
     expected = torch.arange(g_idx.numel()) // group
     if not torch.equal(g_idx.long(), expected):
-        raise ModelSourceError(
-            "GPTQ with activation order (desc_act: g_idx not in input order) is not served as stored"
-        )
+        raise ModelSourceError("groups in activation order (a g_idx not in input order) are not served as stored")

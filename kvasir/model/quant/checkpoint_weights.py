@@ -67,10 +67,10 @@ class CheckpointTensors:
         if scheme.method == "compressed-tensors":
             rows, columns = (int(n) for n in read(f"{prefix}.weight_shape").tolist())
             zero = None if scheme.symmetric else read(f"{prefix}.weight_zero_point")
-            scale = read(f"{prefix}.weight_scale")
-            return formats.compressed_tensors(
-                read(f"{prefix}.weight_packed"), scale, (rows, columns), scheme.group or columns, zero
-            )
+            scale, group = read(f"{prefix}.weight_scale"), scheme.group or columns
+            if f"{prefix}.weight_g_idx" in self._index:  # activation order: served if the groups are in order
+                formats.check_group_order(read(f"{prefix}.weight_g_idx"), group)
+            return formats.compressed_tensors(read(f"{prefix}.weight_packed"), scale, (rows, columns), group, zero)
         qweight, qzeros, scales = read(f"{prefix}.qweight"), read(f"{prefix}.qzeros"), read(f"{prefix}.scales")
         if scheme.method == "gptq":
             columns = qweight.shape[0] * formats.WORD_VALUES

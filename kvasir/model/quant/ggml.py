@@ -84,10 +84,10 @@ class Nibbles:
         values = (self.codes.float() - 8).view(n, -1, BLOCK) * self.scale[..., None] + self.zero[..., None]
         return values.view(n, self.planes, self.in_features).sum(dim=1)
 
-    @property
-    def stored_bytes(self) -> int:
-        """Bytes as served: two codes a byte, a float32 scale and zero per group."""
-        return self.codes.numel() // 2 + 4 * (self.scale.numel() + self.zero.numel())
+    def held_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes as served once packed: two codes a byte, a scale and a zero per group in
+        ``dtype`` (the activations')."""
+        return self.codes.numel() // 2 + dtype.itemsize * (self.scale.numel() + self.zero.numel())
 
 
 def cat_rows(parts: list[Nibbles]) -> Nibbles:

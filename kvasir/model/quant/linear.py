@@ -36,7 +36,6 @@ class QuantLinear(nn.Module):
         self.nibbles: Nibbles | None = weights  # not a buffer: to_empty/to(dtype) leave it be
         self.planes = weights.planes
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.stored_bytes = weights.stored_bytes
 
     @staticmethod
     def stacked(parts: list[QuantLinear]) -> QuantLinear:

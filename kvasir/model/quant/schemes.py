@@ -87,8 +87,6 @@ def _ct_weights(group: Any, model: str) -> tuple[str, int, bool]:
         _refuse(model, method, f"stores {w.get('num_bits')}-bit {w.get('type')} weights")
     if w.get("strategy") not in ("group", "channel") or w.get("dynamic"):
         _refuse(model, method, f"has weight strategy {w.get('strategy')!r}")
-    if w.get("actorder"):
-        _refuse(model, method, f"has activation order {w.get('actorder')!r}")
     size = int(w.get("group_size") or 0) if w.get("strategy") == "group" else 0
     return str(w["strategy"]), size, bool(w.get("symmetric", True))
 

@@ -97,8 +97,8 @@ class StoredLayers:
 def swap_stored(
     modules: nn.Module, checkpoint_name, tensors: StoredTensors, tied: bool, dtype: torch.dtype
 ) -> StoredLayers:
-    """Replace, under ``modules``, each linear layer and embedding whose GGUF tensor is
-    served as stored; ``checkpoint_name`` maps a local parameter name to its checkpoint name."""
+    """Replace, under ``modules``, each linear layer and embedding whose tensor is served
+    as stored; ``checkpoint_name`` maps a local parameter name to its checkpoint name."""
     report = StoredLayers()
     for path, child, name, fmt in _candidates(modules, checkpoint_name, tensors, tied):
         report.formats[tensors.format(name) or "missing"] += 1
@@ -107,10 +107,12 @@ def swap_stored(
         replacement: QuantLinear | QuantEmbedding
         if isinstance(child, nn.Linear):
             bias = None if child.bias is None else torch.empty(child.out_features, device="meta")
-            replacement = QuantLinear(tensors.nibbles(name), bias)
+            weights = tensors.nibbles(name)
+            replacement = QuantLinear(weights, bias)
+            report.stored_bytes += weights.held_bytes(dtype)
         else:
             replacement = QuantEmbedding(*tensors.blocks(name)[:2], child.embedding_dim, dtype)
-        report.stored_bytes += replacement.stored_bytes
+            report.stored_bytes += replacement.stored_bytes
         report.layers.append(name)
         parent, _, attribute = path.rpartition(".")
         setattr(modules.get_submodule(parent) if parent else modules, attribute, replacement)

@@ -47,7 +47,8 @@ def test_rows_reorder_and_stacking_keep_every_value():
     both = cat_rows([q4, q8])  # one plane widened to two: the added plane is all zero
     assert both.planes == 2 and both.out_features == 24
     assert torch.equal(both.dequantize(), torch.from_numpy(np.concatenate([ref4, ref8])))
-    assert both.stored_bytes == 24 * 128 // 2 + 4 * 2 * 24 * 4
+    # two codes a byte; a scale and a zero per group of 32 per plane, in the activations' dtype
+    assert both.held_bytes(torch.bfloat16) == 24 * 128 // 2 + 2 * 2 * 24 * 4
 
 
 def test_malformed_blocks_are_refused():

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from kvasir.cli.main import kvasir
 from kvasir.errors import ModelSourceError
@@ -98,3 +100,27 @@ def test_compressed_tensors_that_quantize_activations_are_refused(checkpoints, t
     (copy / "config.json").write_text(json.dumps(values))
     with pytest.raises(ModelSourceError, match="quantizes activations too"):
         resolve_source(str(copy))
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_compressed_tensors_activation_order_is_served_only_in_input_order(checkpoints, tmp_path, in_order):
+    folder, reference = checkpoints["compressed-tensors"]
+    copy = tmp_path / "model"
+    copy.mkdir()
+    values = json.loads((folder / "config.json").read_text())
+    values["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    (copy / "config.json").write_text(json.dumps(values))
+    tensors = load_file(str(folder / "model.safetensors"))
+    g_idx = torch.arange(64) // 32
+    tensors["model.layers.0.self_attn.q_proj.weight_g_idx"] = g_idx if in_order else g_idx.flip(0)
+    save_file(tensors, str(copy / "model.safetensors"))
+    plan = make_plan(copy, [(0, 2), (2, 4)], max_rows=6, max_tokens=32, weights="as_stored")
+    source = resolve_source(str(copy))
+    if not in_order:
+        with pytest.raises(ModelSourceError, match="activation order"):
+            Chain(plan, source)
+        return
+    prompts = random_prompts(source.vocab_size, [5, 30], seed=4)
+    got, _ = greedy(plan, source, prompts, 8)
+    model = reference_model(reference)
+    assert got == [hf_greedy(model, p, 8) for p in prompts]

@@ -121,3 +121,4 @@ def test_plan_checks_stored_bytes_are_what_a_loaded_stage_holds(ggufs, name):
             tables += module.blocks.nbytes
     assert predicted.held == held + tables  # the tiny models' rows are whole multiples of 16: no padding
     assert predicted.tables == tables
+    assert loaded.stored.stored_bytes == held + tables  # what the stage's "stage ready" line reports
