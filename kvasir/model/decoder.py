@@ -8,8 +8,9 @@ adds keyword plumbing and a deprecation wrapper per layer, and its rotary embedd
 builds each rotated half with a slice, a negation and a concatenation, for queries and
 keys apart. Here the rotary tables are built once per batch (``Rope``) and queries and
 keys rotate together in four operations. Each step is the same arithmetic, in the same
-order and dtype, as transformers' (tests/unit/model/test_decoder.py checks every family
-against transformers' own layer), so the outputs are bit-identical.
+order and dtype, as transformers', so the outputs are bit-identical: the rotation and the
+norm are checked against every family's own (tests/unit/model/test_decoder.py), whole
+models against ``generate`` (tests/unit/stage/test_chain.py).
 """
 
 from __future__ import annotations
