@@ -214,21 +214,17 @@ def _dtype_line(asked: str, resolved, source) -> str:
 
 def _weights_line(asked: str, resolved, source) -> str:
     """How the model's matrices are served (model.weights ``asked`` for), and the file's formats."""
-    from kvasir.model.quant.checkpoint_weights import CheckpointTensors
-    from kvasir.model.quant.gguf_weights import GgufTensors
+    from kvasir.model.loader import stored_tensors
 
-    m, path = resolved.model, source.stored_gguf
-    if source.scheme is not None:
-        from kvasir.model.loader import stored_tensors
-
-        how = "as stored" if m.weights == "as_stored" else f"dequantised to {m.dtype}"
-        tensors = stored_tensors(source)
-        count = sum(tensors.formats().values()) if isinstance(tensors, CheckpointTensors) else 0
-        return f"{source.scheme.describe()} matrices {how} (model.weights = {asked!r}); the checkpoint packs {count}"
-    if path is None:
+    m = resolved.model
+    tensors = stored_tensors(source)
+    if tensors is None:
         return f"{m.dtype} from the model folder (model.weights = {asked!r})"
-    config = source.config
-    formats = GgufTensors(path, source.num_layers, int(config.num_attention_heads), source.kv_heads).formats()
+    formats = tensors.formats()
+    if source.scheme is not None:
+        how = "as stored" if m.weights == "as_stored" else f"dequantised to {m.dtype}"
+        count = sum(formats.values())
+        return f"{source.scheme.describe()} matrices {how} (model.weights = {asked!r}); the checkpoint packs {count}"
     counted = ", ".join(f"{n} {name}" for name, n in formats.most_common())
     how = "Q4_0, Q4_1 and Q8_0 matrices as stored" if m.weights == "as_stored" else f"dequantised to {m.dtype}"
     return f"{how} (model.weights = {asked!r}); the GGUF holds {counted} tensors"

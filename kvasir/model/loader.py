@@ -121,11 +121,12 @@ def load_slice(
     quantized checkpoint served dequantised has them decoded to floats (it holds no
     float copy)."""
     folder = source.require_weights()
+    index = _tensor_index(folder)
     modules = build_skeleton(source, spec)
     served = served_weights(
         weights, str(dtype).removeprefix("torch."), [str(device)], source.packed, kernels=int4_kernels_available()
     )
-    tensors = stored_tensors(source) if served == "as_stored" or source.scheme is not None else None
+    tensors = stored_tensors(source, index) if served == "as_stored" or source.scheme is not None else None
     if tensors is not None:
         modules.stored = swap_stored(modules, modules.checkpoint_name, tensors, source.tied_embeddings, dtype)
     stored = modules.stored
@@ -133,7 +134,6 @@ def load_slice(
     modules.to(dtype)
     state = modules.state_dict(keep_vars=True)
     wanted = [(state[local], piece) for local, pieces in modules.checkpoint_pieces().items() for piece in pieces]
-    index = _tensor_index(folder)
     read = _read(source, folder, index, wanted, dtype)
     if stored.layers and source.stored_gguf is not None:
         _check_stored(modules, source, folder, index)
@@ -144,16 +144,17 @@ def load_slice(
     return modules, read + stored.layers
 
 
-def stored_tensors(source: ModelSource) -> StoredTensors | None:
+def stored_tensors(source: ModelSource, index: dict[str, str] | None = None) -> StoredTensors | None:
     """Where a source's packed matrices come from: its GGUF file, or its quantized
-    checkpoint's folder; None for a float model folder."""
+    checkpoint's folder (``index``: its tensor -> file map, read here if not given); None
+    for a float model folder."""
     path = source.stored_gguf
     if path is not None:
         config = source.config
         return GgufTensors(path, source.num_layers, int(config.num_attention_heads), source.kv_heads)
     if source.scheme is not None:
         folder = source.require_weights()
-        return CheckpointTensors(folder, _tensor_index(folder), source.scheme)
+        return CheckpointTensors(folder, _tensor_index(folder) if index is None else index, source.scheme)
     return None
 
 

@@ -87,8 +87,19 @@ def _ct_weights(group: Any, model: str) -> tuple[str, int, bool]:
         _refuse(model, method, f"stores {w.get('num_bits')}-bit {w.get('type')} weights")
     if w.get("strategy") not in ("group", "channel") or w.get("dynamic"):
         _refuse(model, method, f"has weight strategy {w.get('strategy')!r}")
-    size = int(w.get("group_size") or 0) if w.get("strategy") == "group" else 0
+    size = _group_size(w.get("group_size"), model, method) if w.get("strategy") == "group" else 0
+    if w.get("strategy") == "group" and size == 0:
+        _refuse(model, method, "has group strategy without a group_size")
     return str(w["strategy"]), size, bool(w.get("symmetric", True))
+
+
+def _group_size(value: Any, model: str, method: str) -> int:
+    """A config's group size: a positive integer, or -1 (or none) for one group per row (0)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        _refuse(model, method, f"has group_size {value!r}, not a positive integer or -1")
+    return max(value, 0)
 
 
 def _gptq(config: Mapping, model: str) -> Scheme:
@@ -99,8 +110,7 @@ def _gptq(config: Mapping, model: str) -> Scheme:
     fmt = config.get("checkpoint_format", config.get("format", "gptq"))
     if fmt not in ("gptq", "gptq_v2"):
         _refuse(model, "gptq", f"has checkpoint format {fmt!r}")
-    group = int(config.get("group_size", 128))
-    return Scheme("gptq", max(group, 0), v2=fmt == "gptq_v2")
+    return Scheme("gptq", _group_size(config.get("group_size", 128), model, "gptq"), v2=fmt == "gptq_v2")
 
 
 def _awq(config: Mapping, model: str) -> Scheme:
@@ -112,5 +122,4 @@ def _awq(config: Mapping, model: str) -> Scheme:
         _refuse(model, "awq", f"has version {version!r} (its words are laid out for another kernel)")
     if not config.get("zero_point", True):
         _refuse(model, "awq", "has no zero points")
-    group = int(config.get("group_size", config.get("q_group_size", 128)))
-    return Scheme("awq", max(group, 0))
+    return Scheme("awq", _group_size(config.get("group_size", config.get("q_group_size", 128)), model, "awq"))

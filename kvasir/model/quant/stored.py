@@ -45,14 +45,17 @@ class StoredTensors(Protocol):
 
     def blocks(self, hf_name: str) -> tuple[np.ndarray, Format, int]: ...
 
+    def formats(self) -> Counter[str]: ...
+
 
 def served_weights(
     weights: Weights, dtype: str, devices: Iterable[str], packed: bool, *, kernels: bool = True
 ) -> Served:
     """What ``model.weights`` comes to for a model (``packed``: its matrices come packed, from
-    a GGUF file or a quantized checkpoint) whose workers run on ``devices``, where this torch has (``kernels``) or lacks the int4
-    CPU kernels: "auto" serves as stored where that is fast (bfloat16, every worker on the
-    CPU, the kernels there); as stored off the CPU or without the kernels is refused."""
+    a GGUF file or a quantized checkpoint) whose workers run on ``devices``, where this
+    torch has (``kernels``) or lacks the int4 CPU kernels: "auto" serves as stored where
+    that is fast (bfloat16, every worker on the CPU, the kernels there); as stored off the
+    CPU or without the kernels is refused."""
     if not packed or weights == "dequantize":
         return "dequantize"
     elsewhere = sorted({d for d in devices if d != "cpu"})
@@ -114,9 +117,14 @@ def swap_stored(
             replacement = QuantEmbedding(*tensors.blocks(name)[:2], child.embedding_dim, dtype)
             report.stored_bytes += replacement.stored_bytes
         report.layers.append(name)
-        parent, _, attribute = path.rpartition(".")
-        setattr(modules.get_submodule(parent) if parent else modules, attribute, replacement)
+        _replace(modules, path, replacement)
     return report
+
+
+def _replace(modules: nn.Module, path: str, replacement: nn.Module) -> None:
+    """Put ``replacement`` at ``path`` (dotted) under ``modules``."""
+    parent, _, attribute = path.rpartition(".")
+    setattr(modules.get_submodule(parent) if parent else modules, attribute, replacement)
 
 
 @dataclass(frozen=True)
@@ -131,8 +139,7 @@ def dequantize_stored(modules: nn.Module, dtype: torch.dtype, device: torch.devi
     ``dtype`` on ``device`` with its exact values; how many."""
     replaced = [(path, child) for path, child in modules.named_modules() if isinstance(child, QuantLinear)]
     for path, child in replaced:
-        parent, _, attribute = path.rpartition(".")
-        setattr(modules.get_submodule(parent) if parent else modules, attribute, child.as_float(dtype).to(device))
+        _replace(modules, path, child.as_float(dtype).to(device))
     return len(replaced)
 
 
@@ -159,7 +166,7 @@ def stored_footprint(
 
 def _candidates(modules: nn.Module, checkpoint_name, tensors: StoredTensors, tied: bool):
     """Every linear layer and embedding under ``modules``: (path, module, its checkpoint
-    name, its GGUF tensor's format if served as stored, else None)."""
+    name, its tensor's format if served as stored, else None)."""
     for path, child in list(modules.named_modules()):
         if not isinstance(child, (nn.Linear, nn.Embedding)):
             continue

@@ -20,7 +20,7 @@ from kvasir.model.quant.checkpoint_formats import (
     gptq,
     unpack_words,
 )
-from tests.support.quantized import pack_words
+from tests.support.quantized import dequantized, pack_words
 
 N, K = 48, 256
 
@@ -31,11 +31,6 @@ def draw(group: int, seed: int = 0):
     zeros = rng.integers(0, 16, size=(N, K // group))
     scales = torch.from_numpy(rng.uniform(0.001, 0.05, size=(N, K // group))).half()
     return q, zeros, scales
-
-
-def reference(q: np.ndarray, zeros: np.ndarray, scales: torch.Tensor, group: int) -> torch.Tensor:
-    per_input = np.repeat(zeros, group, axis=1)
-    return torch.from_numpy((q - per_input).astype(np.float32)) * scales.float().repeat_interleave(group, dim=1)
 
 
 def test_words_unpack_lowest_bits_first():
@@ -52,7 +47,7 @@ def test_compressed_tensors_pack_quantized(group, symmetric):
     packed = pack_words(q)  # stored codes are q + 8 for q in [-8, 7]: the unsigned values themselves
     zero_point = None if symmetric else pack_words(zeros.T).t().contiguous()  # packed along the outputs
     nibbles = compressed_tensors(packed, scales, (N, K), group, zero_point)
-    assert torch.equal(nibbles.dequantize(), reference(q, zeros, scales, group))
+    assert torch.equal(nibbles.dequantize(), dequantized(q, zeros, scales, group))
 
 
 @pytest.mark.parametrize("v2", [False, True])
@@ -64,7 +59,7 @@ def test_gptq(v2):
     qweight = pack_words(q).t().contiguous()  # [K / 8, N]: packed along the inputs
     qzeros = pack_words(stored.T.copy())  # [K / G, N / 8]
     nibbles = gptq(qweight, qzeros, scales.t().contiguous(), group, v2=v2)
-    assert torch.equal(nibbles.dequantize(), reference(q, real, scales, group))
+    assert torch.equal(nibbles.dequantize(), dequantized(q, real, scales, group))
 
 
 def test_awq_gemm_order():
@@ -73,7 +68,7 @@ def test_awq_gemm_order():
     qweight = pack_words(q.T.copy(), AWQ_ORDER)  # [K, N / 8], outputs packed in AWQ's order
     qzeros = pack_words(zeros.T.copy(), AWQ_ORDER)  # [K / G, N / 8]
     nibbles = awq(qweight, qzeros, scales.t().contiguous(), group)
-    assert torch.equal(nibbles.dequantize(), reference(q, zeros, scales, group))
+    assert torch.equal(nibbles.dequantize(), dequantized(q, zeros, scales, group))
 
 
 def test_groups_that_are_not_whole_blocks_and_activation_order_are_refused():

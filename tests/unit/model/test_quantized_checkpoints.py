@@ -77,6 +77,8 @@ def test_plan_check_names_the_scheme_and_holds_packed_bytes(checkpoints, tmp_pat
         ({"quant_method": "fp8"}, "'fp8' quantization_config is not a served method"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
         ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "format 'float-quantized'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": "128"}, "group_size '128', not a positive integer"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 0}, "group_size 0, not a positive integer"),
     ],
 )
 def test_quantizations_not_served_are_refused_by_name(checkpoints, tmp_path, change, named):
@@ -90,15 +92,21 @@ def test_quantizations_not_served_are_refused_by_name(checkpoints, tmp_path, cha
         resolve_source(str(copy))
 
 
-def test_compressed_tensors_that_quantize_activations_are_refused(checkpoints, tmp_path):
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"input_activations": {"num_bits": 8, "type": "int", "strategy": "token"}}, "quantizes activations too"),
+        ({"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}, "group strategy without a group_size"),
+    ],
+)
+def test_compressed_tensors_groups_not_served_are_refused(checkpoints, tmp_path, change, named):
     folder, _ = checkpoints["compressed-tensors"]
     values = json.loads((folder / "config.json").read_text())
-    group = values["quantization_config"]["config_groups"]["group_0"]
-    group["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+    values["quantization_config"]["config_groups"]["group_0"] |= change
     copy = tmp_path / "model"
     copy.mkdir()
     (copy / "config.json").write_text(json.dumps(values))
-    with pytest.raises(ModelSourceError, match="quantizes activations too"):
+    with pytest.raises(ModelSourceError, match=named):
         resolve_source(str(copy))
 
 
