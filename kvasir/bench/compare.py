@@ -239,7 +239,12 @@ def _record(entry: dict, kind: str, contest: _Contest, on_ring_result: Callable 
     details = contest.ring(kind, on_ring_result) if kind in RING_KINDS else contest.llama_cpp()
     entry["output_tokens_per_s"].append(details["summary"]["output_tokens_per_s"])
     entry["requests_per_s"].append(details["summary"]["requests_per_s"])
+    entry.setdefault("itl_p50_s", []).append(details["summary"]["itl"]["p50"])
     entry.update(details)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def _report(plan_path: Path, contest: _Contest, load: Load, figures: dict[str, dict], rounds: int) -> dict:
@@ -247,10 +252,11 @@ def _report(plan_path: Path, contest: _Contest, load: Load, figures: dict[str, d
         entry["mean_output_tokens_per_s"] = sum(entry["output_tokens_per_s"]) / rounds
     ratios = {}
     if "ring" in figures:
-        ring = figures["ring"]["mean_output_tokens_per_s"]
-        ratios = {
-            f"ring/{other}": ring / figures[other]["mean_output_tokens_per_s"] for other in figures if other != "ring"
-        }
+        ring = figures["ring"]
+        for other in (name for name in figures if name != "ring"):
+            ratios[f"ring/{other}"] = ring["mean_output_tokens_per_s"] / figures[other]["mean_output_tokens_per_s"]
+            if ring.get("itl_p50_s") and figures[other].get("itl_p50_s"):  # both streamed: latency per token
+                ratios[f"ring/{other} ITL p50"] = _mean(ring["itl_p50_s"]) / _mean(figures[other]["itl_p50_s"])
     model = contest.plan.model
     return {
         "plan": str(plan_path),

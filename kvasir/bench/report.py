@@ -133,9 +133,10 @@ def print_compare(report: dict, echo: Echo) -> None:
         )
         if "summary" in entry:
             s = entry["summary"]
+            itl_rounds = ", ".join(f"{v * 1e3:.1f}" for v in entry.get("itl_p50_s", ()))
             echo(
                 f"    TTFT p50 {s['ttft']['p50'] * 1e3:.0f} ms p99 {s['ttft']['p99'] * 1e3:.0f} ms; "
-                f"ITL p50 {s['itl']['p50'] * 1e3:.0f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms"
+                f"ITL p50 {s['itl']['p50'] * 1e3:.1f} ms p99 {s['itl']['p99'] * 1e3:.0f} ms (p50 by round: {itl_rounds})"
             )
             if s["cached_tokens"]:
                 echo(prefix_line(s, "    "))

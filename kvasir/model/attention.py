@@ -87,13 +87,9 @@ def attend(
     """Write this batch's K/V of model layer ``layer_idx`` into the paged cache, then attend
     over it: ``query`` [T, heads, dim], ``key``/``value`` [T, kv_heads, dim] (rotary already
     applied); returns [T, heads, dim]."""
-    layer = layer_idx - batch.first_layer
-    caches = (batch.cache.keys[layer], batch.cache.values[layer])
+    caches = batch.cache.layer(layer_idx - batch.first_layer)
     caches[0].index_copy_(0, batch.write_slots, key)
     caches[1].index_copy_(0, batch.write_slots, value)
-    query = query.transpose(0, 1)
     if batch.in_place:
-        return attend_rows(
-            batch.rows, query, key.transpose(0, 1), value.transpose(0, 1), caches, window=window, scale=scale
-        )
-    return attend_gathered(batch.gathered, query, caches, window, scale, key.shape[1])
+        return attend_rows(batch.rows, query, key, value, caches, window=window, scale=scale)
+    return attend_gathered(batch.gathered, query.transpose(0, 1), caches, window, scale, key.shape[1])

@@ -75,13 +75,11 @@ class FusedAttention(nn.Module):
         """``hidden`` [T, hidden] in and out."""
         tokens = hidden.shape[0]
         qkv = self.qkv(hidden).view(tokens, -1, self.head_dim)  # [T, heads + 2 kv_heads, dim]
-        both = self.heads + self.kv_heads
-        if self.q_norm is None:
-            rotated = rotate(qkv[:, :both], rope)
-        else:  # per-head norms before the rotation
-            normed = [rms_norm(self.q_norm, qkv[:, : self.heads]), rms_norm(self.k_norm, qkv[:, self.heads : both])]
-            rotated = rotate(torch.cat(normed, dim=1), rope)
-        query, key, value = rotated[:, : self.heads], rotated[:, self.heads :], qkv[:, both:]
+        rotary, value = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
+        if self.q_norm is not None:  # per-head norms before the rotation
+            query, key = rotary.split((self.heads, self.kv_heads), dim=1)
+            rotary = torch.cat([rms_norm(self.q_norm, query), rms_norm(self.k_norm, key)], dim=1)
+        query, key = rotate(rotary, rope).split((self.heads, self.kv_heads), dim=1)
         out = attend(batch, self.layer_idx, query, key, value, window=self.sliding_window, scale=self.scaling)
         return self.o_proj(out.reshape(tokens, -1))
 

@@ -37,6 +37,11 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._tables: dict[int, list[int]] = {}
+        self._layers = [(self.keys[i], self.values[i]) for i in range(num_layers)]  # views, made once
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the stage's ``index``-th layer, [slots, kv_heads, head_dim] each."""
+        return self._layers[index]
 
     @staticmethod
     def bytes_needed(

@@ -121,28 +121,40 @@ def attend_rows(
     window: int | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """[T, heads, dim] attention output of every row; ``query`` [heads, T, dim], ``key`` and
-    ``value`` [kv_heads, T, dim] (this batch's own, already written to ``caches``)."""
-    heads, dim = query.shape[0], query.shape[2]
-    kv_heads = key.shape[0]
+    """[T, heads, dim] attention output of every row; ``query`` [T, heads, dim], ``key`` and
+    ``value`` [T, kv_heads, dim] (this batch's own, already written to ``caches``).
+
+    A decode row's one query is viewed as its heads grouped by KV head and each cached
+    run as ``[1, kv_heads, keys, dim]`` without copying (each tensor operation costs a few
+    microseconds, which a lone request pays per layer per token)."""
+    heads, dim = query.shape[1], query.shape[2]
+    kv_heads = key.shape[1]
     groups = heads // kv_heads
-    k_cache, v_cache = caches
     outs = []
     for row in rows:
         n = row.num_tokens
-        q = query[:, row.begin : row.end].reshape(1, kv_heads, groups * n, dim)
-        sources = [
-            (k_cache[lo:hi].transpose(0, 1)[None], v_cache[lo:hi].transpose(0, 1)[None]) for lo, hi in row.runs(window)
-        ]
+        sources = [(_run(caches[0], lo, hi), _run(caches[1], lo, hi)) for lo, hi in row.runs(window)]
         if n == 1:
+            q = query[row.begin : row.end].view(1, kv_heads, groups, dim)
             parts = [_flash(q, k, v, scale=scale) for k, v in sources]
-        else:  # a chunk: its cached prefix, then its own keys
-            sources.append((key[None, :, row.begin : row.end], value[None, :, row.begin : row.end]))
-            masks = row.masks(window, groups, q.dtype)
-            parts = [_attend(q, k, v, mask, scale) for (k, v), mask in zip(sources, masks, strict=True)]
-        attended = _merge(parts)  # [1, kv_heads, groups * n, dim]
-        outs.append(attended.reshape(heads, n, dim).transpose(0, 1))
+            outs.append(_merge(parts).reshape(1, heads, dim))
+            continue
+        # a chunk: its cached prefix, then its own keys
+        own = slice(row.begin, row.end)
+        q = query[own].transpose(0, 1).reshape(1, kv_heads, groups * n, dim)
+        sources.append((key[own].transpose(0, 1)[None], value[own].transpose(0, 1)[None]))
+        masks = row.masks(window, groups, q.dtype)
+        parts = [_attend(q, k, v, mask, scale) for (k, v), mask in zip(sources, masks, strict=True)]
+        outs.append(_merge(parts).reshape(heads, n, dim).transpose(0, 1))  # from [1, kv_heads, groups * n, dim]
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _run(cache: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Cache slots [lo, hi) of ``cache`` [slots, kv_heads, dim] as a [1, kv_heads, hi - lo, dim]
+    view (one operation: slicing, transposing and adding the batch axis would be three)."""
+    _, kv_heads, dim = cache.shape
+    row, head, _ = cache.stride()
+    return cache.as_strided((1, kv_heads, hi - lo, dim), (0, head, row, 1), cache.storage_offset() + lo * row)
 
 
 def _attend(q, k, v, mask: Mask | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,7 +146,7 @@ def test_compare_runs_every_contender_with_exact_lengths_and_plots(tiny_models, 
     report = json.loads(run.stdout)
     compare = report["compare"]
     assert set(compare["contenders"]) == {"ring", "drained", "hf-static", "hf-continuous"}
-    assert set(compare["ratios"]) == {"ring/drained", "ring/hf-static", "ring/hf-continuous"}
+    assert set(compare["ratios"]) == {"ring/drained", "ring/drained ITL p50", "ring/hf-static", "ring/hf-continuous"}
     assert compare["threads"] == 2 and compare["workload"]["requests"] == 12
     for name, entry in compare["contenders"].items():
         assert len(entry["output_tokens_per_s"]) == 1 and entry["mean_output_tokens_per_s"] > 0, name
@@ -157,6 +157,8 @@ def test_compare_runs_every_contender_with_exact_lengths_and_plots(tiny_models, 
         assert [s["index"] for s in compare["contenders"][name]["stages"]] == [0, 1]
     ring = compare["contenders"]["ring"]["mean_output_tokens_per_s"]
     assert compare["ratios"]["ring/drained"] == ring / compare["contenders"]["drained"]["mean_output_tokens_per_s"]
+    itl = [compare["contenders"][name]["itl_p50_s"] for name in ("ring", "drained")]
+    assert compare["ratios"]["ring/drained ITL p50"] == itl[0][0] / itl[1][0]  # one round each
     assert sorted(Path(p).name for p in report["plots"]) == ["latency.png", "stages.png", "timeline.png"]
     for path in report["plots"]:
         valid_png(Path(path))

@@ -62,4 +62,4 @@ def test_llama_cpp_contends_on_the_default_models_own_gguf():
     assert llama["served"]["gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and llama["served"]["slots"] == 3
     assert llama["summary"]["ttft"]["p50"] > 0 and llama["summary"]["itl"]["p50"] > 0
     assert report["contenders"]["ring"]["door"] == "http"
-    assert report["ratios"]["ring/llama.cpp"] > 0
+    assert report["ratios"]["ring/llama.cpp"] > 0 and report["ratios"]["ring/llama.cpp ITL p50"] > 0

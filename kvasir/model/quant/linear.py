@@ -72,15 +72,14 @@ class QuantLinear(nn.Module):
         self.nibbles = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        if x.dim() != 2:  # the stages' layers pass [T, hidden]; reshaping costs a call each way
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         if self.planes > 1:
-            flat = flat.repeat(1, self.planes)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK, self.terms)
+            x = x.repeat(1, self.planes)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, BLOCK, self.terms)
         if out.shape[1] != self.out_features:
             out = out[:, : self.out_features]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
 
 
 def _padded(weights: Nibbles) -> Nibbles:

@@ -60,7 +60,9 @@ def test_in_place_and_gathered_attention_equal_a_plain_softmax(window, seed):
     rows, query, key, value, caches = batch(rng, shapes)
     scale = DIM**-0.5
     expected = torch.cat([reference(row, query, *caches, window, scale) for row in rows])
-    in_place = attend_rows(rows, query, key, value, caches, window=window, scale=scale)
+    in_place = attend_rows(
+        rows, query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), caches, window=window, scale=scale
+    )
     gathered = attend_gathered(GatherPlan.of(rows, torch.device("cpu")), query, caches, window, scale, KV_HEADS)
     torch.testing.assert_close(in_place, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gathered, expected, atol=1e-5, rtol=1e-5)
