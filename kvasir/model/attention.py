@@ -16,7 +16,7 @@ import torch
 
 from kvasir.errors import BatchError
 from kvasir.model.host_index import to_device
-from kvasir.model.kv_cache import PagedKVCache, flat_slots
+from kvasir.model.kv_cache import PagedKVCache, slot_list
 from kvasir.model.paged_gather import GatherPlan, attend_gathered
 from kvasir.model.paged_inplace import RowPlan, attend_rows
 from kvasir.wire.batch import Row
@@ -34,6 +34,7 @@ class PagedBatch:
     emit_index: torch.Tensor  # [E] packed index of every sampled position (an emitting row's last 1 + drafts tokens)
     score_index: torch.Tensor  # [S] packed index of every token of the scored rows (prompt log-probabilities)
     in_place: bool  # attend over the cache in place (CPU), else gather each row's context
+    end: int  # one past the batch's largest position
 
     @cached_property
     def gathered(self) -> GatherPlan:
@@ -47,31 +48,32 @@ def build_batch(
     of the requests in ``scored`` get logits at every token (the tail only). The indices
     are built on the host and reach an accelerator in one non-blocking copy
     (kvasir/model/host_index.py)."""
-    positions, writes, plans = [], [], []
+    positions: list[int] = []
+    writes: list[int] = []
+    plans = []
     emit: list[int] = []
     score: list[int] = []
     begin = 0
     for row in rows:
+        if row.num_tokens < 1:
+            raise BatchError(f"request {row.request_id}: a row of {row.num_tokens} tokens")
         if row.draft and (not row.emit or len(row.draft) >= row.num_tokens):
             raise BatchError(f"request {row.request_id}: {len(row.draft)} drafts in a row of {row.num_tokens} tokens")
         table = cache.extend(row.request_id, row.new_blocks)
         stop = row.start + row.num_tokens
-        writes.append(flat_slots(row.request_id, table, cache.block_size, row.start, stop))
+        writes += slot_list(row.request_id, table, cache.block_size, row.start, stop)
         plans.append(RowPlan(begin, begin + row.num_tokens, row.start, tuple(table), cache.block_size))
-        positions.append(torch.arange(row.start, stop))
+        positions.extend(range(row.start, stop))
         if row.request_id in scored:
             score.extend(range(begin, begin + row.num_tokens))
         begin += row.num_tokens
         emit.extend(range(begin - row.samples, begin))
     device = cache.keys.device
     at, slots, emits, scores = to_device(
-        device,
-        torch.cat(positions),
-        torch.cat(writes),
-        torch.tensor(emit, dtype=torch.long),
-        torch.tensor(score, dtype=torch.long),
+        device, *(torch.tensor(values, dtype=torch.long) for values in (positions, writes, emit, score))
     )
-    return PagedBatch(cache, first_layer, at, slots, plans, emits, scores, in_place=device.type == "cpu")
+    end = max((row.start + row.num_tokens for row in rows), default=0)
+    return PagedBatch(cache, first_layer, at, slots, plans, emits, scores, in_place=device.type == "cpu", end=end)
 
 
 def attend(

@@ -35,6 +35,30 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> Rope:
     return Rope(cos[0, :, None], signed[:, None])
 
 
+class RotaryTables:
+    """A stage's rotary tables for positions [0, ``positions``), made once by the model's
+    own rotary module: each angle is one product of a position and a frequency, so a
+    position's row is the same whatever batch it is computed in, and a batch looks its
+    rows up (two operations where the module takes about fifteen). An embedding whose
+    frequencies depend on the batch's longest position (dynamic NTK, long-rope) is called
+    per batch, as is any batch reaching past the tables."""
+
+    def __init__(self, rotary: Any, dtype: torch.dtype, device: torch.device, positions: int) -> None:
+        self.rotary = rotary
+        kind = getattr(rotary, "rope_type", "default")
+        self.tables: Rope | None = None
+        if isinstance(kind, str) and "dynamic" not in kind and kind != "longrope":
+            probe = torch.empty(0, dtype=dtype, device=device)
+            self.tables = rope_tables(*rotary(probe, torch.arange(positions, device=device)[None]))
+        self.positions = positions
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, end: int) -> Rope:
+        """The rows of ``positions`` [T] (``end``: one past the largest)."""
+        if self.tables is None or end > self.positions:
+            return rope_tables(*self.rotary(hidden, positions[None]))
+        return Rope(self.tables.cos.index_select(0, positions), self.tables.sin.index_select(0, positions))
+
+
 def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """``x`` [T, heads, head_dim] with the rotary embedding applied, as transformers'
     ``x * cos + rotate_half(x) * sin`` (negating a factor is exact, so the products match)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvasir.errors import BatchError
+from kvasir.model.paged_inplace import slot_runs
 
 
 class PagedKVCache:
@@ -83,10 +84,19 @@ class PagedKVCache:
         return flat_slots(request_id, table, self.block_size, start, stop).to(self.keys.device)
 
 
-def flat_slots(request_id: int, table, block_size: int, start: int, stop: int) -> torch.Tensor:
-    """Flat slots of positions [start, stop) in a cache of ``block_size`` blocks, given a block table."""
+def slot_list(request_id: int, table, block_size: int, start: int, stop: int) -> list[int]:
+    """Flat slots of positions [start, stop) in a cache of ``block_size`` blocks, given a
+    block table (Python ints: a decode row's one slot costs no tensor operations)."""
+    if start < 0:
+        raise BatchError(f"request {request_id}: negative position {start}")
     if stop > len(table) * block_size:
         raise BatchError(f"request {request_id}: position {stop - 1} is past its {len(table)} KV blocks")
-    positions = torch.arange(start, stop)
-    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
-    return blocks * block_size + positions % block_size
+    slots: list[int] = []
+    for lo, hi in slot_runs(table, block_size, start, stop):
+        slots.extend(range(lo, hi))
+    return slots
+
+
+def flat_slots(request_id: int, table, block_size: int, start: int, stop: int) -> torch.Tensor:
+    """``slot_list`` as a tensor."""
+    return torch.tensor(slot_list(request_id, table, block_size, start, stop), dtype=torch.long)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvasir.model.attention import PagedBatch
-from kvasir.model.decoder import decoder_layer, rms_norm, rope_tables
+from kvasir.model.decoder import RotaryTables, decoder_layer, rms_norm
 from kvasir.model.loader import SliceModules
 from kvasir.model.source import ModelSource
 
@@ -21,25 +21,27 @@ from kvasir.model.source import ModelSource
 class StageModel(nn.Module):
     """A contiguous slice of decoder layers with the head's or tail's extras."""
 
-    def __init__(self, modules: SliceModules, source: ModelSource, device: torch.device) -> None:
+    def __init__(self, modules: SliceModules, source: ModelSource, device: torch.device, max_seq_len: int) -> None:
         super().__init__()
         self.slice = modules
+        self.dtype = next(modules.parameters()).dtype
         with torch.device(device):
             # Rotary tables are computed, not loaded: build them on the device in float32.
-            self.rotary = modules.rotary_type(config=source.fresh_config())
+            self.rotary = RotaryTables(
+                modules.rotary_type(config=source.fresh_config()), self.dtype, device, max_seq_len
+            )
         self._enter: Callable[[torch.Tensor], torch.Tensor] = (
             self._embed if modules.embed_tokens is not None else self._hidden
         )
         self._exit: Callable[[torch.Tensor, PagedBatch], torch.Tensor] = (
             self._logits if modules.lm_head is not None else self._boundary
         )
-        self.dtype = next(modules.parameters()).dtype
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """Token ids [T] (head) or boundary [T, hidden] in; boundary or logits [E, vocab] out."""
         hidden = self._enter(inputs)
-        rope = rope_tables(*self.rotary(hidden, batch.positions.unsqueeze(0)))
+        rope = self.rotary(hidden, batch.positions, batch.end)
         for layer in self.slice.layers:
             hidden = decoder_layer(layer, hidden, rope, batch)
         return self._exit(hidden, batch)

@@ -37,7 +37,7 @@ class StageEngine:
         modules, self.tensors_read = load_slice(source, self.spec, dtype, self.device, plan.model.weights)
         self.packed = pack_linears(modules)
         self.dispatch = DispatchClock()
-        self.model = StageModel(modules, source, self.device)
+        self.model = StageModel(modules, source, self.device, plan.model.max_seq_len)
         self.cache = PagedKVCache(
             num_layers=stage.layers[1] - stage.layers[0],
             num_blocks=plan.kv.num_blocks,

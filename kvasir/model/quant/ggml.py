@@ -119,6 +119,25 @@ def decode(raw: np.ndarray, fmt: Format, in_features: int) -> Nibbles:
     return Nibbles(torch.from_numpy(codes), d, zero, in_features, 1)
 
 
+def dequantize_rows(raw: np.ndarray, fmt: Format, in_features: int) -> np.ndarray:
+    """A few rows' bytes ([N, bytes per row], uint8) as float32 values [N, in_features],
+    straight from the blocks (GGML's own arithmetic, the values ``decode(...).dequantize()``
+    gives): an embedding lookup's few rows in a handful of NumPy operations."""
+    groups = in_features // BLOCK
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, groups, BLOCK_BYTES[fmt])
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, groups, 1]
+    if fmt == "Q8_0":
+        values = d * blocks[..., 2:].view(np.int8).astype(np.float32)
+    else:
+        quants = blocks[..., 4:] if fmt == "Q4_1" else blocks[..., 2:]
+        codes = np.concatenate([quants & 15, quants >> 4], axis=-1).astype(np.float32)
+        if fmt == "Q4_1":
+            values = d * codes + blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        else:
+            values = d * (codes - 8)
+    return values.reshape(-1, in_features)
+
+
 def _half(blocks: np.ndarray, offset: int) -> torch.Tensor:
     """The float16 at ``offset`` of every block, as float32 [N, groups]."""
     return torch.from_numpy(np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]).float()

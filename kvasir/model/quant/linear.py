@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvasir.model.quant.ggml import BLOCK, Format, Nibbles, cat_rows, decode
+from kvasir.model.quant.ggml import BLOCK, Format, Nibbles, cat_rows, dequantize_rows
 
 INNER_K_TILES = 2  # the packing's inner tiling (2 takes any row of whole groups of 32)
 ROW_MULTIPLE = 16  # the kernel takes rows in sixteens: a matrix is padded with zero rows
@@ -103,7 +103,8 @@ class QuantEmbedding(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` (1-D) in float32, exactly as stored."""
-        return decode(self.blocks.index_select(0, ids).numpy(), self.format, self.embedding_dim).dequantize()
+        raw = self.blocks.index_select(0, ids).numpy()
+        return torch.from_numpy(dequantize_rows(raw, self.format, self.embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, self.embedding_dim)

@@ -1,8 +1,9 @@
 """Kvasir's decoder-layer arithmetic against transformers' own, bit for bit.
 
 The whole layer (and the whole model) is checked against transformers' ``generate`` in
-tests/unit/stage/test_chain.py; here the two pieces Kvasir computes differently, the
-rotary embedding and the RMS norm, must give exactly transformers' values in each dtype.
+tests/unit/stage/test_chain.py; here the pieces Kvasir computes differently, the rotary
+embedding (applied, and its tables looked up) and the RMS norm, must give exactly
+transformers' values in each dtype.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import importlib
 import pytest
 import torch
 
-from kvasir.model.decoder import rms_norm, rope_tables, rotate
+from kvasir.model.decoder import RotaryTables, rms_norm, rope_tables, rotate
 
 FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,3 +56,39 @@ def test_rms_norm_equals_transformers(family, dtype, shape):
     x = (torch.randn(*shape, generator=generator) * 3).to(dtype)
     with torch.inference_mode():
         assert torch.equal(rms_norm(norm, x), norm(x))
+
+
+ROPE_PARAMETERS = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("family", ("llama", "mistral", "qwen2", "qwen3"))
+@pytest.mark.parametrize("kind", ROPE_PARAMETERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_rows_looked_up_equal_the_modules_own(family, kind, dtype):
+    module = modeling(family)
+    config_type = next(getattr(module, name) for name in dir(module) if name.endswith("Config"))
+    rotary_type = next(getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding"))
+    config = config_type(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=512, rope_parameters=ROPE_PARAMETERS[kind]
+    )
+    tables = RotaryTables(rotary_type(config=config), dtype, torch.device("cpu"), 256)
+    assert (tables.tables is None) == (kind == "dynamic")  # its frequencies follow the batch's longest position
+    hidden = torch.zeros(5, 64, dtype=dtype)
+    for positions in ([0, 1, 2, 3, 4], [250, 7, 100, 255, 31], [300, 2, 3, 4, 5]):  # the last past the tables
+        at = torch.tensor(positions)
+        got = tables(hidden, at, max(positions) + 1)
+        want = rope_tables(*rotary_type(config=config)(hidden, at[None]))
+        assert torch.equal(got.cos, want.cos) and torch.equal(got.sin, want.sin), positions

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kvasir.model.quant.ggml import FORMATS, Nibbles, cat_rows, decode
+from kvasir.model.quant.ggml import FORMATS, Nibbles, cat_rows, decode, dequantize_rows
 
 
 def stored(rows: int, width: int, fmt: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -27,6 +27,15 @@ def test_every_format_decodes_to_the_gguf_packages_values_exactly(fmt, rows, wid
     assert weights.codes.dtype == torch.uint8 and int(weights.codes.max()) <= 15
     assert tuple(weights.codes.shape) == (rows, weights.planes * width)
     assert torch.equal(weights.dequantize(), torch.from_numpy(reference))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_dequantised_straight_from_the_blocks_equal_the_decoded_ones(fmt):
+    raw, reference = stored(9, 96, fmt, seed=4)
+    picked = [7, 0, 7, 3]
+    got = dequantize_rows(raw[picked], fmt, 96)
+    assert got.dtype == np.float32 and np.array_equal(got, reference[picked])
+    assert torch.equal(torch.from_numpy(got), decode(raw, fmt, 96).dequantize()[picked])
 
 
 def test_q8_0_extremes_split_into_two_nibbles_exactly():

@@ -34,6 +34,8 @@ def test_hostile_rows_are_refused():
     table = kv.extend(1, (0,))
     with pytest.raises(BatchError, match="position 4 is past its 1 KV blocks"):
         kv.slots(1, table, 0, 5)
+    with pytest.raises(BatchError, match="negative position -1"):
+        kv.slots(1, table, -1, 1)  # would wrap round to the table's last block
 
 
 def test_engine_refuses_inconsistent_descriptors(tiny_models, plan_for):
@@ -48,3 +50,8 @@ def test_engine_refuses_inconsistent_descriptors(tiny_models, plan_for):
         head.run(BatchDescriptor(3, 0, 3, (Row(3, 0, 3, (1,), True),), (), (), 0), torch.tensor([5, 6]))
     with pytest.raises(BatchError, match="past its 1 KV blocks"):
         head.run(BatchDescriptor(4, 0, 1, (Row(1, 4, 1, (), True),), (), (), 0), torch.tensor([5]))
+    empty = (Row(5, 0, 0, (), False), Row(6, 0, 1, (2,), True))
+    with pytest.raises(BatchError, match="request 5: a row of 0 tokens"):
+        head.run(BatchDescriptor(5, 0, 1, empty, (), (), 0), torch.tensor([5]))
+    with pytest.raises(BatchError, match="request 7: negative position -1"):
+        head.run(BatchDescriptor(6, 0, 1, (Row(7, -1, 1, (3,), True),), (), (), 0), torch.tensor([5]))
