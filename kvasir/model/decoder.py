@@ -15,6 +15,8 @@ models against ``generate`` (tests/unit/stage/test_chain.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -65,6 +67,21 @@ def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     return x * rope.cos + x.roll(x.shape[-1] // 2, -1) * rope.sin
 
 
+@dataclass(frozen=True, slots=True)
+class Norm:
+    """A transformers RMS norm's weight and epsilon, applied as ``rms_norm`` does."""
+
+    weight: torch.Tensor
+    eps: float
+
+    @staticmethod
+    def of(norm: Any) -> Norm:
+        return Norm(norm.weight, norm.variance_epsilon)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+
+
 def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """A transformers RMS norm module's output: normalised in float32, back to ``x``'s
     dtype, then scaled by the module's weight (``F.rms_norm`` computes in float32 and
@@ -72,8 +89,31 @@ def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * F.rms_norm(x, (x.shape[-1],), None, norm.variance_epsilon)
 
 
-def decoder_layer(layer: Any, hidden: torch.Tensor, rope: Rope, batch: Any) -> torch.Tensor:
-    """One layer on ``hidden`` [T, hidden]; ``layer.self_attn`` is Kvasir's fused attention
-    (kvasir/model/fused.py), ``batch`` its paged batch."""
-    hidden = hidden + layer.self_attn(rms_norm(layer.input_layernorm, hidden), rope, batch)
-    return hidden + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
+@dataclass(frozen=True, slots=True)
+class LayerRun:
+    """One decoder layer as plain functions of its final tensors: the norms, the fused
+    attention's and MLP's runs (kvasir/model/fused.py), or an MoE block's ``forward``.
+    Made once a stage's weights are final (loaded, fused, packed); a module call and a
+    module attribute lookup cost about a microsecond each, and a layer made some 25 a
+    token (BENCHMARKS.md: about 1 ms of a 12 ms decode step)."""
+
+    attention_norm: Norm
+    attention: Callable[[torch.Tensor, Rope, Any], torch.Tensor]
+    mlp_norm: Norm
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+
+    @staticmethod
+    def of(layer: Any) -> LayerRun:
+        """``layer.self_attn`` is Kvasir's fused attention; ``layer.mlp`` a fused MLP or an
+        MoE block."""
+        mlp = layer.mlp
+        run = mlp.run() if hasattr(mlp, "run") else mlp.forward
+        return LayerRun(
+            Norm.of(layer.input_layernorm), layer.self_attn.run(), Norm.of(layer.post_attention_layernorm), run
+        )
+
+
+def decoder_layer(layer: LayerRun, hidden: torch.Tensor, rope: Rope, batch: Any) -> torch.Tensor:
+    """One layer on ``hidden`` [T, hidden]; ``batch`` its paged batch."""
+    hidden = hidden + layer.attention(layer.attention_norm(hidden), rope, batch)
+    return hidden + layer.mlp(layer.mlp_norm(hidden))

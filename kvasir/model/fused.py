@@ -7,19 +7,28 @@ less than two). The attention runs as Kvasir's layers do (kvasir/model/decoder.p
 ``[T, hidden]``, queries and keys rotated together, straight onto the paged cache. Each
 architecture's attention keeps its own details: biases (Qwen2), per-head query/key
 norms (Qwen3), and which sliding window transformers hands its attention function.
+The modules hold the weights; once they are final a stage computes with their ``run``s,
+plain functions of their tensors (kvasir/model/decoder.py, ``LayerRun``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvasir.model.attention import PagedBatch, attend
-from kvasir.model.decoder import Rope, rms_norm, rotate
+from kvasir.model.decoder import Norm, Rope, rotate
 from kvasir.model.families import WindowRule, family_of
+from kvasir.model.packed import PackedLinear
 from kvasir.model.quant.linear import QuantLinear
+
+Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 def window(rule: WindowRule, attention: Any) -> int | None:
@@ -55,8 +64,38 @@ def _fused_linear(parts: list[Any]) -> nn.Module:
     return fused
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionRun:
+    """A fused attention's forward as a plain function of its final tensors
+    (kvasir/model/decoder.py, ``LayerRun``)."""
+
+    qkv: Product
+    o_proj: Product
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layer_idx: int
+    window: int | None
+    scale: float
+    q_norm: Norm | None  # with k_norm: both or neither (Qwen3)
+    k_norm: Norm | None
+
+    def __call__(self, hidden: torch.Tensor, rope: Rope, batch: PagedBatch) -> torch.Tensor:
+        """``hidden`` [T, hidden] in and out."""
+        tokens = hidden.shape[0]
+        qkv = self.qkv(hidden).view(tokens, -1, self.head_dim)  # [T, heads + 2 kv_heads, dim]
+        rotary, value = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
+        if self.q_norm is not None and self.k_norm is not None:  # per-head norms before the rotation
+            query, key = rotary.split((self.heads, self.kv_heads), dim=1)
+            rotary = torch.cat([self.q_norm(query), self.k_norm(key)], dim=1)
+        query, key = rotate(rotary, rope).split((self.heads, self.kv_heads), dim=1)
+        out = attend(batch, self.layer_idx, query, key, value, window=self.window, scale=self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
 class FusedAttention(nn.Module):
-    """A decoder layer's self-attention with one query/key/value product, on the paged cache."""
+    """A decoder layer's self-attention with one query/key/value product, on the paged
+    cache; it holds the weights, ``run`` computes."""
 
     def __init__(self, attention: Any, window: int | None) -> None:
         super().__init__()
@@ -71,21 +110,37 @@ class FusedAttention(nn.Module):
         self.q_norm: Any = getattr(attention, "q_norm", None)
         self.k_norm: Any = getattr(attention, "k_norm", None)  # both or neither (Qwen3)
 
-    def forward(self, hidden: torch.Tensor, rope: Rope, batch: PagedBatch) -> torch.Tensor:
-        """``hidden`` [T, hidden] in and out."""
-        tokens = hidden.shape[0]
-        qkv = self.qkv(hidden).view(tokens, -1, self.head_dim)  # [T, heads + 2 kv_heads, dim]
-        rotary, value = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
-        if self.q_norm is not None:  # per-head norms before the rotation
-            query, key = rotary.split((self.heads, self.kv_heads), dim=1)
-            rotary = torch.cat([rms_norm(self.q_norm, query), rms_norm(self.k_norm, key)], dim=1)
-        query, key = rotate(rotary, rope).split((self.heads, self.kv_heads), dim=1)
-        out = attend(batch, self.layer_idx, query, key, value, window=self.sliding_window, scale=self.scaling)
-        return self.o_proj(out.reshape(tokens, -1))
+    def run(self) -> AttentionRun:
+        norms = (None, None) if self.q_norm is None else (Norm.of(self.q_norm), Norm.of(self.k_norm))
+        return AttentionRun(
+            product_of(self.qkv),
+            product_of(self.o_proj),
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.layer_idx,
+            self.sliding_window,
+            self.scaling,
+            *norms,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MlpRun:
+    """A fused MLP's forward as a plain function of its final tensors."""
+
+    gate_up: Product
+    down_proj: Product
+    intermediate: int
+    act: Product
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class FusedMLP(nn.Module):
-    """A dense gated MLP with one gate/up product."""
+    """A dense gated MLP with one gate/up product; it holds the weights, ``run`` computes."""
 
     def __init__(self, mlp: Any) -> None:
         super().__init__()
@@ -94,9 +149,17 @@ class FusedMLP(nn.Module):
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+    def run(self) -> MlpRun:
+        return MlpRun(product_of(self.gate_up), product_of(self.down_proj), self.intermediate, self.act_fn.forward)
+
+
+def product_of(linear: nn.Module) -> Product:
+    """A linear layer's product on [T, in_features] as a plain function of its tensors."""
+    if isinstance(linear, QuantLinear | PackedLinear):
+        return linear.product()
+    if type(linear) is nn.Linear:
+        return partial(F.linear, weight=linear.weight, bias=linear.bias)
+    return linear.forward
 
 
 def fuse_layers(layers: nn.ModuleList, model_type: str) -> None:

@@ -10,6 +10,9 @@ the layers stay as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -27,6 +30,8 @@ def packing_available() -> bool:
 class PackedLinear(nn.Module):
     """``linear`` with its weight in oneDNN's packed layout (a buffer, no longer a parameter)."""
 
+    packed: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -36,8 +41,16 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        return self.product()(flat).view(*x.shape[:-1], self.out_features)
+
+    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The product on [T, in_features] as a plain function of the layer's tensors (a
+        stage's layers call it without the module: kvasir/model/decoder.py)."""
+        return partial(_packed_product, packed=self.packed, bias=self.bias)
+
+
+def _packed_product(x: torch.Tensor, *, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def pack_linears(module: nn.Module) -> int:

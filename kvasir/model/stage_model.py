@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvasir.model.attention import PagedBatch
-from kvasir.model.decoder import RotaryTables, decoder_layer, rms_norm
+from kvasir.model.decoder import LayerRun, RotaryTables, decoder_layer, rms_norm
 from kvasir.model.loader import SliceModules
 from kvasir.model.source import ModelSource
 
@@ -30,6 +30,7 @@ class StageModel(nn.Module):
             self.rotary = RotaryTables(
                 modules.rotary_type(config=source.fresh_config()), self.dtype, device, max_seq_len
             )
+        self.runs = [LayerRun.of(layer) for layer in modules.layers]  # the weights are final: loaded, fused, packed
         self._enter: Callable[[torch.Tensor], torch.Tensor] = (
             self._embed if modules.embed_tokens is not None else self._hidden
         )
@@ -42,7 +43,7 @@ class StageModel(nn.Module):
         """Token ids [T] (head) or boundary [T, hidden] in; boundary or logits [E, vocab] out."""
         hidden = self._enter(inputs)
         rope = self.rotary(hidden, batch.positions, batch.end)
-        for layer in self.slice.layers:
+        for layer in self.runs:
             hidden = decoder_layer(layer, hidden, rope, batch)
         return self._exit(hidden, batch)
 

@@ -11,6 +11,9 @@ embedding table's blocks as stored and decodes only the rows a batch looks up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 import torch
 from torch import nn
@@ -28,6 +31,9 @@ def int4_kernels_available() -> bool:
 
 class QuantLinear(nn.Module):
     """``x @ w.T + b`` with ``w`` as Nibbles; unpacked until ``pack``."""
+
+    packed: torch.Tensor  # buffers, once packed
+    terms: torch.Tensor
 
     def __init__(self, weights: Nibbles, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -72,14 +78,37 @@ class QuantLinear(nn.Module):
         self.nibbles = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:  # the stages' layers pass [T, hidden]; reshaping costs a call each way
-            return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        if self.planes > 1:
-            x = x.repeat(1, self.planes)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, BLOCK, self.terms)
-        if out.shape[1] != self.out_features:
-            out = out[:, : self.out_features]
-        return out if self.bias is None else out + self.bias
+        flat = x.reshape(-1, self.in_features)
+        return self.product()(flat).reshape(*x.shape[:-1], self.out_features)
+
+    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The packed layer's product on [T, in_features] as a plain function of its
+        tensors (a stage's layers call it without the module: kvasir/model/decoder.py)."""
+        return partial(
+            _int4_product,
+            packed=self.packed,
+            terms=self.terms,
+            planes=self.planes,
+            out_features=self.out_features,
+            bias=self.bias,
+        )
+
+
+def _int4_product(
+    x: torch.Tensor,
+    *,
+    packed: torch.Tensor,
+    terms: torch.Tensor,
+    planes: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    if planes > 1:
+        x = x.repeat(1, planes)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, terms)
+    if out.shape[1] != out_features:
+        out = out[:, :out_features]
+    return out if bias is None else out + bias
 
 
 def _padded(weights: Nibbles) -> Nibbles:
