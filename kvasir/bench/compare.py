@@ -249,7 +249,7 @@ def _mean(values: list[float]) -> float:
 
 def _report(plan_path: Path, contest: _Contest, load: Load, figures: dict[str, dict], rounds: int) -> dict:
     for entry in figures.values():
-        entry["mean_output_tokens_per_s"] = sum(entry["output_tokens_per_s"]) / rounds
+        entry["mean_output_tokens_per_s"] = _mean(entry["output_tokens_per_s"])  # one figure a round
     ratios = {}
     if "ring" in figures:
         ring = figures["ring"]

@@ -53,7 +53,7 @@ def build_batch(
     plans = []
     emit: list[int] = []
     score: list[int] = []
-    begin = 0
+    begin = end = 0
     for row in rows:
         if row.num_tokens < 1:
             raise BatchError(f"request {row.request_id}: a row of {row.num_tokens} tokens")
@@ -61,6 +61,7 @@ def build_batch(
             raise BatchError(f"request {row.request_id}: {len(row.draft)} drafts in a row of {row.num_tokens} tokens")
         table = cache.extend(row.request_id, row.new_blocks)
         stop = row.start + row.num_tokens
+        end = max(end, stop)
         writes += slot_list(row.request_id, table, cache.block_size, row.start, stop)
         plans.append(RowPlan(begin, begin + row.num_tokens, row.start, tuple(table), cache.block_size))
         positions.extend(range(row.start, stop))
@@ -72,7 +73,6 @@ def build_batch(
     at, slots, emits, scores = to_device(
         device, *(torch.tensor(values, dtype=torch.long) for values in (positions, writes, emit, score))
     )
-    end = max((row.start + row.num_tokens for row in rows), default=0)
     return PagedBatch(cache, first_layer, at, slots, plans, emits, scores, in_place=device.type == "cpu", end=end)
 
 

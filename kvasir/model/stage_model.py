@@ -26,7 +26,7 @@ class StageModel(nn.Module):
         self.slice = modules
         self.dtype = next(modules.parameters()).dtype
         with torch.device(device):
-            # Rotary tables are computed, not loaded: build them on the device in float32.
+            # Rotary tables are computed, not loaded: made once on the device, in the stage's dtype.
             self.rotary = RotaryTables(
                 modules.rotary_type(config=source.fresh_config()), self.dtype, device, max_seq_len
             )

@@ -113,8 +113,7 @@ def decode(raw: np.ndarray, fmt: Format, in_features: int) -> Nibbles:
     d = _half(blocks, 0)
     if fmt == "Q8_0":
         return _two_planes(blocks[..., 2:].view(np.int8), d, in_features)
-    quants = blocks[..., 4:] if fmt == "Q4_1" else blocks[..., 2:]
-    codes = np.concatenate([quants & 15, quants >> 4], axis=-1).reshape(data.shape[0], in_features)
+    codes = _four_bit_codes(blocks, fmt).reshape(data.shape[0], in_features)
     zero = _half(blocks, 2) + 8 * d if fmt == "Q4_1" else torch.zeros_like(d)
     return Nibbles(torch.from_numpy(codes), d, zero, in_features, 1)
 
@@ -125,22 +124,30 @@ def dequantize_rows(raw: np.ndarray, fmt: Format, in_features: int) -> np.ndarra
     gives): an embedding lookup's few rows in a handful of NumPy operations."""
     groups = in_features // BLOCK
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, groups, BLOCK_BYTES[fmt])
-    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, groups, 1]
+    d = _float16s(blocks, 0)
     if fmt == "Q8_0":
         values = d * blocks[..., 2:].view(np.int8).astype(np.float32)
     else:
-        quants = blocks[..., 4:] if fmt == "Q4_1" else blocks[..., 2:]
-        codes = np.concatenate([quants & 15, quants >> 4], axis=-1).astype(np.float32)
-        if fmt == "Q4_1":
-            values = d * codes + blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-        else:
-            values = d * (codes - 8)
+        codes = _four_bit_codes(blocks, fmt).astype(np.float32)
+        values = d * codes + _float16s(blocks, 2) if fmt == "Q4_1" else d * (codes - 8)
     return values.reshape(-1, in_features)
+
+
+def _float16s(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at ``offset`` of every block, as float32 [N, groups, 1]."""
+    return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16).astype(np.float32)
 
 
 def _half(blocks: np.ndarray, offset: int) -> torch.Tensor:
     """The float16 at ``offset`` of every block, as float32 [N, groups]."""
-    return torch.from_numpy(np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]).float()
+    return torch.from_numpy(_float16s(blocks, offset).squeeze(-1))
+
+
+def _four_bit_codes(blocks: np.ndarray, fmt: Format) -> np.ndarray:
+    """A Q4_0 or Q4_1 block's 32 codes in value order: byte ``j``'s low nibble is value
+    ``j``, its high nibble value ``j + 16``; uint8 [N, groups, 32]."""
+    quants = blocks[..., 4:] if fmt == "Q4_1" else blocks[..., 2:]
+    return np.concatenate([quants & 15, quants >> 4], axis=-1)
 
 
 def _two_planes(q: np.ndarray, d: torch.Tensor, in_features: int) -> Nibbles:
