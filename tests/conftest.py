@@ -7,7 +7,7 @@ import pytest
 
 from kvasir.model.source import resolve_source
 from tests.support.daemon import Daemon, stage_count, write_plan
-from tests.support.models import MOE_FAMILIES, make_plan, save_tiny_model, save_tiny_tokenizer
+from tests.support.models import MOE_FAMILIES, make_plan, save_looping_model, save_tiny_model, save_tiny_tokenizer
 
 TESTS = Path(__file__).parent
 FOLDER_MARKS = {"unit": ("unit",), "integration": ("integration", "slow"), "gpu": ("gpu", "slow")}
@@ -37,6 +37,7 @@ def tiny_models(tmp_path_factory):
     families = ("llama", "qwen2", "mistral", *MOE_FAMILIES)
     models = {family: save_tiny_model(root / family, family) for family in families}
     models["mistral-window"] = save_tiny_model(root / "mistral-window", "mistral", sliding_window=8)
+    models["llama-loop"] = save_looping_model(root / "llama-loop")  # greedy output that repeats (drafts confirmed)
     # a context long enough for prompts that list tools (its 310-token vocabulary makes them long)
     models["llama-tokenizer"] = save_tiny_model(root / "llama-tokenizer", "llama", max_position_embeddings=2048)
     save_tiny_tokenizer(models["llama-tokenizer"])

@@ -13,7 +13,7 @@ from kvasir.transport.channels import BatchedSocket
 from kvasir.units import gib_per_s
 from kvasir.wire.base import FinishReason
 from kvasir.wire.batch import SampledToken
-from kvasir.wire.client import Finished, HandoffSummary, HandoffTimings, Timings, Usage
+from kvasir.wire.client import Drafts, Finished, HandoffSummary, HandoffTimings, Timings, Usage
 
 RECENT_HANDOFFS = 4096  # hand-offs the percentiles are taken over
 
@@ -65,7 +65,8 @@ class Pending:
             ready.append(self.early.pop(len(self.token_ids) + len(ready)))
         return ready
 
-    def finished(self, rid: int, reason: FinishReason) -> Finished:
+    def finished(self, rid: int, reason: FinishReason, last: SampledToken | None = None) -> Finished:
+        """Its terminal event; ``last``: its last token, which carries the tail's counts of passes and drafts."""
         n = len(self.token_ids)
         return Finished(
             request_id=rid,
@@ -89,6 +90,7 @@ class Pending:
             handoff=self.handoff,
             instances=[self.instance] + ([self.decode] if self.decode is not None and n > 1 else []),
             route=self.route,
+            drafts=Drafts.of(n, last.passes, last.drafted, last.accepted) if last is not None else None,
         )
 
 

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from kvasir.wire.client import DaemonStats, KvPoolStats, PrefixCacheStats
+from kvasir.wire.stats import DraftCounters
 
 
 def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
@@ -38,7 +39,14 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         prefix_cache=PrefixCacheStats.of(stages) if stages else None,
         instances=bridge.heads.report(reports.stages),
         kv_pool=_kv_pool(bridge.heads.pool, stages),
+        drafts=_drafts(stages),
     )
+
+
+def _drafts(stages) -> DraftCounters | None:
+    """Speculative decoding's counts (a plan with [speculative]), every instance's together."""
+    counts = [s.drafts for s in stages if s.drafts is not None]
+    return sum(counts[1:], counts[0]) if counts else None
 
 
 def _kv_pool(pool, stages) -> KvPoolStats | None:

@@ -85,7 +85,7 @@ class Streams:
         self.outbox.deliver(record.peer, encoded)
         if token.finish is not None:
             self.requests.end(token.request_id)
-            finished = record.finished(token.request_id, token.finish)
+            finished = record.finished(token.request_id, token.finish, token)
             self.metrics.finished(
                 token.finish, finished.timings, finished.usage.prompt_tokens, finished.usage.completion_tokens
             )

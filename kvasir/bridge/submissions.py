@@ -91,6 +91,7 @@ class Submissions:
             min_tokens=msg.min_tokens,
             bad_words=self._bad_words(msg.bad_words),
             grammar=msg.grammar,
+            speculative=msg.speculative,
         )
         check_sampling(sampling, self.vocab_size)
         if msg.grammar is not None:

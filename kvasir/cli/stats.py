@@ -40,11 +40,16 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         daemon = client.stats()
     finally:
         client.close()
-    skip = ("stages", "shards", "timeline", "instances")
+    skip = ("stages", "shards", "timeline", "instances", "drafts")
     body = {f: getattr(daemon, f) for f in daemon.__struct_fields__ if f not in skip}
     body["stages"] = [_as_object(stage) for stage in daemon.stages]
     body["shards"] = [_as_object(shard) for shard in daemon.shards]
     body["instances"] = [_as_object(i) | {"hit_rate": i.hit_rate} for i in daemon.instances]
+    if (drafts := daemon.drafts) is not None:
+        body["drafts"] = _as_object(drafts) | {
+            "acceptance": drafts.acceptance,
+            "tokens_per_pass": drafts.tokens_per_pass,
+        }
     body = msgspec.to_builtins(body)
     for entry, figures in [*zip(body["stages"], daemon.stages), *zip(body["shards"], daemon.shards)]:
         shares = stage_shares(figures)
@@ -83,6 +88,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
             click.echo(sources)
     if (cache_line := daemon.prefix_cache_line()) is not None:
         click.echo(cache_line)
+    if daemon.drafts is not None:
+        click.echo(f"speculative decoding: {daemon.drafts.describe()}")
     fleet = len(body["instances"]) > 1
     if fleet:
         _print_instances(body["instances"])

@@ -65,6 +65,8 @@ def frame(before: DaemonStats, after: DaemonStats) -> list[str]:
     lines += _expert_lines(before, after, "         " if pooled else "")
     if (cache_line := after.prefix_cache_line()) is not None:
         lines.append(cache_line)
+    if after.drafts is not None:
+        lines.append(f"speculative decoding: {after.drafts.describe()}")
     return lines + _instance_lines(before, after, seconds)
 
 

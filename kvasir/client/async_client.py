@@ -128,7 +128,8 @@ class AsyncClient:
         logits' processing, vLLM's meanings: ``presence_penalty``, ``frequency_penalty``,
         ``repetition_penalty``, ``min_p``, ``logit_bias`` ({token id: bias}),
         ``min_tokens``, ``bad_words`` (texts), ``skip_special_tokens`` (kvasir/wire/client.py
-        ``Submit``); a name it does not have is a TypeError."""
+        ``Submit``), and ``speculative`` (False: no drafts for it, docs/speculative.md); a
+        name it does not have is a TypeError."""
         self._raise_if_failed()
         key = next(self._keys)
         message = Submit(

@@ -35,6 +35,7 @@ from kvasir.config.sections import (
     SuperviseSpec,
     _Section,
 )
+from kvasir.config.speculative import SpeculativeSpec, check_speculative
 from kvasir.errors import PlanError
 
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.*-]+):(?P<port>[0-9]{1,5})$")
@@ -56,6 +57,7 @@ class Plan(_Section, frozen=True):
     hosts: dict[str, HostSpec] = {}
     http: HttpSpec | None = None  # the OpenAI-compatible HTTP front (kvasir/config/http.py)
     kv_pool: KvPoolSpec | None = None  # prefix blocks kept past eviction, in tiers (kvasir/config/kvpool.py)
+    speculative: SpeculativeSpec | None = None  # draft tokens verified in one pass (kvasir/config/speculative.py)
 
     @property
     def disaggregated(self) -> bool:
@@ -162,6 +164,8 @@ def _check_values(plan: Plan) -> None:
     if plan.kv_pool is not None:
         caches = all(ring.plan.kv.prefix_cache for ring in plan.rings())
         check_kv_pool(plan.kv_pool, caches, plan.disaggregated)
+    if plan.speculative is not None:
+        check_speculative(plan.speculative)
 
 
 def _check_widths(key: str, batch: BatchSpec) -> None:
@@ -357,7 +361,19 @@ def plan_toml(plan: Plan) -> str:
         return lines
 
     lines: list[str] = []
-    for name in ("model", "batch", "kv", "bridge", "supervise", "handoff", "route", "cluster", "http", "kv_pool"):
+    for name in (
+        "model",
+        "batch",
+        "kv",
+        "bridge",
+        "supervise",
+        "handoff",
+        "route",
+        "cluster",
+        "http",
+        "kv_pool",
+        "speculative",
+    ):
         if getattr(plan, name) is not None:
             lines += [f"[{name}]", *table(getattr(plan, name)), ""]
     for host, address in plan.hosts.items():

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvasir.wire.client import DaemonStats, Histogram, InstanceStats, KvPoolStats
-from kvasir.wire.stats import ShardStats, StageStats
+from kvasir.wire.stats import DraftCounters, ShardStats, StageStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 WORKER = ["model_name", "role", "stage", "pool", "shard", "host", "instance"]
@@ -174,6 +174,27 @@ class _Snapshot:
         )
         if (pool := stats.kv_pool) is not None:
             yield from self._kv_pool(pool, model)
+        if (drafts := stats.drafts) is not None:
+            yield from self._drafts(drafts, model)
+
+    def _drafts(self, drafts: DraftCounters, model: list[str]) -> Iterator[Metric]:
+        """Speculative decoding (a plan with [speculative]), vLLM's names where it has them."""
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Decode rows that carried draft tokens.", drafts.draft_rows),
+            ("spec_decode_num_draft_tokens", "Draft tokens checked by the model.", drafts.drafted),
+            ("spec_decode_num_accepted_tokens", "Draft tokens the model confirmed.", drafts.accepted),
+            ("spec_decode_passes", "Rows that emitted tokens (one pass of the model each).", drafts.rows),
+            ("spec_decode_pass_tokens", "Tokens those rows emitted.", drafts.tokens),
+        ):
+            yield self._counter(name, doc, model, value)
+        skipped = CounterMetricFamily(
+            self._name("spec_decode_rows_without_drafts"),
+            "Decode rows speculation left without drafts, by why.",
+            labels=["model_name", "reason"],
+        )
+        skipped.add_metric([self.model, "batch_full"], drafts.full_rows)
+        skipped.add_metric([self.model, "low_acceptance"], drafts.quiet_rows)
+        yield skipped
 
     def _kv_pool(self, pool: KvPoolStats, model: list[str]) -> Iterator[Metric]:
         """The KV pool (a plan with [kv_pool]): what it read back and wrote, what it holds."""

@@ -187,6 +187,7 @@ def _options(req: _Sampling, max_tokens: int, j: int) -> dict[str, Any]:
         "seed": seed,
         "stop_token_ids": req.stop_token_ids or [],
         "ignore_eos": req.ignore_eos,
+        "speculative": req.speculative,
         "cache_salt": req.cache_salt,
         "session": req.prompt_cache_key,  # affinity: requests with one key stay on one instance
     }

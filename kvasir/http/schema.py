@@ -141,6 +141,7 @@ class _Sampling(_Unserved, frozen=True, kw_only=True, forbid_unknown_fields=True
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     n: int = 1  # checked in kvasir/http/requests.py (1 to 16), before anything uses it
     ignore_eos: bool = False
+    speculative: bool = True  # Kvasir's: false turns the plan's speculative decoding off for it (same output)
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_cache_key: Namespace | None = None  # OpenAI's: requests giving the same key stay on one instance

@@ -31,9 +31,13 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvasir.sched.blocks import BlockAllocator
 from kvasir.wire.head import BLOCK_KEY_BYTES as KEY_BYTES
+
+if TYPE_CHECKING:
+    from kvasir.sched.requests import RequestState
 
 EVENTS_KEPT = 1 << 15  # registered and evicted keys kept between two PrefixEvents (then a snapshot)
 EVENTS_SNAPSHOT = 1 << 20  # keys in a snapshot at most (kvasir/wire/bridge.py's MAX_PREFIX_EVENTS)
@@ -211,3 +215,30 @@ class PrefixCache:
             self._spills.append((block, key))
         self.allocator.release([block])
         self.evicted += 1
+
+    def prompt_keys(self, state: RequestState) -> list[bytes]:
+        """The chained keys of the prompt's blocks a cache hit may cover (all full ones
+        before its last token); none for a request that wants every prompt token scored."""
+        if state.keys is None:
+            reusable = (state.prompt_len - 1) // self.block_size
+            wanted = self.enabled and state.sampling.prompt_logprobs < 0 and reusable > 0
+            state.keys = block_keys(state.prompt, self.block_size, reusable, state.cache_root) if wanted else []
+        return state.keys
+
+    def register_computed(self, state: RequestState) -> None:
+        """Put the request's blocks that are now full and written on every stage into the
+        prefix cache (a decode pool's request, which has no prompt tokens here, has none)."""
+        full = state.computed // self.block_size
+        if not self.enabled or full <= state.registered or len(state.prompt) != state.prompt_len:
+            return
+        keys = state.keys if state.keys is not None else []
+        if len(keys) < full:
+            parent = keys[-1] if keys else state.cache_root
+            known = len(keys) * self.block_size
+            keys += block_keys(
+                state.tokens(known, full * self.block_size - known), self.block_size, full - len(keys), parent
+            )
+        state.keys = keys
+        for index in range(state.registered, full):
+            self.register(state.blocks[index], keys[index])
+        state.registered = full

@@ -56,15 +56,17 @@ class RequestState:
         head = self.prompt[start : start + count]
         return head + self.output[max(0, start - split) : max(0, start + count - split)]
 
-    def announcement(self) -> NewRequest:
-        """The request's spec for the tail, with its prompt and output so far where its sampling reads them."""
+    def announcement(self, prompt: bool = False) -> NewRequest:
+        """The request's spec for the tail, with its prompt and output so far where its
+        sampling reads them (``prompt``: the prompt in any case, for a prefill pool's tail
+        to hand to the decode pool's drafter)."""
         sampling = self.sampling
         return NewRequest(
             self.request_id,
             sampling,
             self.seed,
             len(self.output),
-            tuple(self.prompt or self.context) if sampling.needs_prompt else (),
+            tuple(self.prompt or self.context) if sampling.needs_prompt or prompt else (),
             self.cached_tokens,
             self.pooled_tokens,
             time.monotonic_ns() - self.arrived_ns,

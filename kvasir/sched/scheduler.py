@@ -31,8 +31,9 @@ from kvasir.config.plan import Plan
 from kvasir.errors import BatchError, RequestError
 from kvasir.sched.blocks import BlockAllocator
 from kvasir.sched.pool_loads import PoolLoads
-from kvasir.sched.prefix import PrefixCache, block_keys
+from kvasir.sched.prefix import PrefixCache
 from kvasir.sched.requests import Emitted, RequestState, ScheduledBatch
+from kvasir.sched.speculation import Speculation
 from kvasir.sched.validation import MAX_SEED, check_prompt, check_sampling
 from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
@@ -53,6 +54,11 @@ class Scheduler:
         pool = plan.kv_pool is not None
         self.cache = PrefixCache(self.blocks, self.block_size, enabled=plan.kv.prefix_cache, spill=pool)
         self.pool = PoolLoads(self.cache, self.block_size)
+        # drafts for decode rows (a prefill pool's requests leave before decoding: its
+        # head only tells the tail their prompts, which go on to the decode pool's drafter)
+        spec = plan.speculative
+        self.speculation = Speculation(spec) if spec is not None and reserve_output else None
+        self.announce_prompts = spec is not None and not reserve_output
         self.waiting: dict[int, RequestState] = {}  # by request id, in arrival order
         self.queues: dict[int, deque[int]] = {}  # per client: its waiting request ids, oldest first (stale ids skipped)
         self.held: dict[int, int] = {}  # per client: KV blocks its running requests hold
@@ -142,13 +148,16 @@ class Scheduler:
         """The next batch to run, or None when the ring is full or nothing is ready."""
         if len(self.inflight) >= self.inflight_limit:
             return None
-        rows: list[Row] = []
         tokens: list[int] = []
         new: list[NewRequest] = []
         ready = [s for s in self.running.values() if not s.in_flight and not s.parked and not s.loading]
         decode = [s for s in ready if s.computed >= s.prompt_len]
         prefill = [s for s in ready if s.computed < s.prompt_len]
+        if self.speculation is not None and decode:
+            count = min(len(decode), self.max_rows)
+            self.speculation.draft(decode[:count], self.max_tokens - count)
         candidates = itertools.chain(decode, prefill, self._admit())
+        rows: list[Row] = []
         while len(rows) < self.max_rows and len(tokens) < self.max_tokens:
             state = next(candidates, None)
             if state is None:
@@ -210,7 +219,7 @@ class Scheduler:
             first = self._fairest()
             if first is None:
                 return
-            cached = self.cache.lookup(self._prompt_keys(first))
+            cached = self.cache.lookup(self.cache.prompt_keys(first))
             blocks = self.cache.take(cached, first.need_blocks - len(cached))
             if blocks is None:
                 return
@@ -226,7 +235,7 @@ class Scheduler:
             state.blocks = blocks
             self.held[state.client] = self.held.get(state.client, 0) + len(blocks)
             self.running[state.request_id] = state
-            if not self.pool.ask(state, self._prompt_keys(state), len(cached)):
+            if not self.pool.ask(state, self.cache.prompt_keys(state), len(cached)):
                 yield state
 
     def loaded(self, request_id: int, tiers: list[str]) -> None:
@@ -255,33 +264,6 @@ class Scheduler:
                 best = state
         return best
 
-    def _prompt_keys(self, state: RequestState) -> list[bytes]:
-        """The chained keys of the prompt's blocks a cache hit may cover (all full ones
-        before its last token); none for a request that wants every prompt token scored."""
-        if state.keys is None:
-            reusable = (state.prompt_len - 1) // self.block_size
-            wanted = self.cache.enabled and state.sampling.prompt_logprobs < 0 and reusable > 0
-            state.keys = block_keys(state.prompt, self.block_size, reusable, state.cache_root) if wanted else []
-        return state.keys
-
-    def _register(self, state: RequestState) -> None:
-        """Put the request's blocks that are now full and written on every stage into the
-        prefix cache (a decode pool's request, which has no prompt tokens here, has none)."""
-        full = state.computed // self.block_size
-        if not self.cache.enabled or full <= state.registered or len(state.prompt) != state.prompt_len:
-            return
-        keys = state.keys if state.keys is not None else []
-        if len(keys) < full:
-            parent = keys[-1] if keys else state.cache_root
-            known = len(keys) * self.block_size
-            keys += block_keys(
-                state.tokens(known, full * self.block_size - known), self.block_size, full - len(keys), parent
-            )
-        state.keys = keys
-        for index in range(state.registered, full):
-            self.cache.register(state.blocks[index], keys[index])
-        state.registered = full
-
     def _row(self, state: RequestState, budget: int, tokens: list[int], new: list[NewRequest]) -> Row:
         start = state.computed
         count = min(state.length - start, budget)
@@ -297,7 +279,7 @@ class Scheduler:
         tokens.extend(state.tokens(start, count))
         tokens.extend(draft)
         if not state.announced:
-            new.append(state.announcement())
+            new.append(state.announcement(self.announce_prompts))
             state.announced = True
         return Row(state.request_id, start, count + len(draft), growth, emit=emit, draft=draft)
 
@@ -331,9 +313,11 @@ class Scheduler:
         for rid in members:
             state = self.running[rid]
             got = sampled.pop(rid, [])
+            if self.speculation is not None:
+                self.speculation.verified(rid, state.drafted, max(len(got) - 1, 0))
             state.roll_back(0 if state.cancelled else max(len(got) - 1, 0))
             if state.cancelled:
-                self._register(state)
+                self.cache.register_computed(state)
                 self._retire(state)
                 events.append(Emitted(rid, None, len(state.output), "cancelled"))
                 continue
@@ -343,7 +327,7 @@ class Scheduler:
                 events.append(Emitted(rid, token.token_id, len(state.output) - 1, token.finish))
                 if finished := token.finish is not None:
                     break
-            self._register(state)  # after the tokens: confirmed drafts' blocks are keyed by them
+            self.cache.register_computed(state)  # after the tokens: confirmed drafts' blocks are keyed by them
             if finished:
                 self._retire(state)
         return events
@@ -397,6 +381,8 @@ class Scheduler:
 
     def _retire(self, state: RequestState) -> None:
         self.running.pop(state.request_id, None)
+        if self.speculation is not None:
+            self.speculation.forget(state.request_id)
         self.cache.release(state.blocks)
         left = self.held.get(state.client, 0) - len(state.blocks)
         if left > 0:

@@ -82,8 +82,9 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise RequestError("invalid_request", f"top_k must be an integer >= 0 (0 = off), got {params.top_k!r}")
     if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed <= MAX_SEED):
         raise RequestError("invalid_request", f"seed must be an integer in [0, 2**63), got {params.seed!r}")
-    if not isinstance(params.ignore_eos, bool):
-        raise RequestError("invalid_request", f"ignore_eos must be true or false, got {params.ignore_eos!r}")
+    for name in ("ignore_eos", "speculative"):
+        if not isinstance(getattr(params, name), bool):
+            raise RequestError("invalid_request", f"{name} must be true or false, got {getattr(params, name)!r}")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if not _is_int(value) or not -1 <= value <= MAX_LOGPROBS:

@@ -176,6 +176,7 @@ class StageAgent:
             device=str(self.engine.device),
             head=self.intake.queue(),
             prefix=self.intake.prefix(),
+            drafts=self.intake.drafts() or self.outlet.drafts(),
             handoff=self.handoff.counters(),
             kv_pool=self.pool.counters(),
             experts=self._experts(),

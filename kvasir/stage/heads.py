@@ -40,7 +40,7 @@ from kvasir.wire.head import (
     KvPlaced,
     PoolLoaded,
 )
-from kvasir.wire.stats import HeadQueue, PrefixCounters
+from kvasir.wire.stats import DraftCounters, HeadQueue, PrefixCounters
 
 Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a descriptor with no rows (releases, spills, loads)
 
@@ -145,6 +145,10 @@ class SchedulerIntake:
 
     def prefix_events(self) -> tuple[list[bytes], list[bytes], bool] | None:
         return self.scheduler.cache.take_events()
+
+    def drafts(self) -> DraftCounters | None:
+        speculation = self.scheduler.speculation
+        return speculation.counters() if speculation is not None else None
 
     def prefix(self) -> PrefixCounters | None:
         cache = self.scheduler.cache

@@ -19,6 +19,7 @@ from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import TokenEvents
 from kvasir.wire.head import BatchResult, Handoff
+from kvasir.wire.stats import DraftCounters
 
 
 # -- outputs -------------------------------------------------------------------------------
@@ -61,6 +62,9 @@ class DownstreamOutlet:
     def scored(self, descriptor: BatchDescriptor) -> tuple[int, ...]:
         return ()
 
+    def drafts(self) -> DraftCounters | None:
+        return None
+
     def _flush(self) -> None:
         while self._pending:
             descriptor, output = self._pending[0]
@@ -94,6 +98,9 @@ class TailOutlet:
 
     def scored(self, descriptor: BatchDescriptor) -> tuple[int, ...]:
         return self.sampler.scored(descriptor)
+
+    def drafts(self) -> DraftCounters | None:
+        return self.sampler.drafts()
 
     def emit(self, descriptor: BatchDescriptor, output: torch.Tensor | None) -> None:
         if output is None:

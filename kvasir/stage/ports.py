@@ -10,7 +10,7 @@ import zmq
 
 from kvasir.stage.heads import Work
 from kvasir.wire.batch import BatchDescriptor
-from kvasir.wire.stats import HandoffCounters, HeadQueue, PoolCounters, PrefixCounters
+from kvasir.wire.stats import DraftCounters, HandoffCounters, HeadQueue, PoolCounters, PrefixCounters
 
 
 class Intake(Protocol):
@@ -27,6 +27,8 @@ class Intake(Protocol):
     def queue(self) -> HeadQueue | None: ...  # a head's queue and batches in flight
 
     def prefix(self) -> PrefixCounters | None: ...  # a head's prefix cache
+
+    def drafts(self) -> DraftCounters | None: ...  # a head's speculative decoding
 
     def prefix_events(self) -> tuple[list[bytes], list[bytes], bool] | None:
         """A head: the prefix blocks registered and evicted since the last call (stored,
@@ -68,6 +70,8 @@ class Outlet(Protocol):
     def scored(self, descriptor: BatchDescriptor) -> tuple[int, ...]:
         """The requests whose rows need logits at every token (a tail scoring prompts)."""
         ...
+
+    def drafts(self) -> DraftCounters | None: ...  # a tail's verdicts on drafts
 
     hop_ns: int  # time spent on boundary hand-offs (writing slots, descriptors, credits)
 

@@ -114,7 +114,12 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
         intake = UpstreamIntake(_descriptors_in(w, ring_in), ring_in, w.push(Credit, ends.credits(index - 1)))
     if w.local == w.last:
         sampler, head = (
-            Sampler(source.eos_token_ids, plan.model.max_seq_len, Grammars(source.weights_dir, source.vocab_size)),
+            Sampler(
+                source.eos_token_ids,
+                plan.model.max_seq_len,
+                Grammars(source.weights_dir, source.vocab_size),
+                speculative=plan.speculative is not None and settings.pool != "prefill",
+            ),
             w.push(HeadMessage, ends.stage_in(w.head)),
         )
         if settings.pool == "prefill":

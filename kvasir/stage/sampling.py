@@ -11,6 +11,7 @@ from kvasir.stage.logits import LogitsShaper, keep_min_p
 from kvasir.wire.base import FinishReason
 from kvasir.wire.batch import BatchDescriptor, NewRequest, PromptScores, Row, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
+from kvasir.wire.stats import DraftCounters
 
 GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive token indices over the seed space
 
@@ -38,6 +39,9 @@ class RequestSampler:
         self.max_seq_len = max_seq_len
         self.generated = new.generated
         self.draws = new.generated  # the index of the token the next pick chooses
+        self.passes = new.generated  # rows that emitted its tokens (each earlier token counts as one)
+        self.drafted = 0  # draft tokens checked for it here
+        self.accepted = 0  # of those, confirmed
         self.shaper = LogitsShaper(new.sampling, self.stop_ids, new.prompt, new.output)
         self.constraint = self._constraint(new, grammars)
 
@@ -161,8 +165,13 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> int:
 class Sampler:
     """The tail's samplers for every request it currently knows."""
 
-    def __init__(self, eos_ids: tuple[int, ...], max_seq_len: int, grammars: Grammars | None = None) -> None:
+    def __init__(
+        self, eos_ids: tuple[int, ...], max_seq_len: int, grammars: Grammars | None = None, speculative: bool = False
+    ) -> None:
+        """``speculative``: the plan drafts (kvasir/config/speculative.py): report the drafts' fate."""
         self.eos_ids = eos_ids
+        self.speculative = speculative
+        self.totals = DraftCounters()  # tail's side: rows, tokens, drafted, accepted
         self.max_seq_len = max_seq_len
         self.grammars = grammars  # structured output (None: a tail that cannot follow grammars)
         self._requests: dict[int, RequestSampler] = {}
@@ -231,23 +240,42 @@ class Sampler:
         if state is None:
             raise BatchError(f"batch {descriptor.batch_id}: request {row.request_id} has no sampling spec")
         length = row.start + row.num_tokens - len(row.draft)  # prompt + output before this row's first sample
-        tokens = []
+        state.passes += 1
+        state.drafted += len(row.draft)
+        confirmed = 0
+        tokens: list[SampledToken] = []
         for at, position in enumerate(logits):
             token = state.pick(position)
+            confirmed += at < len(row.draft) and token == row.draft[at]
             finish = state.finish(token, length + at + 1)
-            tokens.append(self._token(state, row.request_id, token, finish, position))
             if finish is not None:
+                state.accepted += confirmed
+                tokens.append(self._token(state, row.request_id, token, finish, position))
                 del self._requests[row.request_id]
                 break
+            tokens.append(self._token(state, row.request_id, token, finish, position))
             if at == len(row.draft) or token != row.draft[at]:
+                state.accepted += confirmed
                 break  # the bonus token, or the first draft the model does not confirm
+        self._count(len(row.draft), confirmed, len(tokens))
         return tokens
+
+    def _count(self, drafted: int, confirmed: int, emitted: int) -> None:
+        t = self.totals
+        self.totals = t + DraftCounters(
+            rows=1, tokens=emitted, draft_rows=int(drafted > 0), drafted=drafted, accepted=confirmed
+        )
+
+    def drafts(self) -> DraftCounters | None:
+        """The tail's counts of drafts checked and confirmed (a plan with [speculative])."""
+        return self.totals if self.speculative else None
 
     @staticmethod
     def _token(
         state: RequestSampler, request_id: int, token: int, finish: FinishReason | None, logits: torch.Tensor
     ) -> SampledToken:
         first = state.generated == 1
+        last = finish is not None  # the request's figures go with its last token
         sampled = SampledToken(
             request_id,
             token,
@@ -256,6 +284,9 @@ class Sampler:
             state.queued_ns if first else 0,
             state.cached_tokens if first else 0,
             state.pooled_tokens if first else (0, 0, 0),
+            passes=state.passes if last else 0,
+            drafted=state.drafted if last else 0,
+            accepted=state.accepted if last else 0,
         )
         if state.params.logprobs >= 0:
             sampled = msgspec.structs.replace(sampled, **_scores(logits, token, state.params.logprobs))

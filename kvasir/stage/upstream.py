@@ -10,7 +10,7 @@ from kvasir.ring.slots import SlotRing
 from kvasir.stage.heads import Work
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor, Credit
-from kvasir.wire.stats import HeadQueue, PrefixCounters
+from kvasir.wire.stats import DraftCounters, HeadQueue, PrefixCounters
 
 
 # -- every other stage: batches come from upstream ----------------------------------------
@@ -65,6 +65,9 @@ class UpstreamIntake:
 
     def queue(self) -> HeadQueue | None:
         return None  # not a head
+
+    def drafts(self) -> DraftCounters | None:
+        return None
 
     def prefix(self) -> PrefixCounters | None:
         return None

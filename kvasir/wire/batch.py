@@ -35,6 +35,7 @@ class SamplingParams(Wire, frozen=True):
     min_tokens: int = 0  # the stop tokens (end of sequence, stop_token_ids) are barred before this many
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed: the last is barred after the rest
     grammar: Grammar | None = None  # structured output: the output stays inside it (kvasir/stage/grammar.py)
+    speculative: bool = True  # False: never drafted for where the plan has [speculative] (the output is the same)
 
     @property
     def penalises_output(self) -> bool:
@@ -140,6 +141,9 @@ class SampledToken(Wire, frozen=True):
         0.0  # with SamplingParams.logprobs >= 0: the token's log-probability (the model's, before sampling)
     )
     top: tuple[tuple[int, float], ...] = ()  # and the most likely tokens' (id, log-probability), best first
+    passes: int = 0  # on a request's last token: its rows that emitted tokens (one pass of the model each)
+    drafted: int = 0  # and the draft tokens checked for it (speculative decoding)
+    accepted: int = 0  # and of those, the ones the model confirmed
 
 
 class PromptScores(Wire, frozen=True):

@@ -18,7 +18,7 @@ from kvasir.wire.base import (
     FinishReason,
     Grammar,
 )
-from kvasir.wire.stats import BatchSpan, PrefixCounters, ShardStats, StageStats
+from kvasir.wire.stats import BatchSpan, DraftCounters, PrefixCounters, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
 # length before its items, so an oversized list is refused without being walked). The
@@ -65,6 +65,7 @@ class Submit(_Client, frozen=True, tag="submit"):
     ] = []  # texts: never completed in the output (the bridge tokenizes them)
     skip_special_tokens: bool = True  # leave special tokens out of the text (their ids still come)
     grammar: Grammar | None = None  # structured output: a JSON schema, a regex, choices or a Lark grammar
+    speculative: bool = True  # False: no draft tokens for it where the plan has [speculative] (same output)
 
 
 class Cancel(_Client, frozen=True, tag="cancel"):
@@ -130,6 +131,30 @@ class HandoffTimings(msgspec.Struct, frozen=True, kw_only=True):
     gibps: float  # effective bandwidth of the copy: kv_bytes / copy_s, in GiB/s
 
 
+class Drafts(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding's part in a request (docs/speculative.md)."""
+
+    passes: int  # passes of the model that emitted its tokens
+    drafted: int  # draft tokens checked for it
+    accepted: int  # of those, confirmed (each one a token without a pass of its own)
+    acceptance: float  # accepted / drafted
+    tokens_per_pass: float  # its tokens / passes (1.0 without drafts)
+
+    @classmethod
+    def of(cls, tokens: int, passes: int, drafted: int, accepted: int) -> Drafts | None:
+        """From the tail's counts on a request's last token; None where no draft was checked."""
+        if drafted <= 0 or passes <= 0:
+            return None
+        accepted = min(max(accepted, 0), drafted)
+        return cls(
+            passes=passes,
+            drafted=drafted,
+            accepted=accepted,
+            acceptance=accepted / drafted,
+            tokens_per_pass=tokens / passes,
+        )
+
+
 class Finished(_Client, frozen=True, tag="finished"):
     request_id: int
     reason: FinishReason
@@ -139,6 +164,7 @@ class Finished(_Client, frozen=True, tag="finished"):
     handoff: HandoffTimings | None = None
     instances: list[str] = []  # the instance that served it (disaggregated: its prefill, then its decode instance)
     route: str = ""  # why the conductor sent it there (kvasir/bridge/conductor.py)
+    drafts: Drafts | None = None  # speculative decoding: its drafts' fate (None: no draft was checked)
 
 
 class Cancelled(_Client, frozen=True, tag="cancelled"):
@@ -310,6 +336,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache: PrefixCacheStats | None = None  # the heads' prefix caches (None: no stage reported yet)
     instances: list[InstanceStats] = []  # each instance (kvasir/config/fleet.py), in plan order
     kv_pool: KvPoolStats | None = None  # a plan with [kv_pool]
+    drafts: DraftCounters | None = None  # a plan with [speculative]: its heads' and tails' counts, summed
 
     def prefix_cache_line(self) -> str | None:
         """The prefix cache's line for ``kvasir stats`` and ``kvasir top``; None until it is used."""

@@ -47,6 +47,41 @@ class PrefixCounters(Wire, frozen=True):
     pooled_tokens: int = 0  # of hit_tokens, read back from the KV pool (its tiers below the cache)
 
 
+class DraftCounters(Wire, frozen=True):
+    """Speculative decoding since the ring (re)started (a plan with [speculative]): a
+    head's rows without drafts, a tail's verdicts on the drafts it checked."""
+
+    rows: int = 0  # tail: emitting rows sampled (each one pass of the model)
+    tokens: int = 0  # tail: tokens they emitted (tokens per pass: tokens / rows)
+    draft_rows: int = 0  # tail: of the rows, those that carried drafts
+    drafted: int = 0  # tail: draft tokens checked
+    accepted: int = 0  # tail: of those, confirmed by the model's own samples
+    full_rows: int = 0  # head: decode rows not drafted for: their batch had more than speculative.max_rows
+    quiet_rows: int = 0  # head: decode rows not drafted for: their request's drafts were rarely confirmed
+
+    def __add__(self, other: DraftCounters) -> DraftCounters:
+        fields = self.__struct_fields__
+        return DraftCounters(**{name: getattr(self, name) + getattr(other, name) for name in fields})
+
+    @property
+    def acceptance(self) -> float:
+        """The share of drafts checked that the model confirmed (0 before any)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens emitted per emitting row (1.0 without drafts; 0 before any row)."""
+        return self.tokens / self.rows if self.rows else 0.0
+
+    def describe(self) -> str:
+        """One line for ``kvasir stats`` and ``kvasir top``."""
+        return (
+            f"{self.accepted} of {self.drafted} drafts confirmed ({self.acceptance:.0%}), "
+            f"{self.tokens_per_pass:.2f} tokens per pass; "
+            f"rows without drafts: {self.full_rows} (batch full), {self.quiet_rows} (drafts rarely confirmed)"
+        )
+
+
 class PoolReads(Wire, frozen=True):
     """Slices a stage read back from one place: a tier of its host, or another host's
     stage (``peer``, its global index)."""
@@ -117,6 +152,7 @@ class StageStats(Tagged, frozen=True):
     device: str = "cpu"  # where the stage's slice, KV cache and attention live
     head: HeadQueue | None = None  # a ring's head
     prefix: PrefixCounters | None = None  # a head with its prefix cache
+    drafts: DraftCounters | None = None  # a head or tail of a plan with [speculative]
     handoff: HandoffCounters | None = None  # a decode pool's stage
     kv_pool: PoolCounters | None = None  # a plan with [kv_pool]
     experts: ExpertLoad | None = None  # a stage holding MoE layers

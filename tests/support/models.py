@@ -73,6 +73,21 @@ def save_tiny_model(folder: Path, family: str = "llama", num_layers: int = 6, se
     return folder
 
 
+def save_looping_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Llama whose layers barely add to the residual stream (their output
+    projections scaled by 0.05): its greedy output repeats a token for a while, then
+    moves on to another, the way real models fall into copies and loops. Speculative
+    decoding's drafts are mostly confirmed on it, and sometimes not."""
+    save_tiny_model(folder, "llama", seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(0.05)
+    model.save_pretrained(folder)
+    return folder
+
+
 def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
