@@ -38,6 +38,7 @@ def tiny_models(tmp_path_factory):
     models = {family: save_tiny_model(root / family, family) for family in families}
     models["mistral-window"] = save_tiny_model(root / "mistral-window", "mistral", sliding_window=8)
     models["llama-loop"] = save_looping_model(root / "llama-loop")  # greedy output that repeats (drafts confirmed)
+    models["llama-draft"] = save_tiny_model(root / "llama-draft", "llama", num_layers=2, seed=3)  # a draft model
     # a context long enough for prompts that list tools (its 310-token vocabulary makes them long)
     models["llama-tokenizer"] = save_tiny_model(root / "llama-tokenizer", "llama", max_position_embeddings=2048)
     save_tiny_tokenizer(models["llama-tokenizer"])

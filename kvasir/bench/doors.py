@@ -56,11 +56,13 @@ async def http_request(
         "model": model,
         "prompt": job.token_ids if job.token_ids is not None else job.text,
         "max_tokens": job.max_tokens,
-        "temperature": 0,
+        "temperature": job.temperature,
         "ignore_eos": ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if job.seed is not None:
+        body["seed"] = job.seed
     if job.grammar is not None:  # vLLM's structured_outputs, as kvasir/http/structured.py reads it
         kind, text = job.grammar.kind, job.grammar.text
         body["structured_outputs"] = {

@@ -29,6 +29,7 @@ class RequestRecord:
     cached_tokens: int = 0  # of those, reused from the prefix cache
     output_ids: tuple[int, ...] = ()  # the reply's tokens (a conversation's next turn resends them)
     instance: str = ""  # the instance that served it (a disaggregated plan's: its prefill instance)
+    drafts: tuple[int, int, int] | None = None  # speculative decoding: its passes, drafts checked, confirmed
 
     @property
     def e2e_s(self) -> float:
@@ -153,6 +154,7 @@ class Summary:
     slo_attainment: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    drafts: dict | None = None  # speculative decoding over the requests drafted for (``draft_figures``)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -176,7 +178,26 @@ def summarise(records: Sequence[RequestRecord], duration_s: float, slo: tuple[fl
         slo_attainment=attainment(records, *slo) if slo is not None else None,
         prompt_tokens=sum(r.prompt_tokens for r in done),
         cached_tokens=sum(r.cached_tokens for r in done),
+        drafts=draft_figures(done),
     )
+
+
+def draft_figures(done: Sequence[RequestRecord]) -> dict | None:
+    """Speculative decoding's part in the finished requests drafted for: their drafts
+    checked and confirmed, and their tokens per pass of the model (None: no drafts)."""
+    counts = [(r.output_tokens, r.drafts) for r in done if r.drafts is not None]
+    if not counts:
+        return None
+    passes = sum(d[0] for _, d in counts)
+    checked = sum(d[1] for _, d in counts)
+    confirmed = sum(d[2] for _, d in counts)
+    return {
+        "requests": len(counts),
+        "drafted": checked,
+        "accepted": confirmed,
+        "acceptance": confirmed / checked if checked else 0.0,
+        "tokens_per_pass": sum(tokens for tokens, _ in counts) / passes if passes else 0.0,
+    }
 
 
 def handoff_figures(records: Sequence[RequestRecord]) -> dict | None:

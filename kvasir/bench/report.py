@@ -58,6 +58,8 @@ def print_run(report: dict, echo: Echo) -> None:
         echo(f"SLO attainment {s['slo_attainment']:.1%}")
     if s["cached_tokens"]:
         echo(prefix_line(s))
+    if s.get("drafts"):
+        echo(drafts_line(s))
     if "handoff" in report:
         print_handoff(report["handoff"], echo)
     print_instances(report.get("instances", {}), echo)
@@ -103,6 +105,16 @@ def print_instances(instances: dict, echo: Echo, indent: str = "") -> None:
         )
 
 
+def drafts_line(s: dict, indent: str = "") -> str:
+    """Speculative decoding over a run's requests (those drafted for), and their mean ITL."""
+    d = s["drafts"]
+    return (
+        f"{indent}drafts: {d['accepted']} of {d['drafted']} confirmed ({d['acceptance']:.0%}) for {d['requests']} "
+        f"requests, {d['tokens_per_pass']:.2f} tokens per pass; ITL mean {s['itl']['mean'] * 1e3:.1f} ms "
+        "(drafts' tokens arrive together: p50 means little)"
+    )
+
+
 def prefix_line(s: dict, indent: str = "") -> str:
     return (
         f"{indent}prefix cache: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens reused "
@@ -140,6 +152,8 @@ def print_compare(report: dict, echo: Echo) -> None:
             )
             if s["cached_tokens"]:
                 echo(prefix_line(s, "    "))
+            if s.get("drafts"):
+                echo(drafts_line(s, "    "))
             if entry.get("door") == "http":
                 echo("    through its OpenAI HTTP front (streamed /v1/completions)")
             if "served" in entry:
@@ -176,6 +190,8 @@ def print_plans(report: dict, echo: Echo) -> None:
                 line += f"; goodput {entry['goodput']:.3g} requests/s (>= {slo['attain']:.0%}; figures above at {entry['shown_rate']:.3g})"
             echo(line)
         echo(prefix_line(s, "    "))
+        if s.get("drafts"):
+            echo(drafts_line(s, "    "))
         print_instances(entry.get("instances", {}), echo, "    ")
         if entry["handoff"] is not None:
             print_handoff(entry["handoff"], echo, "    ")

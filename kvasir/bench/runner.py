@@ -34,7 +34,8 @@ async def one_request(
         job.text,
         token_ids=job.token_ids,
         max_tokens=job.max_tokens,
-        temperature=0,
+        temperature=job.temperature,
+        seed=job.seed,
         ignore_eos=ignore_eos,
         grammar=job.grammar,
     )
@@ -44,6 +45,7 @@ async def one_request(
     handoff = None
     usage = (0, 0)
     instance = ""
+    drafts = None
     async for event in stream:
         if isinstance(event, TokenOut):
             times.append(clock() - submitted)
@@ -54,9 +56,20 @@ async def one_request(
             instance = event.instances[0] if event.instances else ""
             if event.handoff is not None:
                 handoff = (event.handoff.kv_bytes, event.handoff.seconds, event.handoff.copy_s)
+            if event.drafts is not None:
+                drafts = (event.drafts.passes, event.drafts.drafted, event.drafts.accepted)
     first = times[0] if times else clock() - submitted
     return RequestRecord(
-        submitted, first, tuple(times), len(times), ok, handoff, *usage, output_ids=tuple(ids), instance=instance
+        submitted,
+        first,
+        tuple(times),
+        len(times),
+        ok,
+        handoff,
+        *usage,
+        output_ids=tuple(ids),
+        instance=instance,
+        drafts=drafts,
     )
 
 

@@ -120,6 +120,8 @@ class Job:
     turn: int = 0  # > 0: a later turn of the conversation the jobs before it began; token_ids
     # are then only its new message, sent after the history (kvasir/bench/runner.py)
     grammar: Grammar | None = None  # a structured output the request's tokens must keep to
+    temperature: float = 0.0  # 0: greedy
+    seed: int | None = None  # its sampling's seed (with a temperature)
 
 
 def synthetic_jobs(count: int, prompt_len: LengthSpec, output_len: LengthSpec, vocab_size: int, seed: int) -> list[Job]:
@@ -201,6 +203,7 @@ class Workload:
     seed: int = 0
     ignore_eos: bool = False
     grammar: Grammar | None = None  # --structured: every request keeps to it
+    temperature: float = 0.0  # --temperature: sampled (each job seeded from ``seed`` and its place)
 
     def jobs(self, vocab_size: int) -> list[Job]:
         """The warm-up jobs, then the measured ones: random ids below ``vocab_size``, or the file's prompts."""
@@ -210,7 +213,14 @@ class Workload:
             jobs = file_jobs(Path(self.prompts_file), total, outputs, self.seed)
         else:
             jobs = synthetic_jobs(total, prompts, outputs, vocab_size, self.seed)
-        return [replace(job, grammar=self.grammar) for job in jobs] if self.grammar else jobs
+        if self.grammar:
+            jobs = [replace(job, grammar=self.grammar) for job in jobs]
+        if self.temperature:
+            jobs = [
+                replace(job, temperature=self.temperature, seed=(self.seed * 1_000_003 + i) % 2**63)
+                for i, job in enumerate(jobs)
+            ]
+        return jobs
 
     def report(self) -> dict:
         return {
@@ -220,6 +230,7 @@ class Workload:
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "structured": self.grammar.kind if self.grammar else None,
+            "temperature": self.temperature,
         }
 
 

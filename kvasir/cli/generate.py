@@ -103,6 +103,11 @@ def shaping_of(*, logit_bias, bad_words, keep_special_tokens, **penalties) -> di
     default=None,
     help="Share prefix-cache blocks only with requests giving the same salt (your tenant's, see [kv] prefix_share).",
 )
+@click.option(
+    "--no-speculative",
+    is_flag=True,
+    help="No draft tokens for this request where the plan has [speculative] (the output is the same).",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event line (token ids included).")
 @shaping_options
 @RUNTIME_DIR
@@ -118,6 +123,7 @@ def generate(
     seed,
     chat,
     cache_salt,
+    no_speculative,
     as_json,
     runtime_dir,
     remote,
@@ -152,6 +158,7 @@ def generate(
             top_k=top_k,
             seed=seed,
             cache_salt=cache_salt,
+            speculative=not no_speculative,
             **shaping_of(**shaping),
         )
         for event in client.events(stream):

@@ -261,10 +261,14 @@ def _print_plan(path, resolved, source, stages) -> None:
             f"kv pool  {' and '.join(tiers)} on each host; a head waits {pool_spec.load_timeout_s:g} s for a read-back"
         )
     if (spec := resolved.speculative) is not None:
+        how = (
+            f"prompt lookup (n-grams {spec.ngram_max} down to {spec.ngram_min})"
+            if spec.method == "ngram"
+            else f"draft model {spec.draft_model} (greedy, in each head's process)"
+        )
         click.echo(
-            f"drafts   {spec.method} (n-grams {spec.ngram_max} down to {spec.ngram_min}), up to {spec.num_tokens} per "
-            f"decode row; none in batches of more than {spec.max_rows} decode rows, probes only below "
-            f"{spec.min_acceptance:.0%} confirmed"
+            f"drafts   {how}, up to {spec.num_tokens} per decode row; none in batches of more than "
+            f"{spec.max_rows} decode rows, probes only below {spec.min_acceptance:.0%} confirmed"
         )
     if resolved.disaggregated:
         click.echo(f"handoff  prefill KV not taken by the decode pool within {resolved.handoff.lease_s:g} s is freed")

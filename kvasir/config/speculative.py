@@ -6,7 +6,8 @@ token, so the output is the output without drafts. No ``[speculative]``: no draf
 
 - ``method``: where drafts come from. "ngram": prompt lookup (the continuation of the
   latest earlier occurrence of the request's last ``ngram_max`` .. ``ngram_min`` tokens in
-  its prompt and output; no extra model).
+  its prompt and output; no extra model). "draft": ``draft_model``, a smaller model with
+  the model's tokenizer, decoding greedily in each decoding head's process.
 - ``num_tokens``: drafts a decode row carries at most.
 - ``max_rows``: a batch with more decode rows than this drafts for none of them (the
   stages' cores are busy enough that extra tokens cost throughput).
@@ -39,13 +40,14 @@ class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
 
 def check_speculative(spec: SpeculativeSpec) -> None:
     """The section's values, each against its range and the others."""
-    if spec.method == "draft":
+    if (spec.method == "draft") != (spec.draft_model is not None):
         raise PlanError(
-            'speculative.method = "draft" is not served yet (a draft model is planned): use "ngram", '
-            "prompt lookup, which needs no second model"
+            'speculative.draft_model names the drafting model, and goes with method = "draft" only'
+            if spec.draft_model is not None
+            else 'speculative.method = "draft" needs speculative.draft_model: the drafting model\'s source'
         )
-    if spec.draft_model is not None:
-        raise PlanError('speculative.draft_model is only read with method = "draft"')
+    if spec.draft_model is not None and not spec.draft_model.strip():
+        raise PlanError("speculative.draft_model must name a model (built-in alias or path), got an empty string")
     if not 1 <= spec.num_tokens <= MAX_DRAFT_TOKENS:
         raise PlanError(f"speculative.num_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {spec.num_tokens}")
     if not 1 <= spec.ngram_min <= spec.ngram_max <= MAX_NGRAM:

@@ -28,10 +28,36 @@ def resolve_plan(path: str | Path) -> tuple[Plan, ModelSource]:
         plan = resolve_dtype(plan, source)
         check_model_fit(plan, source.num_layers, source.max_positions, source.num_experts, source.moe_layers)
         plan = resolve_weights(plan, source)
+        plan = resolve_draft(plan, source, base)
         plan = resolve_template(resolve_http(resolve_cluster(resolve_keys(plan, base), base), base), base)
     except (PlanError, ModelSourceError) as exc:
         raise PlanError(f"{path}: {exc}") from None
     return plan, source
+
+
+def resolve_draft(plan: Plan, source: ModelSource, base: Path) -> Plan:
+    """A plan drafting with a model: that model found (a relative path from the plan's
+    folder, written back absolute for the workers), prepared, and of the target's vocabulary."""
+    spec = plan.speculative
+    if spec is None or spec.draft_model is None:
+        return plan
+    try:
+        draft = resolve_source(spec.draft_model, base_dir=base)
+    except ModelSourceError as exc:
+        raise PlanError(f"speculative.draft_model: {exc}") from None
+    if draft.weights_dir is None:
+        raise PlanError(
+            f"speculative.draft_model {spec.draft_model!r} is not prepared yet: run `kvasir model prepare "
+            f"{spec.draft_model}` first"
+        )
+    if draft.vocab_size != source.vocab_size:
+        raise PlanError(
+            f"speculative.draft_model {spec.draft_model!r} has a vocabulary of {draft.vocab_size} tokens, the "
+            f"model {source.vocab_size}: a draft model must share the model's tokenizer"
+        )
+    builtin = draft.cache_name == spec.draft_model
+    where = spec.draft_model if builtin else str((base / Path(spec.draft_model).expanduser()).resolve())
+    return msgspec.structs.replace(plan, speculative=msgspec.structs.replace(spec, draft_model=where))
 
 
 def resolve_dtype(plan: Plan, source: ModelSource) -> Plan:

@@ -33,16 +33,19 @@ from kvasir.sched.blocks import BlockAllocator
 from kvasir.sched.pool_loads import PoolLoads
 from kvasir.sched.prefix import PrefixCache
 from kvasir.sched.requests import Emitted, RequestState, ScheduledBatch
-from kvasir.sched.speculation import Speculation
+from kvasir.sched.speculation import Drafter, NgramDrafter, Speculation
 from kvasir.sched.validation import MAX_SEED, check_prompt, check_sampling
 from kvasir.wire.batch import BatchDescriptor, NewRequest, Row, SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
 
 
 class Scheduler:
-    def __init__(self, plan: Plan, vocab_size: int, reserve_output: bool = True) -> None:
+    def __init__(
+        self, plan: Plan, vocab_size: int, reserve_output: bool = True, drafter: Drafter | None = None
+    ) -> None:
         """``reserve_output`` False: a prefill pool's head, whose requests leave after their
-        first token, reserves blocks for the prompt only."""
+        first token, reserves blocks for the prompt only. ``drafter``: where a plan with
+        [speculative] gets its drafts (default: prompt lookup)."""
         self.reserve_output = reserve_output
         self.max_rows = plan.batch.max_rows
         self.max_tokens = plan.batch.max_tokens
@@ -57,7 +60,9 @@ class Scheduler:
         # drafts for decode rows (a prefill pool's requests leave before decoding: its
         # head only tells the tail their prompts, which go on to the decode pool's drafter)
         spec = plan.speculative
-        self.speculation = Speculation(spec) if spec is not None and reserve_output else None
+        self.speculation = None
+        if spec is not None and reserve_output:
+            self.speculation = Speculation(spec, drafter or NgramDrafter(spec))
         self.announce_prompts = spec is not None and not reserve_output
         self.waiting: dict[int, RequestState] = {}  # by request id, in arrival order
         self.queues: dict[int, deque[int]] = {}  # per client: its waiting request ids, oldest first (stale ids skipped)

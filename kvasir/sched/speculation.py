@@ -6,16 +6,20 @@ draft while its own sample equals it, is the rejection-sampling rule for a propo
 that puts all its mass on one token: the output's distribution is the model's, and with
 a seed the output is the output without drafts.
 
-Speculation turns itself down in two ways:
+Speculation turns itself down in three ways:
 - a batch with more decode rows than ``max_rows`` drafts for none (its extra tokens
   would take compute the other rows need);
+- a request drafts one more token than its rows have lately had confirmed (a running
+  mean), up to ``num_tokens``: long runs of confirmed drafts grow its rows, misses shrink them;
 - a request whose drafts are rarely confirmed (a running rate under
   ``min_acceptance``) drafts one token every ``PROBE_EVERY`` rows until one is.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvasir.config.speculative import SpeculativeSpec
 from kvasir.sched.ngram import NgramIndex
@@ -26,19 +30,64 @@ PROBE_EVERY = 8  # a request drafting below min_acceptance tries one draft in th
 SMOOTHING = 0.5  # a row's share of confirmed drafts weighs this much in the request's running rate
 
 
-@dataclass
-class Drafting:
-    """One request's drafting: its tokens' index and how its drafts fare."""
+class Drafter(Protocol):
+    """Where drafts come from: prompt lookup (``NgramDrafter``) or a draft model
+    (kvasir/stage/drafting.py)."""
 
-    index: NgramIndex
+    def propose(self, wanted: list[tuple[RequestState, int]]) -> dict[int, list[int]]:
+        """Up to the given number of draft tokens for each request (by id; fewer or none
+        where it has no guess), continuing its prompt (where the head has it) and output."""
+        ...
+
+    def forget(self, request_id: int) -> None: ...
+
+
+class NgramDrafter:
+    """Prompt lookup: one ``NgramIndex`` per request, brought up to its newest token."""
+
+    def __init__(self, spec: SpeculativeSpec) -> None:
+        self.spec = spec
+        self._indexes: dict[int, NgramIndex] = {}
+
+    def propose(self, wanted: list[tuple[RequestState, int]]) -> dict[int, list[int]]:
+        return {state.request_id: self._index(state).propose(count) for state, count in wanted}
+
+    def forget(self, request_id: int) -> None:
+        self._indexes.pop(request_id, None)
+
+    def _index(self, state: RequestState) -> NgramIndex:
+        index = self._indexes.get(state.request_id)
+        if index is None:
+            index = self._indexes[state.request_id] = NgramIndex(self.spec.ngram_min, self.spec.ngram_max)
+        extend_history(index.tokens, state, index.extend)
+        return index
+
+
+def extend_history(known: list[int], state: RequestState, extend) -> None:
+    """Call ``extend`` with the tokens of the request's history (its prompt's ids, where
+    this head has them, then its output) after the ``known`` ones."""
+    prompt = state.prompt or state.context
+    have = len(known)
+    if have < len(prompt):
+        extend(prompt[have:])
+        have = len(prompt)
+    extend(state.output[have - len(prompt) :])
+
+
+@dataclass
+class Acceptance:
+    """How one request's drafts fare."""
+
+    run: float  # running mean of the drafts confirmed per row
     rate: float = 1.0  # running share of its drafts the model confirmed
     quiet: int = 0  # rows since it last drafted while under min_acceptance
 
 
 class Speculation:
-    def __init__(self, spec: SpeculativeSpec) -> None:
+    def __init__(self, spec: SpeculativeSpec, drafter: Drafter) -> None:
         self.spec = spec
-        self._requests: dict[int, Drafting] = {}
+        self.drafter = drafter
+        self._requests: dict[int, Acceptance] = {}
         self.full_rows = 0  # decode rows not drafted for: the batch had too many
         self.quiet_rows = 0  # decode rows not drafted for: their request's drafts were rarely confirmed
 
@@ -48,50 +97,44 @@ class Speculation:
         if len(decode) > self.spec.max_rows:
             self.full_rows += len(decode)
             return
+        wanted: list[tuple[RequestState, int]] = []
         for state in decode:
             if spare <= 0:
-                return
+                break
             if not state.sampling.speculative:
                 continue
-            drafting = self._drafting(state)
-            wanted = min(self._allowance(drafting), spare)
-            if wanted:
-                state.draft = drafting.index.propose(wanted)
-                spare -= len(state.draft)
+            acceptance = self._requests.get(state.request_id)
+            if acceptance is None:  # a new request drafts fully until its rows say otherwise
+                acceptance = self._requests[state.request_id] = Acceptance(run=self.spec.num_tokens - 1)
+            count = min(self._allowance(acceptance), spare)
+            if count:
+                wanted.append((state, count))
+                spare -= count
+        if wanted:
+            proposals = self.drafter.propose(wanted)
+            for state, count in wanted:
+                state.draft = proposals.get(state.request_id, [])[:count]
 
     def verified(self, request_id: int, drafted: int, accepted: int) -> None:
         """A row with ``drafted`` drafts came back with ``accepted`` of them confirmed."""
-        drafting = self._requests.get(request_id)
-        if drafting is not None and drafted:
-            drafting.rate += SMOOTHING * (accepted / drafted - drafting.rate)
+        acceptance = self._requests.get(request_id)
+        if acceptance is not None and drafted:
+            acceptance.rate += SMOOTHING * (accepted / drafted - acceptance.rate)
+            acceptance.run += SMOOTHING * (accepted - acceptance.run)
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
+        self.drafter.forget(request_id)
 
     def counters(self) -> DraftCounters:
         return DraftCounters(full_rows=self.full_rows, quiet_rows=self.quiet_rows)
 
-    def _allowance(self, drafting: Drafting) -> int:
-        if drafting.rate >= self.spec.min_acceptance:
-            return self.spec.num_tokens
-        drafting.quiet += 1
-        if drafting.quiet < PROBE_EVERY:
+    def _allowance(self, acceptance: Acceptance) -> int:
+        if acceptance.rate >= self.spec.min_acceptance:
+            return min(self.spec.num_tokens, 1 + math.ceil(acceptance.run))
+        acceptance.quiet += 1
+        if acceptance.quiet < PROBE_EVERY:
             self.quiet_rows += 1
             return 0
-        drafting.quiet = 0
+        acceptance.quiet = 0
         return 1
-
-    def _drafting(self, state: RequestState) -> Drafting:
-        """The request's drafting, its index brought up to its newest token (the prompt's
-        ids, where this head has them, then the output)."""
-        drafting = self._requests.get(state.request_id)
-        if drafting is None:
-            drafting = self._requests[state.request_id] = Drafting(NgramIndex(self.spec.ngram_min, self.spec.ngram_max))
-        index = drafting.index
-        prompt = state.prompt or state.context
-        known = len(index.tokens)
-        if known < len(prompt):
-            index.extend(prompt[known:])
-            known = len(prompt)
-        index.extend(state.output[known - len(prompt) :])
-        return drafting

@@ -16,6 +16,7 @@ import torch
 from kvasir.config.plan import Plan, check_model_fit
 from kvasir.model.source import ModelSource
 from kvasir.sched.scheduler import Emitted, ScheduledBatch, Scheduler
+from kvasir.stage.drafting import model_drafter
 from kvasir.stage.engine import StageEngine, in_process_shards
 from kvasir.stage.sampling import Sampler
 from kvasir.wire.batch import BatchDescriptor, SamplingParams
@@ -46,7 +47,7 @@ class Chain:
         for index, stage in enumerate(self.stages):
             if plan.stages[index].experts:  # its expert shards, in this process too
                 stage.attach(in_process_shards(plan, index, source, stage.device))
-        self.scheduler = Scheduler(plan, source.vocab_size)
+        self.scheduler = Scheduler(plan, source.vocab_size, drafter=model_drafter(plan, self.stages[0].device))
         self.sampler = Sampler(source.eos_token_ids, plan.model.max_seq_len)
         self._queue: deque[ScheduledBatch] = deque()
 

@@ -22,6 +22,7 @@ from kvasir.ring.tcp_slots import FramedDescriptors, FramedIntake, TcpSlotRing
 from kvasir.sched.scheduler import Scheduler
 from kvasir.stage.agent import StageAgent
 from kvasir.stage.decode_head import DecodeHeadIntake
+from kvasir.stage.drafting import model_drafter
 from kvasir.stage.engine import StageEngine
 from kvasir.stage.grammar import Grammars
 from kvasir.stage.handoff import HandoffSender, KvReceiver, NoHandoff, overlap
@@ -105,7 +106,9 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
         closing += _attach_shards(w, engine, control)
     rings: list[SlotRing] = []
     if w.local == 0:
-        scheduler = Scheduler(plan, source.vocab_size, reserve_output=settings.pool != "prefill")
+        decoding = settings.pool != "prefill"
+        drafter = model_drafter(plan, engine.device, drafting=decoding)
+        scheduler = Scheduler(plan, source.vocab_size, reserve_output=decoding, drafter=drafter)
         intake: Intake = _head_intake(w, scheduler, bridge)
     else:
         ring_in = attach_ring(settings.edges[w.local - 1], "consumer")

@@ -21,11 +21,14 @@ from tests.support.daemon import BIN, settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
 
 SPEC = 'method = "ngram"\nnum_tokens = 4\nngram_min = 1'
-PLANS = {
-    "colocated": ("llama-loop", [(0, 3), (3, 6)], None),
-    "disaggregated": ("llama-loop", {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}, None),
-    "instances": ("llama-loop", {"a": [(0, 3), (3, 6)], "b": [(0, 4), (4, 6)]}, None),
-    "expert-shards": ("mixtral", [(0, 3), (3, 6)], {0: [(0, 3), (3, 8)]}),
+DISAGG = {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}
+PLANS = {  # the model, its split, expert shards, and a draft model (None: prompt lookup)
+    "colocated": ("llama-loop", [(0, 3), (3, 6)], None, None),
+    "disaggregated": ("llama-loop", DISAGG, None, None),
+    "instances": ("llama-loop", {"a": [(0, 3), (3, 6)], "b": [(0, 4), (4, 6)]}, None, None),
+    "expert-shards": ("mixtral", [(0, 3), (3, 6)], {0: [(0, 3), (3, 8)]}, None),
+    "draft": ("llama-loop", [(0, 3), (3, 6)], None, "llama-loop"),
+    "draft-disagg": ("llama", DISAGG, None, "llama-draft"),
 }
 
 
@@ -37,10 +40,11 @@ async def greedy(runtime_dir, prompts, budget, **options):
 
 @pytest.mark.parametrize("kind", PLANS)
 def test_greedy_output_with_drafts_equals_hf_generate(tiny_models, start_daemon, kind):
-    family, splits, experts = PLANS[kind]
+    family, splits, experts, draft = PLANS[kind]
     extra = {"experts": experts} if experts else {}
+    spec = SPEC if draft is None else f'method = "draft"\nnum_tokens = 3\ndraft_model = "{tiny_models[draft]}"'
     daemon = start_daemon(
-        tiny_models[family], splits, name=f"spec-{kind}", speculative=SPEC, max_rows=6, num_blocks=200, **extra
+        tiny_models[family], splits, name=f"spec-{kind}", speculative=spec, max_rows=6, num_blocks=200, **extra
     ).wait_ready()
     prompts = [p + p[:3] for p in random_prompts(320, [3, 9, 20, 41, 6, 14], seed=8)]
     finals = asyncio.run(greedy(daemon.runtime_dir, prompts, 24))
@@ -55,6 +59,8 @@ def test_greedy_output_with_drafts_equals_hf_generate(tiny_models, start_daemon,
     assert totals.accepted == sum(d.accepted for d in drafted)
     if family == "llama-loop":  # its drafts are mostly confirmed: fewer passes than tokens
         assert totals.accepted > totals.drafted / 2 and totals.tokens > 1.5 * totals.rows
+    if draft == family:  # a model drafting for itself is always right
+        assert totals.accepted == totals.drafted
 
 
 def test_a_request_can_turn_drafting_off_and_stats_show_the_counts(tiny_models, start_daemon):

@@ -99,6 +99,14 @@ def _workload_options(counts: bool, turns: bool) -> list:
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--ignore-eos", is_flag=True, help="Every request produces exactly its output length."),
         click.option(
+            "--temperature",
+            type=click.FloatRange(min=0.0, max=100.0),
+            default=0.0,
+            show_default=True,
+            help="Sample at this temperature instead of greedy (each request seeded from --seed: the same "
+            "tokens on every plan and round).",
+        ),
+        click.option(
             "--structured",
             metavar="KIND:TEXT",
             help="Every request keeps to a structured output: json, json_object, regex, choice or grammar, "
@@ -125,19 +133,20 @@ def _structured(spec: str | None) -> Grammar | None:
 
 def workload_options(counts: bool = True, turns: bool = True):
     """--requests, --warmup, --prompt-len, --output-len, --turns, --prompts, --seed,
-    --ignore-eos, --structured: passed on as ``workload`` (counts and turns left out where a mode has none)."""
+    --ignore-eos, --structured, --temperature: passed on as ``workload`` (counts and turns left out where a mode has none)."""
     options = _workload_options(counts, turns)
 
     def decorate(command):
         @functools.wraps(command)
-        def wrapper(*args, prompt_len, output_len, prompts_file, seed, ignore_eos, structured, **kwargs):
+        def wrapper(*args, prompt_len, output_len, prompts_file, seed, ignore_eos, structured, temperature, **kwargs):
             count, warmup = kwargs.pop("count", 1), kwargs.pop("warmup", 0)
             lengths = _lengths(prompt_len, output_len, kwargs.pop("turns", 1), count, warmup)
             if lengths[0].turns > 1 and prompts_file:
                 raise click.UsageError("--turns sends random-id conversations: not with --prompts")
             if count < 1 or warmup < 0:
                 raise click.UsageError("--requests must be positive, --warmup >= 0")
-            workload = Workload(count, warmup, lengths, prompts_file, seed, ignore_eos, _structured(structured))
+            grammar = _structured(structured)
+            workload = Workload(count, warmup, lengths, prompts_file, seed, ignore_eos, grammar, temperature)
             return command(*args, workload=workload, **kwargs)
 
         return _apply(wrapper, options)

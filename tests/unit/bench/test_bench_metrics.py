@@ -180,3 +180,23 @@ def test_shared_prefix_prompts_begin_alike_and_count_their_cache_hits():
     ]
     s = summarise(records, duration_s=1.0)
     assert (s.prompt_tokens, s.cached_tokens, s.prefix_hit_rate) == (80, 32, 0.4)
+
+
+def test_a_sampled_workload_seeds_each_job_the_same_way_every_time():
+    from kvasir.bench.workload import LengthSpec, Workload
+
+    lengths = (LengthSpec.parse("8"), LengthSpec.parse("4"))
+    sampled = Workload(5, 1, lengths, seed=3, temperature=0.8)
+    jobs = sampled.jobs(100)
+    assert [j.seed for j in jobs] == [j.seed for j in sampled.jobs(100)]  # every plan and round: the same tokens
+    assert len({j.seed for j in jobs}) == 6 and {j.temperature for j in jobs} == {0.8}
+    assert all(j.seed is None and j.temperature == 0 for j in Workload(5, 1, lengths).jobs(100))  # greedy
+    assert sampled.report()["temperature"] == 0.8
+
+
+def test_draft_figures_cover_only_the_requests_drafted_for():
+    plain = RequestRecord(0.0, 0.1, (0.1, 0.2, 0.3), 3)
+    drafted = RequestRecord(0.0, 0.1, (0.1, 0.1, 0.1, 0.2), 4, drafts=(2, 5, 3))
+    summary = summarise([plain, drafted], 1.0)
+    assert summary.drafts == {"requests": 1, "drafted": 5, "accepted": 3, "acceptance": 0.6, "tokens_per_pass": 2.0}
+    assert summarise([plain], 1.0).drafts is None

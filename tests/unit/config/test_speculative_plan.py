@@ -27,8 +27,9 @@ def plan(section: str):
         ('method = "ngram"\nmax_rows = 0', "speculative.max_rows must be >= 1"),
         ('method = "ngram"\nmin_acceptance = 1.5', r"speculative.min_acceptance must be in \[0, 1\]"),
         ('method = "ngram"\nmin_acceptance = nan', "speculative.min_acceptance"),
-        ('method = "ngram"\ndraft_model = "smollm2-135m"', 'only read with method = "draft"'),
-        ('method = "draft"\ndraft_model = "smollm2-135m"', 'speculative.method = "draft" is not served yet'),
+        ('method = "ngram"\ndraft_model = "smollm2-135m"', 'goes with method = "draft" only'),
+        ('method = "draft"', "needs speculative.draft_model"),
+        ('method = "draft"\ndraft_model = " "', "speculative.draft_model must name a model"),
         ('method = "ngram"\nlookahead = 3', "speculative.lookahead: unknown key"),
     ],
 )

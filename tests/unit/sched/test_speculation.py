@@ -88,8 +88,8 @@ def test_drafts_take_only_the_budget_the_rows_own_tokens_leave():
 def test_a_request_whose_drafts_are_rarely_confirmed_only_probes_until_one_is():
     s = scheduler(num_tokens=4, min_acceptance=0.3, ngram_min=1)  # every token of the loop recurs
     (rid,), batch = decode_batch(s, LOOP)
-    for _ in range(2):  # rejected twice: its rate falls to 0.25
-        assert len(batch.descriptor.rows[0].draft) == 4
+    for expected in (4, 3):  # rejected twice: its rate falls to 0.25 (and its rows shrink meanwhile)
+        assert len(batch.descriptor.rows[0].draft) == expected
         answer(s, batch, wrong(batch))
         batch = s.next_batch()
     drafts = []
@@ -105,7 +105,20 @@ def test_a_request_whose_drafts_are_rarely_confirmed_only_probes_until_one_is():
     (row,) = batch.descriptor.rows
     assert len(row.draft) == 1
     answer(s, batch, {rid: [row.draft[0], 11]})  # the probe is confirmed: its rate climbs back
-    assert len(s.next_batch().descriptor.rows[0].draft) == 4
+    assert len(s.next_batch().descriptor.rows[0].draft) == 2  # one more than its rows lately had confirmed
+
+
+def test_a_requests_rows_grow_while_their_drafts_are_confirmed_and_shrink_when_not():
+    s = scheduler(num_tokens=6, ngram_min=1)
+    (rid,), batch = decode_batch(s, LOOP)
+    sizes = []
+    for confirmed in (6, 6, 0, 1, 1, 3, 3):
+        row = batch.descriptor.rows[0]
+        sizes.append(len(row.draft))
+        taken = list(row.draft[:confirmed])
+        answer(s, batch, {rid: taken + [12 if row.draft[len(taken) : len(taken) + 1] != (12,) else 13]})
+        batch = s.next_batch()
+    assert sizes == [6, 6, 6, 4, 3, 3, 4]
 
 
 def test_a_decode_pool_drafts_from_the_prompt_the_prefill_pool_announced():

@@ -1,8 +1,8 @@
 """Speculative decoding through the in-process chain (the real scheduler, stages, KV
-caches and sampler): greedy output with prompt-lookup drafts is Hugging Face's greedy
-output, and seeded sampled output is the output without drafts, on a model whose drafts
-are mostly confirmed (it loops), on random models where most are not (so most rows roll
-K/V back), and with experts on shards."""
+caches and sampler): greedy output with prompt-lookup or draft-model drafts is Hugging
+Face's greedy output, and seeded sampled output is the output without drafts, on a model
+whose drafts are mostly confirmed (it loops, or drafts for itself), on random models
+where most are not (so most rows roll K/V back), and with experts on shards."""
 
 from __future__ import annotations
 
@@ -45,6 +45,22 @@ def test_greedy_output_with_drafts_is_hf_greedy_output(tiny_models, plan_for, fa
     assert totals.drafted > 0
     if family == "llama-loop":
         assert totals.accepted > totals.drafted / 2 and totals.tokens > 2 * totals.rows  # fewer passes than tokens
+
+
+@pytest.mark.parametrize(("family", "draft"), [("llama-loop", "llama-loop"), ("llama", "llama-draft")])
+def test_a_draft_models_greedy_drafts_leave_greedy_output_as_hf_gives_it(tiny_models, plan_for, family, draft):
+    plan, source = plan_for(tiny_models[family], SPLITS, max_rows=4, max_tokens=24, inflight=2)
+    spec = SpeculativeSpec(method="draft", draft_model=str(tiny_models[draft]), num_tokens=3)
+    texts = random_prompts(source.vocab_size, [5, 12, 30, 3], seed=7)
+    outputs, chain = run(speculative(plan, spec), source, texts, SamplingParams(temperature=0, max_tokens=20))
+    model = reference(tiny_models[family])
+    assert outputs == [hf_greedy(model, t, 20)[: len(out)] for t, out in zip(texts, outputs)]
+    totals = chain.sampler.totals
+    assert totals.drafted > 0
+    if family == draft:  # a model drafting for itself is always right
+        assert totals.accepted == totals.drafted
+    sampled = SamplingParams(temperature=0.9, seed=4, max_tokens=20)
+    assert run(speculative(plan, spec), source, texts, sampled)[0] == run(plan, source, texts, sampled)[0]
 
 
 @pytest.mark.parametrize("family", ["llama-loop", "llama"])
