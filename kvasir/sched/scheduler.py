@@ -160,7 +160,7 @@ class Scheduler:
         prefill = [s for s in ready if s.computed < s.prompt_len]
         if self.speculation is not None and decode:
             count = min(len(decode), self.max_rows)
-            self.speculation.draft(decode[:count], self.max_tokens - count)
+            self.speculation.draft(decode[:count], self.max_tokens - count - self._prompts_pending(prefill))
         candidates = itertools.chain(decode, prefill, self._admit())
         rows: list[Row] = []
         while len(rows) < self.max_rows and len(tokens) < self.max_tokens:
@@ -190,6 +190,16 @@ class Scheduler:
         )
         self._release.clear()
         return ScheduledBatch(descriptor, torch.tensor(tokens, dtype=torch.long))
+
+    def _prompts_pending(self, prefill: list[RequestState]) -> int:
+        """Prompt tokens waiting to be computed (running prompts' rest, then waiting
+        requests'), counted up to a batch's budget: drafts only take what they leave."""
+        pending = 0
+        for state in itertools.chain(prefill, self.waiting.values()):
+            pending += state.prompt_len - state.computed
+            if pending >= self.max_tokens:
+                break
+        return pending
 
     def release_only(self) -> BatchDescriptor | None:
         """A descriptor that carries only pending releases, spills and loads (none when

@@ -12,7 +12,9 @@ Speculation turns itself down in three ways:
 - a request drafts one more token than its rows have lately had confirmed (a running
   mean), up to ``num_tokens``: long runs of confirmed drafts grow its rows, misses shrink them;
 - a request whose drafts are rarely confirmed (a running rate under
-  ``min_acceptance``) drafts one token every ``PROBE_EVERY`` rows until one is.
+  ``min_acceptance``) drafts one token every ``PROBE_EVERY`` rows until one is, and
+  each probe the model rejects doubles that interval (up to ``PROBE_MOST``): a request
+  drafts are no use to costs next to nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvasir.sched.requests import RequestState
 from kvasir.wire.stats import DraftCounters
 
 PROBE_EVERY = 8  # a request drafting below min_acceptance tries one draft in this many rows
+PROBE_MOST = 128  # and after rejected probes, in at most this many
 SMOOTHING = 0.5  # a row's share of confirmed drafts weighs this much in the request's running rate
 
 
@@ -81,6 +84,8 @@ class Acceptance:
     run: float  # running mean of the drafts confirmed per row
     rate: float = 1.0  # running share of its drafts the model confirmed
     quiet: int = 0  # rows since it last drafted while under min_acceptance
+    interval: int = PROBE_EVERY  # rows between its probes while under min_acceptance
+    probing: bool = False  # its row in flight carries a probe
 
 
 class Speculation:
@@ -121,6 +126,9 @@ class Speculation:
         if acceptance is not None and drafted:
             acceptance.rate += SMOOTHING * (accepted / drafted - acceptance.rate)
             acceptance.run += SMOOTHING * (accepted - acceptance.run)
+            if acceptance.probing:
+                acceptance.interval = PROBE_EVERY if accepted else min(2 * acceptance.interval, PROBE_MOST)
+            acceptance.probing = False
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -133,8 +141,9 @@ class Speculation:
         if acceptance.rate >= self.spec.min_acceptance:
             return min(self.spec.num_tokens, 1 + math.ceil(acceptance.run))
         acceptance.quiet += 1
-        if acceptance.quiet < PROBE_EVERY:
+        if acceptance.quiet < acceptance.interval:
             self.quiet_rows += 1
             return 0
         acceptance.quiet = 0
+        acceptance.probing = True
         return 1

@@ -114,3 +114,24 @@ def test_http_requests_draft_under_a_grammar_and_prometheus_counts_them(tiny_mod
     assert 0 <= accepted <= value(families["kvasir:spec_decode_num_draft_tokens"], "_total")
     assert value(families["kvasir:spec_decode_passes"], "_total") > 0
     assert "batch_full" in {s.labels.get("reason") for s in families["kvasir:spec_decode_rows_without_drafts"].samples}
+
+
+def test_scripts_draft_model_keeps_a_models_first_layers(tiny_models, tmp_path):
+    made = subprocess.run(
+        ["scripts/draft-model", str(tiny_models["llama"]), "2", str(tmp_path / "draft")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    draft, full = reference_model(tmp_path / "draft"), reference_model(tiny_models["llama"])
+    assert draft.config.num_hidden_layers == 2 and draft.config.vocab_size == full.config.vocab_size
+    for name, tensor in draft.state_dict().items():
+        assert (tensor == full.state_dict()[name]).all(), name  # the same weights, fewer layers
+    refused = subprocess.run(
+        ["scripts/draft-model", str(tiny_models["llama"]), "6", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "LAYERS must be in 1..5" in refused.stderr

@@ -99,9 +99,12 @@ def test_a_request_whose_drafts_are_rarely_confirmed_only_probes_until_one_is():
         batch = s.next_batch()
     assert drafts == [0] * (PROBE_EVERY - 1) + [1]  # quiet, then one probe (rejected)
     assert s.speculation.counters().quiet_rows == PROBE_EVERY  # (the batch after the probe is quiet again)
-    for _ in range(PROBE_EVERY - 1):
+    drafts = []
+    for _ in range(2 * PROBE_EVERY - 1):  # a rejected probe doubles the wait for the next
+        drafts.append(len(batch.descriptor.rows[0].draft))
         answer(s, batch, wrong(batch))
         batch = s.next_batch()
+    assert drafts == [0] * (2 * PROBE_EVERY - 1)
     (row,) = batch.descriptor.rows
     assert len(row.draft) == 1
     answer(s, batch, {rid: [row.draft[0], 11]})  # the probe is confirmed: its rate climbs back
@@ -119,6 +122,22 @@ def test_a_requests_rows_grow_while_their_drafts_are_confirmed_and_shrink_when_n
         answer(s, batch, {rid: taken + [12 if row.draft[len(taken) : len(taken) + 1] != (12,) else 13]})
         batch = s.next_batch()
     assert sizes == [6, 6, 6, 4, 3, 3, 4]
+
+
+def test_drafts_never_take_budget_a_waiting_prompt_could_use():
+    plan = make_plan("unused", [(0, 1), (1, 2)], max_rows=4, max_tokens=12, inflight=1, prefix_cache=False)
+    s = Scheduler(msgspec.structs.replace(plan, speculative=SpeculativeSpec(method="ngram", ngram_min=1)), VOCAB)
+    (rid,), batch = decode_batch(s, LOOP[:4])
+    (row,) = batch.descriptor.rows
+    assert len(row.draft) == 4  # nothing else to run: the row drafts
+    answer(s, batch, {rid: [*row.draft, 12]})  # all confirmed
+    s.submit(list(range(20, 26)), SamplingParams(max_tokens=4))  # a 6-token prompt arrives
+    batch = s.next_batch()
+    assert [(len(r.draft), r.num_tokens) for r in batch.descriptor.rows] == [(4, 5), (0, 6)]  # 12 - 1 - 6 spare
+    answer(s, batch, {})
+    s.submit(list(range(30, 50)), SamplingParams(max_tokens=4))  # a prompt longer than the budget
+    batch = s.next_batch()
+    assert len(batch.descriptor.rows) == 3 and all(r.draft == () for r in batch.descriptor.rows)
 
 
 def test_a_decode_pool_drafts_from_the_prompt_the_prefill_pool_announced():
