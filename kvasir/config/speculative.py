@@ -12,7 +12,7 @@ token, so the output is the output without drafts. No ``[speculative]``: no draf
 - ``max_rows``: a batch with more decode rows than this drafts for none of them (the
   stages' cores are busy enough that extra tokens cost throughput).
 - ``min_acceptance``: a request whose recent drafts are confirmed less often than this
-  drafts one token every ``PROBE_EVERY`` rows, until the model confirms it again.
+  only probes (one draft now and then, rarer while rejected) until the model confirms one.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Speculation turns itself down in three ways:
 - a batch with more decode rows than ``max_rows`` drafts for none (its extra tokens
   would take compute the other rows need);
 - a request drafts one more token than its rows have lately had confirmed (a running
-  mean), up to ``num_tokens``: long runs of confirmed drafts grow its rows, misses shrink them;
+  mean), up to ``num_tokens``: long runs of confirmed drafts grow its rows, misses shrink
+  them. Prompt lookup's drafts cost nothing to make, so a request starts at
+  ``num_tokens``; a draft model's cost a pass each, so it starts at one and grows;
 - a request whose drafts are rarely confirmed (a running rate under
   ``min_acceptance``) drafts one token every ``PROBE_EVERY`` rows until one is, and
   each probe the model rejects doubles that interval (up to ``PROBE_MOST``): a request
@@ -92,6 +94,8 @@ class Speculation:
     def __init__(self, spec: SpeculativeSpec, drafter: Drafter) -> None:
         self.spec = spec
         self.drafter = drafter
+        # a new request's confirmed drafts per row, as first assumed (its first row drafts one more)
+        self.first_run = spec.num_tokens - 1 if spec.method == "ngram" else 0
         self._requests: dict[int, Acceptance] = {}
         self.full_rows = 0  # decode rows not drafted for: the batch had too many
         self.quiet_rows = 0  # decode rows not drafted for: their request's drafts were rarely confirmed
@@ -109,8 +113,8 @@ class Speculation:
             if not state.sampling.speculative:
                 continue
             acceptance = self._requests.get(state.request_id)
-            if acceptance is None:  # a new request drafts fully until its rows say otherwise
-                acceptance = self._requests[state.request_id] = Acceptance(run=self.spec.num_tokens - 1)
+            if acceptance is None:
+                acceptance = self._requests[state.request_id] = Acceptance(run=self.first_run)
             count = min(self._allowance(acceptance), spare)
             if count:
                 wanted.append((state, count))

@@ -17,7 +17,7 @@ from test_ring import check_events
 
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Finished
-from tests.support.daemon import BIN, settled
+from tests.support.daemon import kvasir_stats, settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
 
 SPEC = 'method = "ngram"\nnum_tokens = 4\nngram_min = 1'
@@ -72,23 +72,9 @@ def test_a_request_can_turn_drafting_off_and_stats_show_the_counts(tiny_models, 
     assert off.drafts is None and on.drafts is not None and on.drafts.accepted > 0
     assert on.drafts.passes < len(on.token_ids)
     settled(daemon.runtime_dir)
-    shown = subprocess.run(
-        [str(BIN / "kvasir"), "stats", "--runtime-dir", str(daemon.runtime_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert re.search(
-        r"speculative decoding: \d+ of \d+ drafts confirmed \(\d+%\), [\d.]+ tokens per pass", shown.stdout
-    )
-    body = json.loads(
-        subprocess.run(
-            [str(BIN / "kvasir"), "stats", "--json", "--runtime-dir", str(daemon.runtime_dir)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-    )
+    shown = kvasir_stats(daemon.runtime_dir).stdout
+    assert re.search(r"speculative decoding: \d+ of \d+ drafts confirmed \(\d+%\), [\d.]+ tokens per pass", shown)
+    body = json.loads(kvasir_stats(daemon.runtime_dir, "--json").stdout)
     assert body["drafts"]["accepted"] == on.drafts.accepted
 
 

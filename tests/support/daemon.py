@@ -247,3 +247,13 @@ def settled(runtime_dir, timeout_s: float = 30.0, pool: str | None = None):
         if reported and all(s.kv.blocks == 0 for s in stages) or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)
+
+
+def kvasir_stats(runtime_dir, *args: str) -> subprocess.CompletedProcess:
+    """``kvasir stats [ARGS]`` against the daemon at ``runtime_dir``, its output as text."""
+    return subprocess.run(
+        [str(BIN / "kvasir"), "stats", *args, "--runtime-dir", str(runtime_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

@@ -7,7 +7,7 @@ import msgspec
 
 from kvasir.config.speculative import SpeculativeSpec
 from kvasir.sched.scheduler import Scheduler
-from kvasir.sched.speculation import PROBE_EVERY
+from kvasir.sched.speculation import PROBE_EVERY, NgramDrafter
 from kvasir.wire.batch import SampledToken, SamplingParams
 from kvasir.wire.head import BatchResult
 from tests.support.models import make_plan
@@ -151,3 +151,18 @@ def test_a_decode_pool_drafts_from_the_prompt_the_prefill_pool_announced():
     decode.unpark(7)
     (row,) = decode.next_batch().descriptor.rows
     assert row.draft == (12, 13, 14, 11)
+
+
+def test_with_a_draft_model_a_request_starts_at_one_draft_and_grows():
+    plan = make_plan("unused", [(0, 1), (1, 2)], max_rows=8, max_tokens=64, inflight=1, prefix_cache=False)
+    spec = SpeculativeSpec(method="draft", draft_model="unused", num_tokens=4, ngram_min=1)
+    # the policy's view of a draft model: drafts that cost a pass each (any drafter gives them here)
+    s = Scheduler(msgspec.structs.replace(plan, speculative=spec), VOCAB, drafter=NgramDrafter(spec))
+    (rid,), batch = decode_batch(s, LOOP)
+    sizes = []
+    for _ in range(4):
+        row = batch.descriptor.rows[0]
+        sizes.append(len(row.draft))
+        answer(s, batch, {rid: [*row.draft, 11 + (row.draft[-1] - 10) % 4]})  # all confirmed, the loop goes on
+        batch = s.next_batch()
+    assert sizes == [1, 2, 3, 4]
