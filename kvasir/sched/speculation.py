@@ -64,19 +64,15 @@ class NgramDrafter:
         index = self._indexes.get(state.request_id)
         if index is None:
             index = self._indexes[state.request_id] = NgramIndex(self.spec.ngram_min, self.spec.ngram_max)
-        extend_history(index.tokens, state, index.extend)
+        index.extend(history_after(state, len(index.tokens)))
         return index
 
 
-def extend_history(known: list[int], state: RequestState, extend) -> None:
-    """Call ``extend`` with the tokens of the request's history (its prompt's ids, where
-    this head has them, then its output) after the ``known`` ones."""
+def history_after(state: RequestState, have: int) -> list[int]:
+    """The tokens of the request's history (its prompt's ids, where this head has them,
+    then its output) after its first ``have``."""
     prompt = state.prompt or state.context
-    have = len(known)
-    if have < len(prompt):
-        extend(prompt[have:])
-        have = len(prompt)
-    extend(state.output[have - len(prompt) :])
+    return [*prompt[have:], *state.output[max(0, have - len(prompt)) :]]
 
 
 @dataclass

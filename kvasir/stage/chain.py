@@ -48,7 +48,7 @@ class Chain:
             if plan.stages[index].experts:  # its expert shards, in this process too
                 stage.attach(in_process_shards(plan, index, source, stage.device))
         self.scheduler = Scheduler(plan, source.vocab_size, drafter=model_drafter(plan, self.stages[0].device))
-        self.sampler = Sampler(source.eos_token_ids, plan.model.max_seq_len)
+        self.sampler = Sampler(source.eos_token_ids, plan.model.max_seq_len, speculative=plan.speculative is not None)
         self._queue: deque[ScheduledBatch] = deque()
 
     def submit(self, prompt: list[int], sampling: SamplingParams | None = None) -> int:

@@ -27,7 +27,7 @@ from kvasir.model.source import ModelSource, resolve_source
 from kvasir.model.stage_model import StageModel
 from kvasir.sched.blocks import BlockAllocator
 from kvasir.sched.requests import RequestState
-from kvasir.sched.speculation import extend_history
+from kvasir.sched.speculation import history_after
 from kvasir.wire.batch import Row
 
 CATCH_UP = 256  # tokens of a request's history one call computes at most (a long prompt takes several)
@@ -92,7 +92,7 @@ class ModelDrafter:
         """The request's draft-side state, its history brought up to its newest token and
         its held tokens cut back to where they agree with that history."""
         request = self._requests.setdefault(state.request_id, DraftRequest())
-        extend_history(request.history, state, request.history.extend)
+        request.history += history_after(state, len(request.history))
         agree = 0
         for held, actual in zip(request.tokens, request.history):
             if held != actual:

@@ -171,7 +171,7 @@ class Sampler:
         """``speculative``: the plan drafts (kvasir/config/speculative.py): report the drafts' fate."""
         self.eos_ids = eos_ids
         self.speculative = speculative
-        self.totals = DraftCounters()  # tail's side: rows, tokens, drafted, accepted
+        self.totals = DraftCounters()  # tail's side (counted where speculative): rows, tokens, drafted, accepted
         self.max_seq_len = max_seq_len
         self.grammars = grammars  # structured output (None: a tail that cannot follow grammars)
         self._requests: dict[int, RequestSampler] = {}
@@ -246,23 +246,22 @@ class Sampler:
         tokens: list[SampledToken] = []
         for at, position in enumerate(logits):
             token = state.pick(position)
-            confirmed += at < len(row.draft) and token == row.draft[at]
+            confirms = at < len(row.draft) and token == row.draft[at]
+            confirmed += confirms
+            state.accepted += confirms
             finish = state.finish(token, length + at + 1)
+            tokens.append(self._token(state, row.request_id, token, finish, position))
             if finish is not None:
-                state.accepted += confirmed
-                tokens.append(self._token(state, row.request_id, token, finish, position))
                 del self._requests[row.request_id]
                 break
-            tokens.append(self._token(state, row.request_id, token, finish, position))
-            if at == len(row.draft) or token != row.draft[at]:
-                state.accepted += confirmed
+            if not confirms:
                 break  # the bonus token, or the first draft the model does not confirm
-        self._count(len(row.draft), confirmed, len(tokens))
+        if self.speculative:
+            self._count(len(row.draft), confirmed, len(tokens))
         return tokens
 
     def _count(self, drafted: int, confirmed: int, emitted: int) -> None:
-        t = self.totals
-        self.totals = t + DraftCounters(
+        self.totals += DraftCounters(
             rows=1, tokens=emitted, draft_rows=int(drafted > 0), drafted=drafted, accepted=confirmed
         )
 
