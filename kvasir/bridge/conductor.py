@@ -39,7 +39,7 @@ from kvasir.config.sections import RoutePolicy
 from kvasir.errors import RequestError
 from kvasir.sched.prefix import block_keys
 
-InstanceState = Literal["serving", "down"]
+InstanceState = Literal["serving", "down", "leaving"]  # leaving: moving to another pool, nothing new goes to it
 BACKLOG_WEIGHT = 0.5  # what a queued prompt token costs a new request, against one of its own
 SESSIONS_KEPT = 1 << 16  # sessions whose instance the conductor remembers (least recently used forgotten)
 PREDICTED_S = 10.0  # an entered key the head does not confirm within this is forgotten
@@ -128,7 +128,7 @@ class Conductor:
             raise RequestError("restarting", "no instance is serving: retry in a few seconds")
         keys = _Keys(prompt, root)
         home = self.sessions.get(session) if session is not None else None
-        if home is not None and self.candidates[home].state == "serving":
+        if home is not None and home in self.candidates and self.candidates[home].state == "serving":
             choice = Choice(home, "affinity: the instance of the session's earlier requests", backlog=len(prompt))
         elif self.policy == "round_robin":
             chosen = live[next(self._turn) % len(live)]
@@ -210,6 +210,21 @@ class Conductor:
         chosen = self.candidates.get(name) or self.decoders.get(name)
         if chosen is not None:
             chosen.state = "serving"
+
+    def leave(self, name: str) -> None:
+        """An instance is moving to another pool: nothing new is routed to it; what runs
+        there finishes (and is counted)."""
+        chosen = self.candidates.get(name) or self.decoders.get(name)
+        if chosen is not None:
+            chosen.state = "leaving"
+
+    def assign(self, name: str, decode: bool) -> None:
+        """An instance serves the decode pool (``decode``) or admits requests: it joins
+        that side, with an empty cache and nothing on it (its processes are new), down
+        until ``up``."""
+        chosen = self.candidates.pop(name, None) or self.decoders.pop(name)
+        chosen.state, chosen.running, chosen.backlog, chosen.keys, chosen.used = "down", 0, 0, {}, 0
+        (self.decoders if decode else self.candidates)[name] = chosen
 
     def _trim(self, chosen: Candidate, now: float) -> None:
         """Forget expired predictions once the index outgrows what the instance can hold."""

@@ -1,6 +1,7 @@
-"""The bridge's way into the instances: one socket to each admitting head (a colocated
-instance's, or a prefill instance's), the conductor that picks one per request
-(kvasir/bridge/conductor.py), and which instance each stage belongs to."""
+"""The bridge's way into the instances: one socket to each head (requests go to a
+colocated or prefill instance's; with [planner] any instance may become one), the
+conductor that picks one per request (kvasir/bridge/conductor.py), which instance each
+stage belongs to and which pool each instance serves now."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvasir.bridge.conductor import Candidate, Choice, Conductor
 from kvasir.bridge.pool import PoolView
 from kvasir.config.fleet import Ring
 from kvasir.config.plan import Plan
+from kvasir.config.sections import Pool
 from kvasir.errors import RequestError
 from kvasir.transport.channels import BatchedSocket
 from kvasir.transport.fabric import Sockets
@@ -27,14 +29,14 @@ class Heads:
         rings = plan.rings()
         self.rings = rings
         self.sockets = sockets
-        self.admitting: list[Ring[Plan]] = [ring for ring in rings if ring.pool != "decode"]
-        self.decode: list[Ring[Plan]] = [ring for ring in rings if ring.pool == "decode"]
+        self.disaggregated = plan.disaggregated
         self.instance_of = {index: ring.name for ring in rings for index in range(ring.first, ring.last + 1)}
-        self.pool_of = {ring.name: ring.pool for ring in rings}
+        self.pool_of: dict[str, Pool] = {ring.name: ring.pool for ring in rings}  # the pool each serves now
+        self.fixed = {ring.name: ring.fixed for ring in rings}  # why each stays in its pool ("": it may move)
         self.conductor = Conductor(  # nothing is routed to an instance before the launcher says "serve"
             plan.route.policy,
-            (Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks, "down") for ring in self.admitting),
-            (Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks, "down") for ring in self.decode),
+            (self._candidate(ring) for ring in rings if ring.pool != "decode"),
+            (self._candidate(ring) for ring in rings if ring.pool == "decode"),
         )
         self.head_of = {ring.name: ring.first for ring in rings}
         self.pool = PoolView(plan, kv_bytes_per_token) if plan.kv_pool is not None else None  # the KV pool's index
@@ -42,8 +44,12 @@ class Heads:
         self.restarts: dict[str, int] = {}  # each instance's restarts so far
         self.failures: dict[str, str] = {}  # each instance's last failure
         self._io: dict[str, tuple[zmq.Socket, BatchedSocket]] = {}
-        for ring in self.admitting:
+        for ring in rings:
             self._io[ring.name] = self._connect(ring)
+
+    @staticmethod
+    def _candidate(ring: Ring[Plan]) -> Candidate:
+        return Candidate(ring.name, ring.plan.kv.block_size, ring.plan.kv.num_blocks, "down")
 
     def _connect(self, ring: Ring[Plan]) -> tuple[zmq.Socket, BatchedSocket]:
         # unbounded: accepted requests are bounded by bridge.max_waiting, and a send that
@@ -90,8 +96,12 @@ class Heads:
         """The instances a command names ("": every one)."""
         return [name for name in self.pool_of if instance in ("", name)]
 
-    def serve(self, instance: str, pids: tuple[int, ...], restarts: int) -> None:
-        """An instance is ready: its processes' reports count, and requests go to it."""
+    def serve(self, instance: str, pids: tuple[int, ...], restarts: int, pool: Pool | None = None) -> None:
+        """An instance is ready: its processes' reports count, and requests go to it
+        (``pool``: the pool it serves now, where it moved)."""
+        if pool is not None and pool != self.pool_of[instance]:
+            self.pool_of[instance] = pool
+            self.conductor.assign(instance, decode=pool == "decode")
         self.pids[instance] = frozenset(pids)
         self.restarts[instance] = restarts
         self.conductor.up(instance)
@@ -104,11 +114,18 @@ class Heads:
         self.pids.pop(instance, None)
         self.failures[instance] = reason
         self.conductor.down(instance)
-        ring = next((ring for ring in self.admitting if ring.name == instance), None)
-        if ring is not None:
-            head, _ = self._io[instance]
-            head.close(linger=0)
-            self._io[instance] = self._connect(ring)
+        ring = next(ring for ring in self.rings if ring.name == instance)
+        head, _ = self._io[instance]
+        head.close(linger=0)
+        self._io[instance] = self._connect(ring)
+
+    def cancel_to(self, instance: str, decode: str | None) -> str:
+        """Where a request's cancel goes: its admitting instance's head, which passes it on
+        after a hand-off; or, once that instance has moved out of the prefill pool (the
+        request was handed on before it moved), its decode instance's head."""
+        if decode is not None and self.pool_of.get(instance) != "prefill":
+            return decode
+        return instance
 
     def current(self, index: int, pid: int) -> bool:
         """A report from the serving process of stage ``index`` (not from a replaced one)."""
@@ -122,7 +139,7 @@ class Heads:
         """Restarts after failures: each instance's, summed; a disaggregated plan's
         instances restart together, once per failure."""
         counts = self.restarts.values()
-        return max(counts, default=0) if self.decode else sum(counts)
+        return max(counts, default=0) if self.disaggregated else sum(counts)
 
     def report(self, heads: dict[int, StageStats]) -> list[InstanceStats]:
         """Each instance for ``kvasir stats``, with its head's latest report (by index)."""
@@ -133,8 +150,9 @@ class Heads:
             out.append(
                 InstanceStats(
                     name=ring.name,
-                    pool=ring.pool,
+                    pool=self.pool_of[ring.name],
                     state="serving" if ring.name in self.pids else "restarting",
+                    movable=ring.movable,
                     stages=list(range(ring.first, ring.last + 1)),
                     restarts=self.restarts.get(ring.name, 0),
                     last_failure=self.failures.get(ring.name),

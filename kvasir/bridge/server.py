@@ -22,6 +22,7 @@ from kvasir.bridge.detokenizer import detokenizer, load_tokenizer
 from kvasir.bridge.heads import Heads
 from kvasir.bridge.ledger import HandoffLog, Ledger, Peer, Pending
 from kvasir.bridge.metrics import Metrics
+from kvasir.bridge.moves import Moves
 from kvasir.bridge.outbox import Outbox
 from kvasir.bridge.reports import Reports
 from kvasir.bridge.sockets import client_router, remote_router
@@ -39,6 +40,7 @@ from kvasir.wire.bridge import (
     PoolEvents,
     PrefixEvents,
     RequestEnded,
+    Retired,
     ShardStats,
     StageStats,
     TokenEvents,
@@ -49,13 +51,14 @@ from kvasir.wire.client import (
     Cancelled,
     ClientMessage,
     ErrorEvent,
+    Move,
     StatsQuery,
     StatsReply,
     Submit,
 )
-from kvasir.wire.control import BridgeSettings, Command, Drained, Heartbeat, Ready
+from kvasir.wire.control import BridgeSettings, Command, Drained, Heartbeat, Ready, Regroup
 from kvasir.wire.decoding import Decoder, Malformed
-from kvasir.wire.head import CancelRequest, Enqueue
+from kvasir.wire.head import CancelRequest, Enqueue, Retire
 
 PUB_QUEUE = 100_000  # token events queued per `kvasir tail` subscriber before it misses some
 
@@ -105,6 +108,7 @@ class Bridge:
         self.inbox_io = BatchedSocket(self.inbox)
         self.ctx = ctx
         self.heads = Heads(plan, self.sockets, model.kv_bytes_per_token)
+        self.moves = Moves(self.heads, log, plan.planner)  # instances moving between pools
         self.stats_interval_s = settings.stats_interval_s
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder: Decoder[ClientMessage] = Decoder(ClientMessage)
@@ -198,6 +202,8 @@ class Bridge:
                 await self._cancel(peer, rid)
             case StatsQuery(key=key, timeline=timeline):
                 await self._send(peer, StatsReply(key=key, stats=daemon_stats(self, timeline)))
+            case Move():
+                await self._send(peer, self.moves.asked(message, origin == LOCAL, self.draining, time.monotonic()))
 
     async def _submit(self, peer: Peer, msg: Submit, origin: str) -> None:
         try:
@@ -249,7 +255,9 @@ class Bridge:
                 peer, ErrorEvent(code="unknown_request", message=f"no running request {rid} of yours", request_id=rid)
             )
             return
-        await self.heads.send(record.instance, self.encoder.encode(CancelRequest(rid)))
+        await self.heads.send(
+            self.heads.cancel_to(record.instance, record.decode), self.encoder.encode(CancelRequest(rid))
+        )
 
     async def _stages(self) -> None:
         while True:
@@ -260,6 +268,8 @@ class Bridge:
                     self._malformed("bridge-in", exc)
                     continue
                 await self._stage_message(message)
+            for name in self.moves.due(self.requests) if self.moves.moving else ():
+                await self.heads.send(name, self.encoder.encode(Retire(self.heads.head_of[name])))
             await self._maybe_drained()
             await asyncio.sleep(0)
 
@@ -293,6 +303,11 @@ class Bridge:
                     record.handoff = timings
             case PrefixEvents() | PoolEvents() | StageStats() | ShardStats():
                 self.reports.note(message)
+            case Retired(index=index, pid=pid):
+                regroup = self.moves.retired(index, pid)
+                if regroup is not None:  # its processes restart in the new pool; "serve" ends the move
+                    self.log.info("instance retired: restarting it", instance=regroup[0], to=regroup[1])
+                    await self.control.send(self.encoder.encode(Regroup(*regroup)))
 
     async def _commands(self) -> None:
         decoder: Decoder[Command] = Decoder(Command)
@@ -337,9 +352,10 @@ class Bridge:
             self.bound = True
         if command.message and command.message != self.last_failure:  # a bridge started after a failure
             self.last_failure, self.last_failure_at = command.message, time.monotonic()
-        self.heads.serve(command.instance, command.pids, command.restarts)
+        self.heads.serve(command.instance, command.pids, command.restarts, command.pool)
         self.restarting = None
-        self.log.info("accepting clients", instance=command.instance, restarts=command.restarts)
+        moved_s = self.moves.served(command.instance, time.monotonic())
+        self.log.info("accepting clients", instance=command.instance, restarts=command.restarts, moved_s=moved_s)
 
     async def _ring_down(self, instance: str, reason: str) -> None:
         """An instance failed and is being restarted (""; every instance): end its requests
@@ -349,6 +365,7 @@ class Bridge:
         self.last_failure, self.last_failure_at = reason, time.monotonic()
         for name in names:
             self.heads.down(name, reason)
+        self.moves.dropped(names)
         if not self.heads.serving:
             self.restarting = reason
         lost = [rid for rid, record in self.requests.items() if {record.instance, record.decode} & set(names)]
@@ -391,6 +408,7 @@ class Bridge:
             record = self.requests.end(rid)
             self.metrics.ended_early("cancelled")
             if record is not None:
-                self.heads.send_now(record.instance, self.encoder.encode(CancelRequest(rid)))
+                target = self.heads.cancel_to(record.instance, record.decode)
+                self.heads.send_now(target, self.encoder.encode(CancelRequest(rid)))
         if rids:
             self.log.warning("client lost: its requests are cancelled", why=why, requests=len(rids))

@@ -37,7 +37,7 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         hosts_missing=bridge.hosts_missing,
         metrics=bridge.metrics.snapshot(),
         prefix_cache=PrefixCacheStats.of(stages) if stages else None,
-        instances=bridge.heads.report(reports.stages),
+        instances=bridge.moves.annotate(bridge.heads.report(reports.stages), time.monotonic()),
         kv_pool=_kv_pool(bridge.heads.pool, stages),
         drafts=_drafts(stages),
     )

@@ -16,7 +16,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvasir.client.connection import CLOSE_LINGER_MS, LINK, REFUSED, NoDaemon, NotAuthorised, Remote, check_local
 from kvasir.client.stream import TERMINAL, RequestStream
-from kvasir.errors import KvasirError
+from kvasir.errors import KvasirError, RequestError
 from kvasir.transport import envelopes
 from kvasir.transport.channels import BatchedSocket, Endpoints, default_runtime_dir
 from kvasir.transport.envelopes import MAX_BATCH
@@ -28,6 +28,9 @@ from kvasir.wire.client import (
     DaemonStats,
     ErrorEvent,
     Finished,
+    MovablePool,
+    Move,
+    MoveStarted,
     PromptLogprobs,
     StatsQuery,
     StatsReply,
@@ -164,27 +167,38 @@ class AsyncClient:
     async def stats(self, timeline: bool = False, timeout_s: float = 10.0) -> DaemonStats:
         """The daemon's statistics; with ``timeline``, each stage's recent batch spans too.
         NoDaemon when no answer comes within ``timeout_s``."""
+        return await self._keyed(StatsQuery(key=next(self._keys), timeline=timeline), timeout_s)
+
+    async def move(self, instance: str, to: MovablePool, timeout_s: float = 10.0) -> MoveStarted:
+        """Move an instance to another pool (a plan with [planner], docs/planner.md): the
+        bridge's word that the move started (it goes on in the daemon: watch ``stats()``'s
+        instances); RequestError with the bridge's reason when it refuses."""
+        reply = await self._keyed(Move(key=next(self._keys), instance=instance, to=to), timeout_s)
+        if isinstance(reply, ErrorEvent):
+            raise RequestError(reply.code, reply.message)
+        return reply
+
+    async def _keyed(self, message: StatsQuery | Move, timeout_s: float):
+        """Send a message answered by one event with its key; NoDaemon when none comes."""
         self._raise_if_failed()
-        key = next(self._keys)
         future = asyncio.get_running_loop().create_future()
-        self._stats[key] = future
-        await self._post(StatsQuery(key=key, timeline=timeline))
+        self._stats[message.key] = future
+        await self._post(message)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
-            raise NoDaemon(
-                f"kvasird at {self.runtime_dir} did not answer a stats query within {timeout_s:g} s"
-            ) from None
+            what = "a stats query" if isinstance(message, StatsQuery) else "a move"
+            raise NoDaemon(f"kvasird at {self.runtime_dir} did not answer {what} within {timeout_s:g} s") from None
         finally:
-            self._stats.pop(key, None)
+            self._stats.pop(message.key, None)
 
-    def _encode(self, message: Submit | Cancel | StatsQuery) -> bytes:
+    def _encode(self, message: Submit | Cancel | StatsQuery | Move) -> bytes:
         try:
             return self._encoder.encode(message)
         except (OverflowError, TypeError, ValueError) as exc:
             raise KvasirError(f"cannot send {type(message).__name__}: {exc}") from None
 
-    async def _post(self, message: Submit | Cancel | StatsQuery) -> None:
+    async def _post(self, message: Submit | Cancel | StatsQuery | Move) -> None:
         await self._post_encoded(self._encode(message))
 
     async def _post_encoded(self, body: bytes) -> None:
@@ -305,6 +319,10 @@ class AsyncClient:
                 future = self._stats.get(key)
                 if future is not None and not future.done():
                     future.set_result(stats)
+            case MoveStarted(key=key) | ErrorEvent(key=key) if key in self._stats:
+                future = self._stats[key]
+                if not future.done():
+                    future.set_result(event)
             case ErrorEvent(key=key, request_id=rid) if rid is None and key is not None:
                 stream = self._by_key.pop(key, None)
                 if stream is not None:

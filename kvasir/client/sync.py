@@ -15,6 +15,8 @@ from kvasir.wire.client import (
     DaemonStats,
     ErrorEvent,
     Finished,
+    MovablePool,
+    MoveStarted,
 )
 
 
@@ -63,6 +65,9 @@ class Client:
 
     def stats(self, timeline: bool = False, timeout_s: float = 10.0) -> DaemonStats:
         return self._call(self._client.stats(timeline, timeout_s))
+
+    def move(self, instance: str, to: MovablePool, timeout_s: float = 10.0) -> MoveStarted:
+        return self._call(self._client.move(instance, to, timeout_s))
 
     def close(self) -> None:
         self._call(self._client.close())

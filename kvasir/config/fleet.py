@@ -20,6 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 
 from kvasir.config.cluster import ClusterSpec, worker_host
+from kvasir.config.roles import PlannerSpec, fixed_reason, moving_cache
 from kvasir.config.sections import POOLS, BatchSpec, InstanceSpec, KvSpec, Pool, PoolSpec, StageSpec
 from kvasir.errors import PlanError
 
@@ -51,6 +52,9 @@ class FleetPlan(Protocol):
     @property
     def hosts(self) -> Mapping[str, Any]: ...
 
+    @property
+    def planner(self) -> PlannerSpec | None: ...
+
 
 P = TypeVar("P", bound=FleetPlan)
 
@@ -61,14 +65,20 @@ SINGLE_NAMES: dict[Pool, str] = {"": "ring", "prefill": "prefill", "decode": "de
 
 @dataclass(frozen=True)
 class Ring(Generic[P]):
-    """One instance: its pool, its name, where its stages are in the plan file (``key``,
-    for messages), the global index of its head and its ring as a plan of its own."""
+    """One instance: its pool (where the plan starts it), its name, where its stages are
+    in the plan file (``key``, for messages), the global index of its head, its ring as a
+    plan of its own, and why it stays in its pool ("": it may move, kvasir/config/roles.py)."""
 
     pool: Pool
     name: str
     key: str
     first: int
     plan: P
+    fixed: str = ""
+
+    @property
+    def movable(self) -> bool:
+        return not self.fixed
 
     @property
     def stages(self) -> int:
@@ -104,16 +114,18 @@ def rings(plan: P) -> list[Ring[P]]:
     first = 0
     for pool, key, spec in pool_instances(plan):
         shared: PoolSpec | None = getattr(plan, pool) if pool else None
+        fixed = fixed_reason(plan, spec, pool)
+        cache = moving_cache(plan) if not fixed else None  # the same in every pool it may serve
         view: P = msgspec.structs.replace(
             plan,  # type: ignore[type-var]  # a Plan, a Struct (the Protocol cannot say so)
             stages=spec.stages,
             instances=(),
             batch=spec.batch or (shared.batch if shared else None) or plan.batch,
-            kv=spec.kv or (shared.kv if shared else None) or plan.kv,
+            kv=cache or spec.kv or (shared.kv if shared else None) or plan.kv,
             prefill=None,
             decode=None,
         )
-        found.append(Ring(pool, spec.name, key, first, view))
+        found.append(Ring(pool, spec.name, key, first, view, fixed))
         first += len(spec.stages)
     return found
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from kvasir.config.fleet import Ring, check_pools, rings
 from kvasir.config.http import HttpSpec, check_http, is_loopback
 from kvasir.config.kvpool import KvPoolSpec, check_kv_pool
 from kvasir.config.resources import check_placement, check_solo_threads, positive
+from kvasir.config.roles import PlannerSpec, check_planner
 from kvasir.config.sections import (
     POOLS,
     BatchSpec,
@@ -58,6 +60,7 @@ class Plan(_Section, frozen=True):
     http: HttpSpec | None = None  # the OpenAI-compatible HTTP front (kvasir/config/http.py)
     kv_pool: KvPoolSpec | None = None  # prefix blocks kept past eviction, in tiers (kvasir/config/kvpool.py)
     speculative: SpeculativeSpec | None = None  # draft tokens verified in one pass (kvasir/config/speculative.py)
+    planner: PlannerSpec | None = None  # instances that move between pools (kvasir/config/roles.py)
 
     @property
     def disaggregated(self) -> bool:
@@ -166,6 +169,7 @@ def _check_values(plan: Plan) -> None:
         check_kv_pool(plan.kv_pool, caches, plan.disaggregated)
     if plan.speculative is not None:
         check_speculative(plan.speculative)
+    check_planner(plan, Counter(ring.pool for ring in plan.rings()))
 
 
 def _check_widths(key: str, batch: BatchSpec) -> None:
@@ -373,6 +377,7 @@ def plan_toml(plan: Plan) -> str:
         "http",
         "kv_pool",
         "speculative",
+        "planner",
     ):
         if getattr(plan, name) is not None:
             lines += [f"[{name}]", *table(getattr(plan, name)), ""]

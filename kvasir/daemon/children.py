@@ -86,6 +86,11 @@ class StagePlace:
     edges: list[EdgeSpec]
     instance: str  # its ring's name
     shards: list[ShardWiring] = field(default_factory=list)  # its expert shards
+    views: dict[Pool, Plan] = field(default_factory=dict)  # a movable instance: its ring in each pool
+
+    def view(self, pool: Pool) -> Plan:
+        """Its ring's plan in ``pool`` (the plan's own where it cannot move)."""
+        return self.views.get(pool, self.plan)
 
 
 def ending(code: int) -> str:

@@ -64,7 +64,7 @@ def segment_names(run: Run) -> list[str]:
         match settings:
             case StageSettings(edges=edges, shards=shards, handoff=handoff):
                 names += [edge.name for edge in edges] + [wiring.slot.name for wiring in shards]
-                names += [kv.name for kv in handoff.prefill] if handoff is not None else []
+                names += [kv.name for kv in handoff.segments.values()] if handoff is not None else []
             case ShardSettings(wiring=wiring):
                 names.append(wiring.slot.name)
     return names
@@ -96,7 +96,8 @@ def localize(
         return replace(settings, wiring=slot(settings.wiring), **common)
     handoff = settings.handoff
     if handoff is not None:
-        handoff = replace(handoff, prefill=[replace(kv, name=names.get(kv.name, kv.name)) for kv in handoff.prefill])
+        segments = {k: replace(kv, name=names.get(kv.name, kv.name)) for k, kv in handoff.segments.items()}
+        handoff = replace(handoff, segments=segments)
     edges = [replace(edge, name=names.get(edge.name, edge.name)) for edge in settings.edges]
     pool = pool_tiers(whole, settings.index, here.prefix)
     shards = [slot(w) for w in settings.shards]

@@ -40,6 +40,7 @@ from kvasir.wire.control import (
     EdgeHandles,
     Heartbeat,
     Ready,
+    Regroup,
 )
 
 DaemonPhase = Literal["starting", "running", "draining", "stopping", "stopped"]
@@ -206,10 +207,20 @@ class Launcher:
         for message in messages:
             if isinstance(message, (Ready, Heartbeat)) and message.role == "front":
                 self.fronts.note(message, now)
+            elif isinstance(message, Regroup) and self.state == "running":
+                self._regroup(message, now)
             elif isinstance(message, (Ready, Heartbeat, EdgeHandles)):
                 ring.append(message)
         for half in self.ring.note(ring, now):
             self._pass_handles(half)
+
+    def _regroup(self, message: Regroup, now: float) -> None:
+        """The bridge says a moving instance is empty: restart it in its new pool, if the plan lets it serve there."""
+        place = next((p for p in self.layout.places if p.instance == message.instance), None)
+        if place is None or message.pool not in place.views:
+            self.log.warning("dropped a move the plan does not allow", instance=message.instance, pool=message.pool)
+            return
+        self.ring.move(message.instance, message.pool, now)
 
     def _pass_handles(self, half: EdgeHandles) -> None:
         """A stage's CUDA IPC handles: once both sides of its edge sent theirs, each gets the other's."""
@@ -232,7 +243,9 @@ class Launcher:
             if instance in (EVERY, ring.name):
                 pids = tuple(c.process.pid for c in ring.children if c.process.pid is not None)
                 last = self.ring.last_failure
-                bridge.command.send(Command("serve", message=last, restarts=restarts, pids=pids, instance=ring.name))
+                bridge.command.send(
+                    Command("serve", message=last, restarts=restarts, pids=pids, instance=ring.name, pool=ring.pool)
+                )
         while new_bridge and not self.ends.client_path.exists():
             if bridge.process.poll() is not None:
                 raise OpenError(f"{bridge.name} exited with code {bridge.process.returncode}")

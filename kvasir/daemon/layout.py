@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvasir.config.devices import dispatch_kind
 from kvasir.config.plan import Plan
+from kvasir.config.roles import MOVABLE_POOLS, pool_batch, widest
+from kvasir.config.sections import Pool
 from kvasir.daemon.children import ChildId, StagePlace
 from kvasir.errors import KvasirError
 from kvasir.model.source import ModelSource
@@ -86,6 +90,11 @@ def lay_out(plan: Plan, source: ModelSource, prefix: str, log) -> Layout:
     return layout
 
 
+def pool_view(plan: Plan, ring: Plan, pool: Pool) -> Plan:
+    """A movable instance's ring in ``pool``: that pool's widths (its cache is the same in every pool)."""
+    return msgspec.structs.replace(ring, batch=pool_batch(plan, pool))
+
+
 def make_segments(segments: HostSegments) -> list[ShmSlotRing | KvSegmentMap | DispatchSegment]:
     """Create one host's shared memory; on failure what was made is removed first."""
     made: list[ShmSlotRing | KvSegmentMap | DispatchSegment] = []
@@ -106,6 +115,7 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout, pl
     peer_access = torch_peer_access(plan.all_stages)
     for ring in plan.rings():
         view, first = ring.plan, ring.first
+        widths = widest(plan) if ring.movable else view.batch  # a movable instance's edges fit every pool's
         edges = []
         hosts = list(placement.stages[first : first + len(view.stages)])
         for k, choice in enumerate(pool_edges(view.stages, peer_access, hosts)):
@@ -115,8 +125,8 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout, pl
             spec = EdgeSpec(
                 kind=kind,
                 name=f"{prefix}-edge{first + k}",
-                slots=view.batch.inflight,
-                max_tokens=view.batch.max_tokens,
+                slots=widths.inflight,
+                max_tokens=widths.max_tokens,
                 hidden=int(source.config.hidden_size),
                 dtype=view.model.dtype,
                 producer=view.stages[k].device,
@@ -128,7 +138,8 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout, pl
                 layout.ipc_edges[spec.name] = (first + k, first + k + 1)
             log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
             edges.append(spec)
-        layout.places += [StagePlace(ring.pool, view, first, edges, ring.name) for _ in view.stages]
+        views = {pool: pool_view(plan, view, pool) for pool in MOVABLE_POOLS} if ring.movable else {}
+        layout.places += [StagePlace(ring.pool, view, first, edges, ring.name, views=views) for _ in view.stages]
 
 
 def _shards(source: ModelSource, prefix: str, layout: Layout, placement: Placement) -> None:
@@ -142,7 +153,7 @@ def _shards(source: ModelSource, prefix: str, layout: Layout, placement: Placeme
             number = len(layout.shards)
             slot = DispatchSlot(
                 name=f"{prefix}-experts{number}",
-                max_rows=place.plan.batch.max_tokens,
+                max_rows=max(v.batch.max_tokens for v in [place.plan, *place.views.values()]),
                 hidden=moe.hidden,
                 top_k=moe.top_k,
                 dtype=place.plan.model.dtype,
@@ -158,14 +169,14 @@ def _shards(source: ModelSource, prefix: str, layout: Layout, placement: Placeme
 
 
 def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout, placement: Placement) -> HandoffWiring:
-    """Every prefill instance's stages' caches, in shared memory the decode stages copy from."""
+    """The caches of every instance that may serve prefill (a prefill instance's, or with
+    [planner] a movable one's), in shared memory the decode stages copy from."""
     rings = plan.rings()
-    prefill = [ring for ring in rings if ring.pool == "prefill"]
-    decode = [ring for ring in rings if ring.pool == "decode"]
-    segments = []
+    prefill = [ring for ring in rings if ring.pool == "prefill" or ring.movable]
+    segments = {}
     for ring in prefill:
         view = ring.plan
-        for k, stage in enumerate(view.stages, start=ring.first):  # the prefill stages come first globally
+        for k, stage in enumerate(view.stages, start=ring.first):
             segment = KvSegment(
                 name=f"{prefix}-kv{k}",
                 layers=stage.layers,
@@ -176,12 +187,12 @@ def _kv_segments(plan: Plan, source: ModelSource, prefix: str, layout: Layout, p
                 dtype=view.model.dtype,
             )
             layout.segments(placement.stages[k]).kv.append(segment)
-            segments.append(segment)
+            segments[k] = segment
     return HandoffWiring(
-        prefill=segments,
-        decode=[stage.layers for ring in decode for stage in ring.plan.stages],
+        segments=segments,
+        layers=[stage.layers for ring in rings for stage in ring.plan.stages],
         lease_s=plan.handoff.lease_s,
         hosts=[host or "" for host in placement.stages] if placement.spans_hosts else [],
         prefill_heads=[ring.first for ring in prefill],
-        decode_heads=[ring.first for ring in decode],
+        decode_heads=[ring.first for ring in rings if ring.pool == "decode" or ring.movable],
     )

@@ -46,7 +46,7 @@ class Spawner:
 
     def start(self, layout: Layout, wanted: list[ChildId]) -> list[Child]:
         """Spawn the leader's children here, hand the others to their followers."""
-        settings = [self.settings(layout, child.role, child.index) for child in wanted]
+        settings = [self.settings(layout, child) for child in wanted]
         leader = self.cluster.keys.host if self.cluster is not None else None
         here = [s for s in settings if s.fabric is None or s.fabric.host == leader]
         children = {child.id: child for child in (spawn_child(s, self.sockets) for s in here)}
@@ -58,16 +58,20 @@ class Spawner:
             children[want].id = want  # with its pool and instance
         return [children[want] for want in wanted]
 
-    def settings(self, layout: Layout, role: Role, index: int) -> WorkerSettings:
-        """A ring child's settings: a stage's place in its pool, a shard's wiring, the bridge's model facts."""
+    def settings(self, layout: Layout, child: ChildId) -> WorkerSettings:
+        """A ring child's settings: a stage's place in the pool it serves now (``child.pool``:
+        a movable instance's may differ from the plan's), a shard's wiring, the bridge's
+        model facts."""
+        role, index = child.role, child.index
         place, shards = layout.place_of(role, index, self.plan)
         common = self._common(self._host(role, index))
+        plan = place.view(child.pool)
         if role == "stage":
             return StageSettings(
                 index=index,
-                plan=place.plan,
+                plan=plan,
                 edges=place.edges,
-                pool=place.pool,
+                pool=child.pool,
                 instance=place.instance,
                 first=place.first,
                 handoff=layout.wiring,
@@ -77,7 +81,7 @@ class Spawner:
             )
         if role == "shard":
             [wiring] = shards
-            return ShardSettings(index=index, plan=place.plan, wiring=wiring, pool=place.pool, **common)
+            return ShardSettings(index=index, plan=plan, wiring=wiring, pool=child.pool, **common)
         return BridgeSettings(plan=self.plan, model=self._model_facts(), **common)
 
     def front(self, index: int, listen_fd: int) -> FrontSettings:

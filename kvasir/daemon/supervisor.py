@@ -18,7 +18,7 @@ every instance.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from kvasir.config.sections import Pool
@@ -29,7 +29,7 @@ from kvasir.errors import KvasirError
 from kvasir.logs import Logger
 from kvasir.wire.control import EdgeHandles, Heartbeat, Ready
 
-InstanceState = Literal["up", "down", "starting", "failed"]
+InstanceState = Literal["up", "down", "starting", "moving", "failed"]
 EVERY = ""  # an instance name that stands for all of them (the bridge's commands)
 
 
@@ -59,7 +59,7 @@ class Plumbing(Protocol):
     def kill(self, children: list[Child]) -> None: ...
 
     def open(self, instance: str, restarts: int, new_bridge: bool, deadline: float) -> None:
-        """Tell the bridge to serve an instance (EVERY: all of them); raises OpenError when it cannot."""
+        """Tell the bridge to serve an instance (EVERY: all of them) in its pool; raises OpenError when it cannot."""
 
     def ring_down(self, instance: str, reason: str) -> None:
         """Tell the (live) bridge an instance failed: it ends that instance's requests with stage_failed."""
@@ -81,6 +81,7 @@ class Instance:
     children: list[Child] = field(default_factory=list)
     state: InstanceState = "up"
     restarts: int = 0
+    moves: int = 0  # restarts in another pool (kvasir/config/roles.py), not counted as restarts
     last_failure: str = ""
     respawn_at: float = 0.0
     deadline: float = 0.0  # "starting": when the new children must be ready
@@ -278,6 +279,24 @@ class RingSupervisor:
         self.plumbing.status(f"restarting {instance.name} in {delay:g} s after: {reason}")
         self.log.info("restarting", instance=instance.name, delay_s=delay)
 
+    def move(self, name: str, pool: Pool, now: float) -> None:
+        """The bridge says a moving instance holds no request: restart its children in
+        ``pool`` (state "moving" until they are ready and the bridge serves it there). An
+        instance that is not up (a failure overtook the move) is left to its restart."""
+        instance = next((i for i in self.instances if i.name == name), None)
+        if instance is None or instance.state != "up":
+            self.log.warning("move dropped: the instance is not serving", instance=name, pool=pool)
+            return
+        self.kill(instance.children)
+        instance.children = []
+        instance.pool = pool
+        instance.ids = [replace(child, pool=pool) for child in instance.ids]
+        self.spawn_missing()
+        instance.state = "moving"
+        instance.deadline = now + self.ready_s
+        self.log.info("moving", instance=name, pool=pool)
+        self.plumbing.status(f"moving {name} to the {pool} pool")
+
     def _pool_gone(self) -> str | None:
         """A pool all of whose instances have failed for good (its name), if any."""
         pools = {i.pool for i in self.instances}
@@ -299,17 +318,28 @@ class RingSupervisor:
             self.spawn_missing()
             instance.state = "starting"
             instance.deadline = now + self.ready_s
-        elif instance.state == "starting" and instance.ready and self.bridge is not None and self.bridge.ready:
+        elif (
+            instance.state in ("starting", "moving")
+            and instance.ready
+            and self.bridge is not None
+            and self.bridge.ready
+        ):
+            moved = instance.state == "moving"
             try:
-                self.plumbing.open(instance.name, instance.restarts + 1, self.new_bridge, instance.deadline)
+                self.plumbing.open(instance.name, instance.restarts + (not moved), self.new_bridge, instance.deadline)
             except OpenError as exc:
                 return self.failed(Failure(str(exc), (instance.name,)), now, serving=True)
             self.new_bridge = False
             instance.state = "up"
+            if moved:
+                instance.moves += 1
+                self.log.info("serving in its new pool", instance=instance.name, pool=instance.pool)
+                self.plumbing.status(f"{instance.name} serving in the {instance.pool} pool")
+                return True
             instance.restarts += 1
             self.log.info("serving again", instance=instance.name, restarts=instance.restarts)
             self.plumbing.status(f"{instance.name} serving again; restarted {instance.restarts} times")
-        elif instance.state == "starting" and now > instance.deadline:
+        elif instance.state in ("starting", "moving") and now > instance.deadline:
             late = [c for c in self.children if not c.ready]
             self.kill(late)
             reason = f"not ready after {self.ready_s:.0f} s: {', '.join(c.name for c in late)}"

@@ -143,8 +143,11 @@ class KvReceiver(NoHandoff):
         self.inbox = inbox
         self.head = head
         here = wiring.hosts[index] if wiring.hosts else ""
-        sharing = [
-            (source, segment) for source, segment in enumerate(wiring.prefill) if overlap(segment.layers, layers)
+        mine = wiring.head_of(index)
+        sharing = [  # other instances' stages that may hand this one KV
+            (source, segment)
+            for source, segment in sorted(wiring.segments.items())
+            if overlap(segment.layers, layers) and wiring.head_of(source) != mine
         ]
         self.sources = {  # prefill stages on this host: their caches, mapped
             source: KvSegmentMap(segment, create=False)
@@ -159,6 +162,7 @@ class KvReceiver(NoHandoff):
         self.expected = {  # per prefill instance (its head): its stages sharing layers with this one
             head: frozenset(source for source, _ in sharing if source in wiring.ring_of(head))
             for head in wiring.prefill_heads
+            if head != mine
         }
         self.assembling: dict[int, dict[int, Assembly]] = {}  # request -> source -> its chunks so far
         self.expiry_s = expiry_s

@@ -18,6 +18,7 @@ back (``LoadWaits``, kvasir/stage/pooling.py) before scheduling it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 
@@ -30,7 +31,7 @@ from kvasir.sched.scheduler import Emitted, Scheduler
 from kvasir.stage.pooling import LoadWaits
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
-from kvasir.wire.bridge import RequestEnded
+from kvasir.wire.bridge import RequestEnded, Retired
 from kvasir.wire.head import (
     Adopted,
     BatchResult,
@@ -39,6 +40,7 @@ from kvasir.wire.head import (
     KvDrop,
     KvPlaced,
     PoolLoaded,
+    Retire,
 )
 from kvasir.wire.stats import DraftCounters, HeadQueue, PrefixCounters
 
@@ -66,6 +68,7 @@ class SchedulerIntake:
         self.sockets = [inbox.socket]
         self.hop_ns = 0
         self.cancelled_early = Recent[int](ENDED_KEPT)
+        self.retiring: Retire | None = None  # its instance is moving: answer once it holds nothing
 
     def receive(self) -> None:
         for message in self.inbox.drain():
@@ -73,6 +76,14 @@ class SchedulerIntake:
         if self.loads is not None and len(self.loads):
             for rid in self.loads.expired(time.monotonic()):
                 self.scheduler.loaded(rid, [])  # its stages were too slow: it computes its prefix
+        if self.retiring is not None and self.idle():
+            self.bridge.send(Retired(self.retiring.index, os.getpid()))
+            self.retiring = None
+
+    def idle(self) -> bool:
+        """No request here: none waiting, running, in flight, handed on or on its way."""
+        queue = self.queue()
+        return self.scheduler.idle and not queue.waiting and not queue.handing_off
 
     def pool_loaded(self, message: PoolLoaded) -> None:
         """A stage read back (some of) a loading request's pool blocks."""
@@ -100,6 +111,8 @@ class SchedulerIntake:
                     self.bridge.send(RequestEnded(rid, exc.code, exc.message))
             case PoolLoaded():
                 self.pool_loaded(message)
+            case Retire():
+                self.retiring = message
             case CancelRequest(request_id=rid) if not self._known(rid):
                 self.cancelled_early.add(rid)
             case CancelRequest(request_id=rid):

@@ -80,6 +80,10 @@ class Wiring:
             raise KvasirError(f"stage {self.settings.index} of the {self.settings.pool} pool has no hand-off wiring")
         return self.settings.handoff
 
+    def others(self, heads: list[int]) -> list[int]:
+        """Of ``heads``, the other instances' (a movable instance is in both pools' lists)."""
+        return [head for head in heads if head != self.head]
+
     def push(self, kind, endpoint: str) -> PushChannel:
         return PushChannel[kind](self.sockets.connect(zmq.PUSH, endpoint))
 
@@ -95,8 +99,8 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
     index, ends = settings.index, w.ends
     source = resolve_source(plan.model.source)
     segment = None
-    if settings.pool == "prefill":
-        segment = KvSegmentMap(w.handoff.prefill[index], create=False)  # prefill stages come first globally
+    if settings.handoff is not None and index in settings.handoff.segments:  # a stage that may serve prefill
+        segment = KvSegmentMap(settings.handoff.segments[index], create=False)
     engine = StageEngine(plan, w.local, source, storage=(segment.keys, segment.values) if segment else None)
     bridge = w.push(BridgeMessage, ends.bridge_in)
     commands = w.pull(Command, ends.command(f"stage-{index}"))
@@ -126,7 +130,9 @@ def build_agent(settings: StageSettings, sockets: Sockets, log) -> tuple[StageAg
             w.push(HeadMessage, ends.stage_in(w.head)),
         )
         if settings.pool == "prefill":
-            outlet: Outlet = PrefillTailOutlet(sampler, head, bridge, _heads(w, w.handoff.heads), settings.first)
+            outlet: Outlet = PrefillTailOutlet(
+                sampler, head, bridge, _heads(w, w.others(w.handoff.decode_heads)), settings.first
+            )
         else:
             outlet = TailOutlet(sampler, head, bridge)
     else:
@@ -217,11 +223,12 @@ def _head_intake(w: Wiring, scheduler: Scheduler, bridge: PushChannel) -> Intake
     settings, ends = w.settings, w.ends
     inbox = w.pull(HeadMessage, ends.stage_in(settings.index))
     if settings.pool == "prefill":
-        return PrefillHeadIntake(scheduler, inbox, bridge, _heads(w, w.handoff.heads), w.handoff.lease_s)
+        decoders = _heads(w, w.others(w.handoff.decode_heads))
+        return PrefillHeadIntake(scheduler, inbox, bridge, decoders, w.handoff.lease_s)
     if settings.pool == "decode":
         mine = range(settings.first, settings.first + len(settings.plan.stages))
         stages = [w.push(KvMessage, ends.kv_in(k)) for k in mine]
-        return DecodeHeadIntake(scheduler, inbox, bridge, _heads(w, w.handoff.prefill_heads), stages)
+        return DecodeHeadIntake(scheduler, inbox, bridge, _heads(w, w.others(w.handoff.prefill_heads)), stages)
     pool = settings.plan.kv_pool
     loads = (
         LoadWaits(range(settings.first, settings.first + len(settings.plan.stages)), pool.load_timeout_s)
@@ -254,11 +261,12 @@ def _sender(w: Wiring, engine: StageEngine) -> HandoffSender:
     """A prefill stage's hand-off: per decode instance, its stages sharing layers with this
     one (on this host: they copy from this stage's segment; elsewhere: streamed)."""
     wiring, layers, index = w.handoff, engine.spec.layers, w.settings.index
-    targets: dict[int, list[PushChannel]] = {head: [] for head in wiring.heads}
-    streams: dict[int, list[KvStream]] = {head: [] for head in wiring.heads}
-    for head in wiring.heads:
+    heads = w.others(wiring.decode_heads)
+    targets: dict[int, list[PushChannel]] = {head: [] for head in heads}
+    streams: dict[int, list[KvStream]] = {head: [] for head in heads}
+    for head in heads:
         for target in wiring.ring_of(head):
-            span = overlap(layers, wiring.decode[target - len(wiring.prefill)])
+            span = overlap(layers, wiring.layers[target])
             if span is None:
                 continue
             if wiring.hosts and wiring.hosts[target] != wiring.hosts[index]:

@@ -27,6 +27,13 @@ class RequestEnded(Tagged, frozen=True):
     message: str = ""
 
 
+class Retired(Tagged, frozen=True):
+    """A moving instance's head holds no request any more (its answer to ``Retire``)."""
+
+    index: int  # the head's global stage index
+    pid: int
+
+
 class HandoffReport(Tagged, frozen=True):
     """Decode head -> bridge: one request's KV hand-off, measured."""
 
@@ -66,4 +73,6 @@ class PoolEvents(Tagged, frozen=True):
     reset: bool = False
 
 
-BridgeMessage = TokenEvents | RequestEnded | StageStats | ShardStats | HandoffReport | PrefixEvents | PoolEvents
+BridgeMessage = (
+    TokenEvents | RequestEnded | StageStats | ShardStats | HandoffReport | PrefixEvents | PoolEvents | Retired
+)

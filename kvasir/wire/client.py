@@ -77,7 +77,19 @@ class StatsQuery(_Client, frozen=True, tag="stats"):
     timeline: bool = False  # include each stage's recent batch spans
 
 
-ClientMessage = Submit | Cancel | StatsQuery
+MovablePool = Literal["prefill", "decode"]
+InstanceName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+
+
+class Move(_Client, frozen=True, tag="move"):
+    """Move an instance to another pool (``kvasir instances move``; local clients only)."""
+
+    key: int
+    instance: InstanceName
+    to: MovablePool
+
+
+ClientMessage = Submit | Cancel | StatsQuery | Move
 
 
 class Accepted(_Client, frozen=True, tag="accepted"):
@@ -290,12 +302,21 @@ def _sources(pools: list, host_of: dict[int, str]) -> list[PoolSource]:
     return [PoolSource(source=k, slices=n, bytes=b, gib_s=gib_per_s(b, t)) for k, (n, b, t) in sums.items()]
 
 
+class MoveState(msgspec.Struct, frozen=True, kw_only=True):
+    """An instance's move to another pool, while it lasts (kvasir/bridge/moves.py)."""
+
+    to: MovablePool
+    phase: Literal["finishing", "retiring", "restarting"]  # its requests run out; its head empties; it restarts
+    seconds: float  # since the move was decided
+    requests: int  # still on it
+
+
 class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
     """One instance as the bridge sees it (kvasir/bridge/heads.py)."""
 
     name: str
-    pool: Pool
-    state: Literal["serving", "restarting"]
+    pool: Pool  # the pool it serves now
+    state: Literal["serving", "restarting", "moving"]
     stages: list[int]  # its stages' global indices
     restarts: int = 0
     last_failure: str | None = None
@@ -303,6 +324,10 @@ class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
     routed: int = 0  # requests the conductor sent to it since the daemon started
     backlog: int = 0  # prompt tokens routed to it still waiting for their first token (less the cached)
     prefix: PrefixCounters | None = None  # its head's prefix cache
+    movable: bool = False  # it may move to another pool (a plan with [planner])
+    moves: int = 0  # moves it made since the daemon started
+    move: MoveState | None = None  # the move under way
+    last_move_s: float | None = None  # its last move: from the decision to serving in the new pool
 
     @property
     def hit_rate(self) -> float:
@@ -382,4 +407,13 @@ class StatsReply(_Client, frozen=True, tag="stats"):
     stats: DaemonStats
 
 
-ClientEvent = Accepted | TokenOut | PromptLogprobs | Finished | Cancelled | ErrorEvent | StatsReply
+class MoveStarted(_Client, frozen=True, tag="move_started"):
+    """The bridge took a move: nothing new goes to the instance; it waits for ``requests``."""
+
+    key: int
+    instance: str
+    to: MovablePool
+    requests: int  # on the instance now: the move waits for them to finish
+
+
+ClientEvent = Accepted | TokenOut | PromptLogprobs | Finished | Cancelled | ErrorEvent | StatsReply | MoveStarted

@@ -28,29 +28,30 @@ class KvSegment(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class HandoffWiring(msgspec.Struct, frozen=True, kw_only=True):
-    """Who hands KV to whom in a disaggregated plan (the same for every stage): prefill
-    stage i (of every prefill instance) has global index i, decode stage j global index
-    len(prefill) + j; each instance's stages follow its head's."""
+    """Who may hand KV to whom in a disaggregated plan (the same for every stage), by
+    global stage index; each instance's stages follow its head's. With [planner] an
+    instance may serve either pool (kvasir/config/roles.py): it is in both lists of
+    heads, and its caches are in ``segments``; which pool it serves now is the bridge's
+    choice per request, never wired."""
 
-    prefill: list[KvSegment]
-    decode: list[tuple[int, int]]  # each decode stage's layers
+    segments: dict[int, KvSegment]  # caches in shared memory: every stage that may serve prefill
+    layers: list[tuple[int, int]]  # every stage's layers
     lease_s: float
-    hosts: list[str] = []  # a plan across hosts: each stage's host, by global index
-    prefill_heads: list[int] = msgspec.field(default_factory=lambda: [0])  # each prefill instance's head (global index)
-    decode_heads: list[int] = []  # each decode instance's head (default: one, after the prefill stages)
-
-    @property
-    def heads(self) -> list[int]:
-        """Every decode instance's head."""
-        return self.decode_heads or [len(self.prefill)]
+    prefill_heads: list[int]  # the head of every instance that may serve prefill
+    decode_heads: list[int]  # and decode
+    hosts: list[str] = []  # a plan across hosts: each stage's host
 
     def ring_of(self, head: int) -> range:
         """The global indices of the stages of the instance whose head is ``head``."""
-        heads = sorted({*self.prefill_heads, *self.heads})
+        heads = sorted({*self.prefill_heads, *self.decode_heads})
         if head not in heads:
             raise ValueError(f"stage {head} is no instance's head")
         later = [h for h in heads if h > head]
-        return range(head, later[0] if later else len(self.prefill) + len(self.decode))
+        return range(head, later[0] if later else len(self.layers))
+
+    def head_of(self, index: int) -> int:
+        """The head of stage ``index``'s instance."""
+        return max(h for h in {*self.prefill_heads, *self.decode_heads} if h <= index)
 
 
 class EdgeSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,7 +241,14 @@ class Heartbeat(Tagged, frozen=True):
     pid: int
 
 
-ControlMessage = Ready | Drained | Heartbeat | EdgeHandles
+class Regroup(Tagged, frozen=True):
+    """Bridge -> launcher: a moving instance holds no request; restart it in ``pool``."""
+
+    instance: str
+    pool: Pool
+
+
+ControlMessage = Ready | Drained | Heartbeat | EdgeHandles | Regroup
 
 
 CommandKind = Literal["serve", "ring_down", "attach", "drain", "stop", "hosts"]
@@ -259,3 +267,4 @@ class Command(Wire, frozen=True):
     handles: tuple[EdgeHandles, ...] = ()  # with "attach" (stages at start-up): the other sides' CUDA IPC handles
     hosts: tuple[str, ...] = ()  # with "hosts" (bridge, a plan across hosts): the hosts missing now
     instance: str = ""  # with "serve" and "ring_down": the instance ("": every instance)
+    pool: Pool | None = None  # with "serve": the pool the instance serves now (None: the plan's)

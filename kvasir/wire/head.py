@@ -85,6 +85,13 @@ class Adopted(Tagged, frozen=True):
     request_id: int
 
 
+class Retire(Tagged, frozen=True):
+    """Bridge -> head of an instance that is moving to another pool (nothing new is routed
+    to it): say ``Retired`` once the head holds no request (kvasir/bridge/moves.py)."""
+
+    index: int  # the head's global stage index (echoed in Retired)
+
+
 PoolTier = Literal["host", "disk", "remote"]  # remote: read from another host's pool
 
 
@@ -97,4 +104,6 @@ class PoolLoaded(Tagged, frozen=True):
     tiers: tuple[PoolTier, ...]
 
 
-HeadMessage = Enqueue | CancelRequest | BatchResult | Handoff | KvDrop | KvHeld | KvPlaced | Adopted | PoolLoaded
+HeadMessage = (
+    Enqueue | CancelRequest | BatchResult | Handoff | KvDrop | KvHeld | KvPlaced | Adopted | PoolLoaded | Retire
+)

@@ -64,6 +64,7 @@ def write_plan(path: Path, source: Path, splits, **kw) -> Path:
         + _http_table(kw.get("http"))
         + (f"[kv_pool]\n{kw['kv_pool']}\n" if "kv_pool" in kw else "")  # the table's lines, as TOML
         + (f"[speculative]\n{kw['speculative']}\n" if "speculative" in kw else "")  # likewise
+        + (f"[planner]\n{kw['planner']}\n" if "planner" in kw else "")  # likewise
         + stages
     )
     return path

@@ -49,6 +49,8 @@ def parse(program: click.Command, args: list[str], parent: click.Context | None 
     ctx = program.make_context(name or program.name or "", list(args), parent=parent)
     if isinstance(program, click.Group):
         rest = [*ctx._protected_args, *ctx.args]
+        if not rest and program.invoke_without_command:  # a group that runs alone (`kvasir instances`)
+            return
         assert rest, f"{name or program.name}: no subcommand"
         sub_name, sub, sub_args = program.resolve_command(ctx, rest)
         assert sub is not None and sub_name is not None

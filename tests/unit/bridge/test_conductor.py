@@ -103,3 +103,26 @@ def test_a_session_stays_on_its_instance_while_it_serves(monkeypatch):
     for k in range(5):
         c.pick([6], b"", 0.0, session=f"s{k + 2}".encode())
     assert len(c.sessions) == 2 and list(c.sessions) == [b"s5", b"s6"]
+
+
+def test_a_leaving_instance_gets_nothing_new_and_moves_to_the_other_side():
+    """kvasir/bridge/moves.py: an instance moving to the decode pool takes no new request,
+    its running ones still end there; once assigned it is a decode instance, down until
+    up, with nothing on it and no cached keys."""
+    c = Conductor(  # type: ignore[arg-type]
+        "least_loaded", [Candidate("a", BLOCK, 64), Candidate("b", BLOCK, 64)], [Candidate("d", BLOCK, 64)]
+    )
+    first = c.pick([1, 2, 3, 4, 5], b"", 0.0)
+    c.leave(first.name)
+    other = "b" if first.name == "a" else "a"
+    assert {c.pick([6, 7], b"", 0.0).name for _ in range(3)} == {other}
+    c.ended(first.name, 5)
+    assert c.candidates[first.name].running == 0
+    c.assign(first.name, decode=True)
+    assert first.name not in c.candidates and c.decoders[first.name].state == "down"
+    assert c.pick_decode() == "d"
+    c.up(first.name)
+    assert c.pick_decode() == first.name  # the fewest requests on it
+    c.leave(other)
+    with pytest.raises(RequestError, match="no instance is serving"):
+        c.pick([1], b"", 0.0)

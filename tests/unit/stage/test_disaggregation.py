@@ -198,7 +198,13 @@ def test_a_decode_stage_copies_its_layers_out_of_differently_split_prefill_stage
         head.socket.bind("inproc://head")
         out = ctx.socket(zmq.PUSH)
         out.connect("inproc://head")
-        wiring = HandoffWiring(prefill=segments, decode=[(1, 4)], lease_s=60.0)
+        wiring = HandoffWiring(
+            segments=dict(enumerate(segments)),
+            layers=[s.layers for s in segments] + [(1, 4)],
+            lease_s=60.0,
+            prefill_heads=[0],
+            decode_heads=[len(segments)],
+        )
         receiver = KvReceiver(7, (1, 4), cache, wiring, inbox, PushChannel(out))
         send = ctx.socket(zmq.PUSH)
         send.connect("inproc://kv")

@@ -72,7 +72,7 @@ def test_a_decode_stage_gets_streamed_and_shared_kv_alike(sockets, monkeypatch):
         local.values.copy_(torch.randn(local.values.shape))
         remote = random_cache(3, 6, 8, seed=5)  # prefill stage 1's cache: layers [2, 5)
         far = KvSegment(**{**msgspec.structs.asdict(segment), "name": "unused", "layers": (2, 5)})
-        wiring = HandoffWiring(prefill=[segment, far], decode=[(1, 4)], lease_s=60.0, hosts=["b", "a", "b"])
+        wiring = wiring_of([segment, far], hosts=["b", "a", "b"])
         cache = PagedKVCache(3, 10, 4, 2, 4, dtype=torch.float32, device=CPU)
         kv_pull, kv_push = sockets("kv")
         head_pull, head_push = sockets("head")
@@ -127,7 +127,7 @@ def chunk_frames(chunk: KvChunk, nbytes: int, frames: int = 2) -> list[bytes]:
 def test_a_malformed_chunk_fails_the_stage(sockets, frames, why):
     cache = PagedKVCache(3, 10, 4, 2, 4, dtype=torch.float32, device=CPU)
     far = KvSegment(name="x", layers=(2, 5), num_blocks=6, block_size=8, kv_heads=2, head_dim=4, dtype="float32")
-    wiring = HandoffWiring(prefill=[far, far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "a", "b"])
+    wiring = wiring_of([far, far], hosts=["a", "a", "b"])
     kv_pull, kv_push = sockets("kv")
     _, head_push = sockets("head")
     receiver = KvReceiver(
@@ -138,12 +138,24 @@ def test_a_malformed_chunk_fails_the_stage(sockets, frames, why):
         receiver.receive()
 
 
+def wiring_of(prefill: list[KvSegment], hosts: list[str]) -> HandoffWiring:
+    """One prefill instance of ``prefill``'s stages, then one decode stage of layers [1, 4)."""
+    return HandoffWiring(
+        segments=dict(enumerate(prefill)),
+        layers=[s.layers for s in prefill] + [(1, 4)],
+        lease_s=60.0,
+        prefill_heads=[0],
+        decode_heads=[len(prefill)],
+        hosts=hosts,
+    )
+
+
 def streamed_to(sockets, expiry_s: float = 60.0) -> tuple[zmq.Socket, KvInbox, KvReceiver]:
     """Decode stage 1 (host b, layers [1, 4)), fed by prefill stage 0 on host a: the socket
     to send it chunks on, its inbox and its receiver."""
     cache = PagedKVCache(3, 10, 4, 2, 4, dtype=torch.float32, device=CPU)
     far = KvSegment(name="x", layers=(2, 5), num_blocks=6, block_size=8, kv_heads=2, head_dim=4, dtype="float32")
-    wiring = HandoffWiring(prefill=[far], decode=[(1, 4)], lease_s=60.0, hosts=["a", "b"])
+    wiring = wiring_of([far], hosts=["a", "b"])
     kv_pull, kv_push = sockets("kv")
     _, head_push = sockets("head")
     inbox = KvInbox(PullChannel(kv_pull, KvMessage), cache, 64)

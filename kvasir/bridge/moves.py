@@ -1,0 +1,161 @@
+"""Instances moving between pools (a plan with [planner], docs/planner.md): the bridge's side.
+
+A move has three phases:
+
+- ``finishing``: nothing new is routed to the instance (the conductor's "leaving"); the
+  requests the bridge sent there run on: a prefill instance's until their first token
+  (then they are the decode pool's), a decode instance's to their end.
+- ``retiring``: none of them is left; its head is asked (``Retire``) to say when it holds
+  no request (a prefill head keeps a handed-off request's KV until the decode head
+  took it).
+- ``restarting``: the head said ``Retired``; the launcher restarts the instance's
+  processes in the new pool (``Regroup``) and, once they are ready, tells the bridge to
+  serve it there ("serve" with its pool), which ends the move.
+
+No request is ended by a move. An instance that fails meanwhile restarts as any failed
+instance does (in the pool it was last started for), and its move is forgotten.
+Bookkeeping and checks only: the bridge sends what these answers say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from kvasir.bridge.heads import Heads
+from kvasir.bridge.ledger import Ledger, Pending
+from kvasir.config.roles import PlannerSpec
+from kvasir.errors import RequestError
+from kvasir.logs import Logger
+from kvasir.wire.client import ErrorEvent, InstanceStats, MovablePool, Move, MoveStarted, MoveState
+
+MovePhase = Literal["finishing", "retiring", "restarting"]
+
+
+@dataclass
+class Moving:
+    to: MovablePool
+    since: float  # when it was decided (the bridge's monotonic clock)
+    phase: MovePhase = "finishing"
+
+
+@dataclass
+class Moves:
+    heads: Heads
+    log: Logger
+    planner: PlannerSpec | None  # its min_prefill, min_decode: serving instances a pool keeps at least
+    moving: dict[str, Moving] = field(default_factory=dict)
+    made: dict[str, int] = field(default_factory=dict)  # moves each instance finished
+    last_s: dict[str, float] = field(default_factory=dict)  # each one's last: decision to serving
+
+    def asked(self, move: Move, local: bool, draining: bool, now: float) -> MoveStarted | ErrorEvent:
+        """A client asks for a move (``local``: on the daemon's own socket): the answer."""
+        try:
+            if not local:
+                raise RequestError("invalid_request", "instances are moved from the daemon's host only")
+            if draining:
+                raise RequestError("shutting_down", "the daemon is shutting down")
+            self.start(move.instance, move.to, now)
+        except RequestError as exc:
+            return ErrorEvent(code=exc.code, message=exc.message, key=move.key)
+        running = next(i.requests for i in self.heads.report({}) if i.name == move.instance)
+        self.log.info("moving", instance=move.instance, to=move.to, requests=running)
+        return MoveStarted(key=move.key, instance=move.instance, to=move.to, requests=running)
+
+    def start(self, name: str, to: MovablePool, now: float) -> None:
+        """Begin moving instance ``name`` to ``to``; RequestError saying why it cannot."""
+        self._check(name, to)
+        self.heads.conductor.leave(name)
+        self.moving[name] = Moving(to, now)
+
+    def _check(self, name: str, to: MovablePool) -> None:
+        heads = self.heads
+        pool = heads.pool_of.get(name)
+        if pool is None:
+            raise RequestError("invalid_request", f"no instance is named {name!r} (`kvasir instances` lists them)")
+        if heads.fixed[name]:
+            raise RequestError("invalid_request", f"instance {name} cannot move: {heads.fixed[name]}")
+        if name in self.moving:
+            raise RequestError("invalid_request", f"instance {name} is already moving to {self.moving[name].to}")
+        if pool == to:
+            raise RequestError("invalid_request", f"instance {name} already serves the {to} pool")
+        if name not in heads.pids:
+            raise RequestError("restarting", f"instance {name} is restarting: move it once it serves")
+        staying = [n for n, p in heads.pool_of.items() if p == pool and n in heads.pids and n not in self.moving]
+        least = getattr(self.planner, f"min_{pool}", 1)
+        if len(staying) - 1 < least:
+            raise RequestError(
+                "invalid_request",
+                f"moving {name} would leave the {pool} pool {len(staying) - 1} serving instances "
+                f"(planner.min_{pool} = {least})",
+            )
+
+    def due(self, ledger: Ledger) -> list[str]:
+        """Finishing moves none of whose requests is left: their heads are to be asked to
+        retire now (each once)."""
+        finishing = [name for name, move in self.moving.items() if move.phase == "finishing"]
+        if not finishing:
+            return []
+        busy = set(self.busy(record for _, record in ledger.items()))
+        ready = [name for name in finishing if name not in busy]
+        for name in ready:
+            self.moving[name].phase = "retiring"
+        return ready
+
+    @staticmethod
+    def busy(requests: Iterable[Pending]) -> Iterable[str]:
+        """The instances requests still need: a prompt's until its first token, a decode instance's to the end."""
+        for record in requests:
+            if not record.first_ns:
+                yield record.instance
+            if record.decode is not None:
+                yield record.decode
+
+    def retired(self, index: int, pid: int) -> tuple[str, MovablePool] | None:
+        """A head said it holds nothing: the instance to restart, and its new pool (None:
+        no retiring move of the current head's)."""
+        name = self.heads.instance_of.get(index)
+        move = self.moving.get(name or "")
+        if name is None or move is None or move.phase != "retiring" or not self.heads.current(index, pid):
+            return None
+        move.phase = "restarting"
+        return name, move.to
+
+    def served(self, name: str, now: float) -> float | None:
+        """An instance serves again: the seconds its move took, if it was one."""
+        move = self.moving.get(name)
+        if move is None or move.phase != "restarting":
+            return None
+        del self.moving[name]
+        self.made[name] = self.made.get(name, 0) + 1
+        self.last_s[name] = now - move.since
+        return self.last_s[name]
+
+    def dropped(self, names: Iterable[str]) -> None:
+        """Instances went down: their moves are over (they restart as failed instances do)."""
+        for name in names:
+            self.moving.pop(name, None)
+
+    def annotate(self, instances: list[InstanceStats], now: float) -> list[InstanceStats]:
+        """``kvasir stats``'s instances with their moves."""
+        out = []
+        for stats in instances:
+            move = self.moving.get(stats.name)
+            state = (
+                MoveState(to=move.to, phase=move.phase, seconds=now - move.since, requests=stats.requests)
+                if move is not None
+                else None
+            )
+            out.append(
+                msgspec.structs.replace(
+                    stats,
+                    state="moving" if move is not None else stats.state,
+                    move=state,
+                    moves=self.made.get(stats.name, 0),
+                    last_move_s=self.last_s.get(stats.name),
+                )
+            )
+        return out

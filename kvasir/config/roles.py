@@ -1,0 +1,125 @@
+"""Pools that follow the load: instances that change pool while serving (docs/planner.md).
+
+A disaggregated plan with a ``[planner]`` section lays its instances out so that each
+one may serve either pool: an instance without widths or a cache of its own is
+**movable**. Moving it (``kvasir instances move``) stops routing new work to it, waits
+for its requests to finish, and restarts its stage processes in the other pool, with
+that pool's batch widths; the other instances serve on.
+
+What stays put across a move is what the other instances have mapped or connected to:
+a movable instance's KV cache is laid out once, in shared memory (a prefill stage's
+cache is where decode stages copy handed-off K/V from), so it is as large as the larger
+pool's (``kv.num_blocks``) in either pool, and the pools' caches must agree on
+everything else (block size, prefix caching). Its edges are sized for the wider of the
+pools' widths.
+
+- ``enabled``: the automatic planner (moves against latency targets). Not part of this
+  version: refused, so a plan never silently runs without what it asks for.
+- ``min_prefill`` / ``min_decode``: a move never leaves a pool with fewer serving
+  instances than this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import msgspec
+
+from kvasir.config.sections import BatchSpec, InstanceSpec, KvSpec, Pool, PoolSpec
+from kvasir.errors import PlanError
+
+MOVABLE_POOLS: tuple[Pool, ...] = ("prefill", "decode")
+
+
+class PlannerSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    enabled: bool = False  # the automatic planner; moves are by hand in this version
+    min_prefill: int = 1  # serving prefill instances a move never goes below
+    min_decode: int = 1  # serving decode instances a move never goes below
+
+
+class RolePlan(Protocol):
+    """What this module reads of a Plan (kvasir/config/plan.py imports this module)."""
+
+    @property
+    def batch(self) -> BatchSpec: ...
+
+    @property
+    def kv(self) -> KvSpec: ...
+
+    @property
+    def prefill(self) -> PoolSpec | None: ...
+
+    @property
+    def decode(self) -> PoolSpec | None: ...
+
+    @property
+    def planner(self) -> PlannerSpec | None: ...
+
+
+def pool_batch(plan: RolePlan, pool: Pool) -> BatchSpec:
+    """A pool's widths: its own, else the plan's."""
+    spec: PoolSpec | None = getattr(plan, pool) if pool else None
+    return (spec.batch if spec is not None else None) or plan.batch
+
+
+def pool_kv(plan: RolePlan, pool: Pool) -> KvSpec:
+    spec: PoolSpec | None = getattr(plan, pool) if pool else None
+    return (spec.kv if spec is not None else None) or plan.kv
+
+
+def fixed_reason(plan: RolePlan, spec: InstanceSpec, pool: Pool) -> str:
+    """Why an instance stays in its pool ("" when it may move)."""
+    if plan.planner is None or pool not in MOVABLE_POOLS:
+        return "the plan has no [planner] section: its pools are fixed"
+    own = [part for part in ("batch", "kv") if getattr(spec, part) is not None]
+    if own:
+        return f"it has its own [{pool}.instances.{own[0]}]: its widths and cache are its own pool's"
+    return ""
+
+
+def moving_cache(plan: RolePlan) -> KvSpec:
+    """A movable instance's cache in every pool: the larger pool's block count."""
+    caches = [pool_kv(plan, pool) for pool in MOVABLE_POOLS]
+    return max(caches, key=lambda kv: kv.num_blocks)
+
+
+def widest(plan: RolePlan) -> BatchSpec:
+    """Widths every pool's fit in: what a movable instance's edges are sized for."""
+    batches = [pool_batch(plan, pool) for pool in MOVABLE_POOLS]
+    return BatchSpec(
+        max_rows=max(b.max_rows for b in batches),
+        max_tokens=max(b.max_tokens for b in batches),
+        inflight=max(b.inflight for b in batches),
+    )
+
+
+def check_planner(plan: RolePlan, counts: Mapping[Pool, int]) -> None:
+    """The section against the plan: its pools, their caches, the minimums against
+    ``counts`` (each pool's instances)."""
+    spec = plan.planner
+    if spec is None:
+        return
+    if plan.prefill is None:
+        raise PlanError(
+            "planner: instances move between a disaggregated plan's pools: give [[prefill.stages]] and "
+            "[[decode.stages]] (or their instances) instead of [[stages]]"
+        )
+    if spec.enabled:
+        raise PlanError(
+            "planner.enabled = true: the automatic planner is not part of this version; "
+            "move instances by hand (`kvasir instances move NAME --to decode`) or leave enabled out"
+        )
+    for pool in MOVABLE_POOLS:
+        least = getattr(spec, f"min_{pool}")
+        if least < 1:
+            raise PlanError(f"planner.min_{pool} must be >= 1 (a pool with no instance serves nobody), got {least}")
+        if counts.get(pool, 0) < least:
+            raise PlanError(f"planner.min_{pool} = {least}, but the plan starts {counts.get(pool, 0)} {pool} instances")
+    first, second = (pool_kv(plan, pool) for pool in MOVABLE_POOLS)
+    for key in ("block_size", "prefix_cache", "prefix_share"):
+        if getattr(first, key) != getattr(second, key):
+            raise PlanError(
+                f"prefill.kv.{key} = {getattr(first, key)!r} and decode.kv.{key} = {getattr(second, key)!r} differ: "
+                "with [planner] a moving instance keeps one cache in both pools, so they must agree"
+            )

@@ -1,0 +1,132 @@
+"""Pools that follow the load: instances move between the prefill and decode pools of a
+running daemon (a plan with [planner], docs/planner.md), by hand, under load, and no
+request is lost: every one gets exactly one terminal event, and every one finishes
+exactly (greedy output equal to Hugging Face's)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+
+import pytest
+
+from kvasir.client import AsyncClient, Client
+from kvasir.errors import RequestError
+from kvasir.wire.client import Finished
+from tests.support.daemon import BIN
+from tests.support.models import hf_greedy, random_prompts, reference_model
+
+VOCAB = 320
+FLEET = {  # two prefill and two decode instances, each splitting the layers its own way
+    "prefill.p0": [(0, 3), (3, 6)],
+    "prefill.p1": [(0, 2), (2, 6)],
+    "decode.d0": [(0, 4), (4, 6)],
+    "decode.d1": [(0, 3), (3, 6)],
+}
+TEXT = {"capture_output": True, "text": True, "timeout": 120}
+
+
+def start_fleet(start_daemon, tiny_models, **kw):
+    return start_daemon(
+        tiny_models["llama"], FLEET, planner="", max_tokens=16, prefill_blocks=200, decode_blocks=300, **kw
+    ).wait_ready()
+
+
+def instances(runtime_dir) -> dict:
+    with Client(runtime_dir) as client:
+        return {i.name: i for i in client.stats().instances}
+
+
+def kvasir(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "kvasir"), *args], **TEXT)
+
+
+async def load(runtime_dir, prompts: list[list[int]], max_tokens: int, moves: list[tuple[str, str]]):
+    """Run ``prompts`` (each to ``max_tokens``) while moving instances one after the
+    other by hand with `kvasir instances move` (each waits until served), submitting four
+    more after each move; every request's terminal event, and what each move printed."""
+    client = await AsyncClient.connect(runtime_dir)
+    said = []
+    try:
+        streams = [await client.submit(token_ids=p, max_tokens=max_tokens, temperature=0.0) for p in prompts]
+        for name, to in moves:
+            args = ("instances", "move", name, "--to", to, "--runtime-dir", str(runtime_dir))
+            done = await asyncio.to_thread(kvasir, *args)
+            assert done.returncode == 0, done.stderr
+            assert f"{name} serves the {to} pool: moved in" in done.stdout, done.stdout
+            said.append(done.stdout)
+            streams += [await client.submit(token_ids=p, max_tokens=max_tokens, temperature=0.0) for p in prompts[:4]]
+        return [await stream.result() for stream in streams], said
+    finally:
+        await client.close()
+
+
+def test_moves_by_hand_under_load_lose_nothing(tiny_models, start_daemon):
+    """Four moves one after the other while requests run and more arrive after each:
+    every request finishes, exactly; each instance serves where it was moved, with its
+    moves counted apart from restarts; a move that would empty a pool, or names an
+    unknown instance or its own pool, is refused with the reason."""
+    daemon = start_fleet(start_daemon, tiny_models)
+    model = reference_model(tiny_models["llama"])
+    before = instances(daemon.runtime_dir)
+    assert {n: (i.pool, i.movable, i.state) for n, i in before.items()} == {
+        "p0": ("prefill", True, "serving"),
+        "p1": ("prefill", True, "serving"),
+        "d0": ("decode", True, "serving"),
+        "d1": ("decode", True, "serving"),
+    }
+    prompts = random_prompts(VOCAB, [9, 14, 5, 21, 11, 17, 8, 12, 19, 6, 15, 10], seed=61)
+    moves = [("d0", "prefill"), ("p1", "decode"), ("d1", "prefill"), ("p0", "decode")]
+    ends, said = asyncio.run(load(daemon.runtime_dir, prompts, 160, moves))
+    print(*said, sep="\n")
+    first = re.search(r"waiting for (\d+) requests on it", said[0])
+    assert first is not None and int(first.group(1)) > 0, said[0]  # the first move waited for d0's requests
+    assert len(ends) == len(prompts) + 4 * len(moves)
+    assert all(isinstance(end, Finished) for end in ends), [e for e in ends if not isinstance(e, Finished)]
+    expected = {len(p): hf_greedy(model, p, 160) for p in prompts}  # the prompts' lengths differ
+    for end in ends:
+        assert end.token_ids == expected[end.usage.prompt_tokens], (end.instances, end.route)
+    served = {name for end in ends for name in end.instances}
+    assert served == {"p0", "p1", "d0", "d1"}
+    after = instances(daemon.runtime_dir)
+    assert {n: (i.pool, i.state, i.moves, i.restarts) for n, i in after.items()} == {
+        "p0": ("decode", "serving", 1, 0),
+        "p1": ("decode", "serving", 1, 0),
+        "d0": ("prefill", "serving", 1, 0),
+        "d1": ("prefill", "serving", 1, 0),
+    }
+    assert all(i.last_move_s is not None and i.last_move_s > 0 for i in after.values())
+    with Client(daemon.runtime_dir) as client:
+        for name, to, why in [
+            ("zz", "decode", "no instance is named 'zz'"),
+            ("p0", "decode", "already serves the decode pool"),
+        ]:
+            with pytest.raises(RequestError, match=why):
+                client.move(name, to)
+        client.move("p0", "prefill")  # leaves p1 alone in the decode pool
+        with pytest.raises(
+            RequestError, match=r"would leave the decode pool 0 serving instances \(planner.min_decode = 1\)"
+        ):
+            client.move("p1", "prefill")
+    shown = kvasir("instances", "--json", "--runtime-dir", str(daemon.runtime_dir))
+    listed = {i["name"]: i for i in json.loads(shown.stdout)}
+    assert listed["p0"]["state"] in ("moving", "serving") and listed["p1"]["pool"] == "decode"
+    refused = kvasir("instances", "move", "p1", "--to", "prefill", "--runtime-dir", str(daemon.runtime_dir))
+    assert refused.returncode == 2 and "would leave the decode pool" in refused.stderr
+
+
+def test_a_plan_without_planner_refuses_moves(tiny_models, start_daemon):
+    splits = {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}
+    daemon = start_daemon(tiny_models["llama"], splits, max_tokens=16).wait_ready()
+    table = kvasir("instances", "--runtime-dir", str(daemon.runtime_dir))
+    rows = [line.split() for line in table.stdout.splitlines()]
+    assert rows[0][:4] == ["instance", "pool", "state", "requests"]
+    assert [row[:3] + row[5:6] for row in rows[1:]] == [
+        ["prefill", "prefill", "serving", "no"],
+        ["decode", "decode", "serving", "no"],
+    ]
+    refused = kvasir("instances", "move", "prefill", "--to", "decode", "--runtime-dir", str(daemon.runtime_dir))
+    assert refused.returncode == 2
+    assert "instance prefill cannot move: the plan has no [planner] section" in refused.stderr
