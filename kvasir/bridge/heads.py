@@ -141,11 +141,15 @@ class Heads:
         counts = self.restarts.values()
         return max(counts, default=0) if self.disaggregated else sum(counts)
 
+    def candidate(self, name: str) -> Candidate | None:
+        """The conductor's view of an instance, on whichever side it serves now."""
+        return self.conductor.candidates.get(name) or self.conductor.decoders.get(name)
+
     def report(self, heads: dict[int, StageStats]) -> list[InstanceStats]:
         """Each instance for ``kvasir stats``, with its head's latest report (by index)."""
         out = []
         for ring in self.rings:
-            candidate = self.conductor.candidates.get(ring.name) or self.conductor.decoders.get(ring.name)
+            candidate = self.candidate(ring.name)
             head = heads.get(ring.first)
             out.append(
                 InstanceStats(

@@ -61,7 +61,8 @@ class Moves:
             self.start(move.instance, move.to, now)
         except RequestError as exc:
             return ErrorEvent(code=exc.code, message=exc.message, key=move.key)
-        running = next(i.requests for i in self.heads.report({}) if i.name == move.instance)
+        candidate = self.heads.candidate(move.instance)
+        running = candidate.running if candidate is not None else 0
         self.log.info("moving", instance=move.instance, to=move.to, requests=running)
         return MoveStarted(key=move.key, instance=move.instance, to=move.to, requests=running)
 

@@ -268,7 +268,7 @@ class Bridge:
                     self._malformed("bridge-in", exc)
                     continue
                 await self._stage_message(message)
-            for name in self.moves.due(self.requests) if self.moves.moving else ():
+            for name in self.moves.due(self.requests):
                 await self.heads.send(name, self.encoder.encode(Retire(self.heads.head_of[name])))
             await self._maybe_drained()
             await asyncio.sleep(0)
