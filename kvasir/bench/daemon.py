@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -66,16 +67,37 @@ def read_tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` TCP ports on 127.0.0.1 free a moment ago (bound together, then closed)."""
-    sockets = [socket.socket() for _ in range(count)]
+def free_ports(count: int, lowest: int = 10_000) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago, chosen below
+    the kernel's ephemeral range: a port from that range can be taken by any outgoing
+    connection between this check and the server binding it."""
+    top = max(_ephemeral_floor(), lowest + count * 2)
+    picker = random.Random()
+    chosen: list[int] = []
+    for _ in range(count * 64):
+        port = picker.randrange(lowest, top)
+        if port not in chosen and _bindable(port):
+            chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+    raise BenchDaemonError(f"found only {len(chosen)} of {count} free ports from {lowest} below {top}")
+
+
+def _ephemeral_floor() -> int:
+    """The first port the kernel hands to outgoing connections (32768 where it cannot say)."""
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class ManagedDaemon:

@@ -242,7 +242,10 @@ def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
 def test_the_q4_plan_serves_the_gguf_as_stored_near_float32(smollm2, expected, tmp_path):
     """plans/smollm2-q4.toml: the file's Q4_1 and Q8_0 matrices as stored, bfloat16. The
     float32 reference holds the same values dequantised, so every greedy token, teacher
-    forced on the ring's own output, is within 5 % of the step's logit scale of the best."""
+    forced on the ring's own output, is within 5 % of the step's logit scale of the best.
+    The answer's words are not checked: a near tie in bfloat16 sends greedy decoding down
+    another path on another CPU (one machine answered the capital question "L'Étoile, la
+    Marseillaise..."), which the per-step bound allows and a word check would not."""
     daemon = Daemon(PLANS / "smollm2-q4.toml", tmp_path / "rt", 2)
     try:
         daemon.wait_ready()
@@ -264,4 +267,3 @@ def test_the_q4_plan_serves_the_gguf_as_stored_near_float32(smollm2, expected, t
             logits = model(torch.tensor([ids + final.token_ids])).logits[0, len(ids) - 1 : -1]
         chosen = logits.gather(1, torch.tensor(final.token_ids)[:, None])[:, 0]
         assert bool((logits.max(dim=-1).values - chosen <= 0.05 * logits.abs().max(dim=-1).values).all()), text
-    assert "Paris" in tokenizer.decode(results[("What is the capital of France?", True)].token_ids)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvasir.bench.daemon import stop_gracefully, wait_serving
+from kvasir.bench.daemon import free_ports, stop_gracefully, wait_serving
 from kvasir.client import Client
 from tests.support.models import shard_tables
 
@@ -19,10 +18,8 @@ BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    """A local TCP port nothing listens on (bound, then closed again)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local TCP port nothing listens on, below the ephemeral range (see free_ports)."""
+    return free_ports(1)[0]
 
 
 def stage_count(splits) -> int:
