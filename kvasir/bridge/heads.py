@@ -19,7 +19,7 @@ from kvasir.config.sections import Pool
 from kvasir.errors import RequestError
 from kvasir.transport.channels import BatchedSocket
 from kvasir.transport.fabric import Sockets
-from kvasir.wire.client import InstanceStats
+from kvasir.wire.fleet import InstanceStats
 from kvasir.wire.stats import StageStats
 
 

@@ -14,11 +14,16 @@ A move has three phases:
 
 No request is ended by a move. An instance that fails meanwhile restarts as any failed
 instance does (in the pool it was last started for), and its move is forgotten.
+
+With ``[planner] enabled = true`` the planner (kvasir/bridge/planner.py) decides moves
+too: ``follow`` asks it once per interval and starts the move it decides.
 Bookkeeping and checks only: the bridge sends what these answers say.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,10 +32,12 @@ import msgspec
 
 from kvasir.bridge.heads import Heads
 from kvasir.bridge.ledger import Ledger, Pending
+from kvasir.bridge.planner import Member, Planner
 from kvasir.config.roles import PlannerSpec
 from kvasir.errors import RequestError
 from kvasir.logs import Logger
-from kvasir.wire.client import ErrorEvent, InstanceStats, MovablePool, Move, MoveStarted, MoveState
+from kvasir.wire.client import ErrorEvent, Move, MoveStarted
+from kvasir.wire.fleet import InstanceStats, MovablePool, MoveState
 
 MovePhase = Literal["finishing", "retiring", "restarting"]
 
@@ -50,6 +57,11 @@ class Moves:
     moving: dict[str, Moving] = field(default_factory=dict)
     made: dict[str, int] = field(default_factory=dict)  # moves each instance finished
     last_s: dict[str, float] = field(default_factory=dict)  # each one's last: decision to serving
+    auto: Planner | None = None  # the planner, where the plan enables it
+
+    def __post_init__(self) -> None:
+        if self.planner is not None and self.planner.enabled:
+            self.auto = Planner(self.planner)
 
     def asked(self, move: Move, local: bool, draining: bool, now: float) -> MoveStarted | ErrorEvent:
         """A client asks for a move (``local``: on the daemon's own socket): the answer."""
@@ -131,9 +143,43 @@ class Moves:
         if move is None or move.phase != "restarting":
             return None
         del self.moving[name]
+        if self.auto is not None:
+            self.auto.moved(now)
         self.made[name] = self.made.get(name, 0) + 1
         self.last_s[name] = now - move.since
         return self.last_s[name]
+
+    async def follow(self, ledger: Ledger) -> None:
+        """The planner's loop (a plan with it enabled): one decision per interval."""
+        if self.auto is None:
+            raise RuntimeError("the planner's loop started for a plan without [planner] enabled")
+        while True:
+            await asyncio.sleep(self.auto.spec.interval_s)
+            self.plan(ledger, time.monotonic())
+
+    def plan(self, ledger: Ledger, now: float) -> None:
+        """The planner decides on the interval's samples; a move it decides starts now."""
+        if self.auto is None:
+            return
+        waiting = [(now * 1e9 - record.submitted_ns) / 1e9 for _, record in ledger.items() if not record.first_ns]
+        decision = self.auto.decide(waiting, self.members(), bool(self.moving), now)
+        self.log.info("planner", **{k: getattr(decision, k) for k in decision.__struct_fields__ if k != "seconds_ago"})
+        if decision.action != "move" or decision.instance is None or decision.to is None:
+            return
+        try:
+            self.start(decision.instance, decision.to, now)
+        except RequestError as exc:
+            self.log.warning("the planner's move was refused", instance=decision.instance, reason=exc.message)
+
+    def members(self) -> dict[MovablePool, list[Member]]:
+        """Each pool's serving instances that are not moving, with their load."""
+        heads = self.heads
+        out: dict[MovablePool, list[Member]] = {"prefill": [], "decode": []}
+        for name, pool in heads.pool_of.items():
+            if name in heads.pids and name not in self.moving and pool in ("prefill", "decode"):
+                candidate = heads.candidate(name)
+                out[pool].append(Member(name, candidate.running if candidate else 0, not heads.fixed[name]))
+        return out
 
     def dropped(self, names: Iterable[str]) -> None:
         """Instances went down: their moves are over (they restart as failed instances do)."""

@@ -123,7 +123,8 @@ class Bridge:
         )
         self.handoffs = HandoffLog()
         self.metrics = Metrics(plan.model.max_seq_len)
-        self.streams = Streams(self.requests, self.metrics, self.outbox, self.publisher_io, self.encoder)
+        samples = self.moves.auto.samples if self.moves.auto is not None else None
+        self.streams = Streams(self.requests, self.metrics, self.outbox, self.publisher_io, self.encoder, samples)
         self.reports = Reports(self.heads)
         self.started = time.monotonic()
         self.accepted = 0
@@ -149,6 +150,8 @@ class Bridge:
             ("outbox", self.outbox.run()),
         ):
             tasks.start(coro, name)
+        if self.moves.auto is not None:
+            tasks.start(self.moves.follow(self.requests), "planner")
         tasks.start(self.stopped.wait(), "stopped", may_return=True)
         try:
             await tasks.until_one_ends()  # "stopped", or a broken loop: fatal, the launcher sees us exit

@@ -40,6 +40,7 @@ def daemon_stats(bridge: Any, timeline: bool = False) -> DaemonStats:
         instances=bridge.moves.annotate(bridge.heads.report(reports.stages), time.monotonic()),
         kv_pool=_kv_pool(bridge.heads.pool, stages),
         drafts=_drafts(stages),
+        planner=bridge.moves.auto.stats(time.monotonic()) if bridge.moves.auto is not None else None,
     )
 
 

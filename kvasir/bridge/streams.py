@@ -11,6 +11,7 @@ import msgspec
 from kvasir.bridge.ledger import Ledger, Pending
 from kvasir.bridge.metrics import Metrics
 from kvasir.bridge.outbox import Outbox
+from kvasir.bridge.planner import Samples
 from kvasir.transport.channels import BatchedSocket
 from kvasir.wire.batch import PromptScores, SampledToken
 from kvasir.wire.client import PromptLogprobs, TokenOut
@@ -24,8 +25,12 @@ class Streams:
         outbox: Outbox,
         publisher: BatchedSocket,
         encoder: msgspec.msgpack.Encoder,
+        samples: Samples | None = None,
     ) -> None:
+        """``samples``: the planner's (a plan with it enabled), fed each first token's and
+        each gap's latency."""
         self.requests = requests
+        self.samples = samples
         self.metrics = metrics
         self.outbox = outbox
         self.publisher = publisher
@@ -54,6 +59,11 @@ class Streams:
     async def _stream(self, record: Pending, token: SampledToken) -> None:
         now = time.monotonic_ns()
         self.metrics.token(now - record.last_ns if record.token_ids else None)
+        if self.samples is not None:
+            if record.token_ids:
+                self.samples.gap((now - record.last_ns) / 1e9)
+            else:
+                self.samples.first_token((now - record.submitted_ns) / 1e9)
         if not record.token_ids:
             record.first_ns = now
             record.queued_ns = max(token.queued_ns, 0)

@@ -13,7 +13,7 @@ import msgspec
 from kvasir.cli.common import RUNTIME_DIR, connect, fail
 from kvasir.cli.table import table_lines
 from kvasir.errors import KvasirError
-from kvasir.wire.client import InstanceStats
+from kvasir.wire.fleet import InstanceStats
 
 POLL_S = 0.25  # how often `move` looks at the instance while it waits
 

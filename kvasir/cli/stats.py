@@ -93,6 +93,9 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
     fleet = len(body["instances"]) > 1
     if fleet:
         _print_instances(body["instances"])
+    if daemon.planner is not None:
+        for line in daemon.planner.describe():
+            click.echo(line)
     header: tuple[str, ...] = (
         "stage",
         "layers",
@@ -138,7 +141,12 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
 
 def _print_instances(instances: list[dict]) -> None:
     """A fleet's instances: where each stands, its load and its head's prefix cache."""
-    rows = [("instance", "pool", "state", "stages", "requests", "routed", "backlog", "cached", "hit rate", "restarts")]
+    rows: list[tuple[str, ...]] = [
+        ("instance", "pool", "state", "stages", "requests", "routed", "backlog", "cached", "hit rate", "restarts")
+    ]
+    movable = any(i["movable"] for i in instances)
+    if movable:
+        rows[0] += ("moves",)
     for i in instances:
         prefix = i["prefix"]
         rows.append(
@@ -154,6 +162,7 @@ def _print_instances(instances: list[dict]) -> None:
                 f"{i['hit_rate']:.0%}" if prefix is not None else "-",
                 str(i["restarts"]),
             )
+            + ((str(i["moves"]),) if movable else ())
         )
     for line in table_lines(rows):
         click.echo(line)

@@ -13,10 +13,13 @@ pool's (``kv.num_blocks``) in either pool, and the pools' caches must agree on
 everything else (block size, prefix caching). Its edges are sized for the wider of the
 pools' widths.
 
-- ``enabled``: the automatic planner (moves against latency targets). Not part of this
-  version: refused, so a plan never silently runs without what it asks for.
-- ``min_prefill`` / ``min_decode``: a move never leaves a pool with fewer serving
-  instances than this.
+- ``enabled``: the automatic planner (kvasir/bridge/planner.py): every ``interval_s`` it
+  reads the time to first token and the inter-token latency at the ``percentile``
+  against ``ttft_s`` and ``itl_s`` and moves one instance from the pool with slack to
+  the pool that misses (``patience``, ``headroom`` and ``cooldown_s`` keep it from
+  flapping).
+- ``min_prefill`` / ``min_decode``: a move, by hand or by the planner, never leaves a
+  pool with fewer serving instances than this.
 """
 
 from __future__ import annotations
@@ -33,9 +36,16 @@ MOVABLE_POOLS: tuple[Pool, ...] = ("prefill", "decode")
 
 
 class PlannerSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    enabled: bool = False  # the automatic planner; moves are by hand in this version
+    enabled: bool = False  # the automatic planner; without it moves are by hand
     min_prefill: int = 1  # serving prefill instances a move never goes below
     min_decode: int = 1  # serving decode instances a move never goes below
+    ttft_s: float = 2.0  # the target: time to first token, at the percentile (the prefill pool's)
+    itl_s: float = 0.2  # the target: gap between a request's tokens, at the percentile (the decode pool's)
+    percentile: float = 90.0  # of the interval's samples
+    interval_s: float = 10.0  # one decision per interval, on its samples
+    patience: int = 2  # intervals in a row a pool misses (while the other has slack) before a move
+    headroom: float = 0.8  # the giving pool, one instance smaller, must stay under this share of its target
+    cooldown_s: float = 30.0  # after a move ends, none for this long (its samples settle)
 
 
 class RolePlan(Protocol):
@@ -105,11 +115,7 @@ def check_planner(plan: RolePlan, counts: Mapping[Pool, int]) -> None:
             "planner: instances move between a disaggregated plan's pools: give [[prefill.stages]] and "
             "[[decode.stages]] (or their instances) instead of [[stages]]"
         )
-    if spec.enabled:
-        raise PlanError(
-            "planner.enabled = true: the automatic planner is not part of this version; "
-            "move instances by hand (`kvasir instances move NAME --to decode`) or leave enabled out"
-        )
+    _check_targets(spec)
     for pool in MOVABLE_POOLS:
         least = getattr(spec, f"min_{pool}")
         if least < 1:
@@ -123,3 +129,18 @@ def check_planner(plan: RolePlan, counts: Mapping[Pool, int]) -> None:
                 f"prefill.kv.{key} = {getattr(first, key)!r} and decode.kv.{key} = {getattr(second, key)!r} differ: "
                 "with [planner] a moving instance keeps one cache in both pools, so they must agree"
             )
+
+
+def _check_targets(spec: PlannerSpec) -> None:
+    for key in ("ttft_s", "itl_s", "interval_s"):
+        value = getattr(spec, key)
+        if not 0 < value < 86_400:
+            raise PlanError(f"planner.{key} must be a positive number of seconds under a day, got {value}")
+    if not 0 <= spec.cooldown_s < 86_400:
+        raise PlanError(f"planner.cooldown_s must be >= 0 seconds and under a day, got {spec.cooldown_s}")
+    if not 0 < spec.percentile <= 100:
+        raise PlanError(f"planner.percentile must be in (0, 100], got {spec.percentile}")
+    if not 1 <= spec.patience <= 1000:
+        raise PlanError(f"planner.patience must be 1 to 1000 intervals, got {spec.patience}")
+    if not 0 < spec.headroom <= 1:
+        raise PlanError(f"planner.headroom must be in (0, 1] (a share of the target), got {spec.headroom}")

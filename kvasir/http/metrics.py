@@ -15,7 +15,8 @@ from itertools import accumulate
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvasir.wire.client import DaemonStats, Histogram, InstanceStats, KvPoolStats
+from kvasir.wire.client import DaemonStats, Histogram, KvPoolStats
+from kvasir.wire.fleet import InstanceStats, PlannerStats
 from kvasir.wire.stats import DraftCounters, ShardStats, StageStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -128,6 +129,7 @@ class _Snapshot:
             (GaugeMetricFamily, "instance_requests_running", "Requests on the instance now.", "requests"),
             (CounterMetricFamily, "instance_routed", "Requests the conductor sent to the instance.", "routed"),
             (CounterMetricFamily, "instance_restarts", "Restarts of the instance after a failure.", "restarts"),
+            (CounterMetricFamily, "instance_moves", "Moves of the instance to another pool.", "moves"),
             (CounterMetricFamily, "instance_prefix_cache_hit_tokens", "Prompt tokens its head's cache reused.", "hits"),
             (CounterMetricFamily, "instance_prefix_cache_query_tokens", "Prompt tokens its head looked up.", "queries"),
         )
@@ -176,6 +178,31 @@ class _Snapshot:
             yield from self._kv_pool(pool, model)
         if (drafts := stats.drafts) is not None:
             yield from self._drafts(drafts, model)
+        if (planner := stats.planner) is not None:
+            yield from self._planner(planner)
+
+    def _planner(self, planner: PlannerStats) -> Iterator[Metric]:
+        """The planner (a plan with [planner] enabled = true): its decisions, its last readings."""
+        decisions = CounterMetricFamily(
+            self._name("planner_decisions"), "The planner's decisions, by action.", labels=["model_name", "action"]
+        )
+        for action in ("move", "hold"):
+            decisions.add_metric([self.model, action], planner.decisions.get(action, 0))
+        yield decisions
+        last = planner.last
+        for name, doc, value, target in (
+            ("ttft", "time to first token", last.ttft_s if last else None, planner.ttft_s),
+            ("itl", "inter-token latency", last.itl_s if last else None, planner.itl_s),
+        ):
+            reading = GaugeMetricFamily(
+                self._name(f"planner_{name}_seconds"),
+                f"The planner's last interval: {doc} at its percentile (absent without a sample).",
+                labels=["model_name"],
+            )
+            if value is not None:
+                reading.add_metric([self.model], value)
+            yield reading
+            yield self._gauge(f"planner_{name}_target_seconds", f"The planner's target {doc}.", [self.model], target)
 
     def _drafts(self, drafts: DraftCounters, model: list[str]) -> Iterator[Metric]:
         """Speculative decoding (a plan with [speculative]), vLLM's names where it has them."""

@@ -3,11 +3,10 @@ with a ``type`` tag; the same bodies as msgpack on the socket)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
-from kvasir.config.sections import Pool
 from kvasir.units import format_bytes, gib_per_s
 from kvasir.wire.base import (
     MAX_BAD_WORD_CHARS,
@@ -18,7 +17,8 @@ from kvasir.wire.base import (
     FinishReason,
     Grammar,
 )
-from kvasir.wire.stats import BatchSpan, DraftCounters, PrefixCounters, ShardStats, StageStats
+from kvasir.wire.fleet import InstanceStats, MovablePool, PlannerStats
+from kvasir.wire.stats import BatchSpan, DraftCounters, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
 # length before its items, so an oversized list is refused without being walked). The
@@ -77,7 +77,6 @@ class StatsQuery(_Client, frozen=True, tag="stats"):
     timeline: bool = False  # include each stage's recent batch spans
 
 
-MovablePool = Literal["prefill", "decode"]
 InstanceName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
 
 
@@ -302,39 +301,6 @@ def _sources(pools: list, host_of: dict[int, str]) -> list[PoolSource]:
     return [PoolSource(source=k, slices=n, bytes=b, gib_s=gib_per_s(b, t)) for k, (n, b, t) in sums.items()]
 
 
-class MoveState(msgspec.Struct, frozen=True, kw_only=True):
-    """An instance's move to another pool, while it lasts (kvasir/bridge/moves.py)."""
-
-    to: MovablePool
-    phase: Literal["finishing", "retiring", "restarting"]  # its requests run out; its head empties; it restarts
-    seconds: float  # since the move was decided
-    requests: int  # still on it
-
-
-class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
-    """One instance as the bridge sees it (kvasir/bridge/heads.py)."""
-
-    name: str
-    pool: Pool  # the pool it serves now
-    state: Literal["serving", "restarting", "moving"]
-    stages: list[int]  # its stages' global indices
-    restarts: int = 0
-    last_failure: str | None = None
-    requests: int = 0  # the bridge's requests on it now (an admitting instance's)
-    routed: int = 0  # requests the conductor sent to it since the daemon started
-    backlog: int = 0  # prompt tokens routed to it still waiting for their first token (less the cached)
-    prefix: PrefixCounters | None = None  # its head's prefix cache
-    movable: bool = False  # it may move to another pool (a plan with [planner])
-    moves: int = 0  # moves it made since the daemon started
-    move: MoveState | None = None  # the move under way
-    last_move_s: float | None = None  # its last move: from the decision to serving in the new pool
-
-    @property
-    def hit_rate(self) -> float:
-        cache = self.prefix
-        return cache.hit_tokens / cache.prompt_tokens if cache is not None and cache.prompt_tokens else 0.0
-
-
 class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     uptime_s: float
     requests: int  # accepted since start
@@ -362,6 +328,7 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     instances: list[InstanceStats] = []  # each instance (kvasir/config/fleet.py), in plan order
     kv_pool: KvPoolStats | None = None  # a plan with [kv_pool]
     drafts: DraftCounters | None = None  # a plan with [speculative]: its heads' and tails' counts, summed
+    planner: PlannerStats | None = None  # a plan with [planner] enabled = true: its decisions
 
     def prefix_cache_line(self) -> str | None:
         """The prefix cache's line for ``kvasir stats`` and ``kvasir top``; None until it is used."""

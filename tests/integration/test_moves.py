@@ -130,3 +130,55 @@ def test_a_plan_without_planner_refuses_moves(tiny_models, start_daemon):
     refused = kvasir("instances", "move", "prefill", "--to", "decode", "--runtime-dir", str(daemon.runtime_dir))
     assert refused.returncode == 2
     assert "instance prefill cannot move: the plan has no [planner] section" in refused.stderr
+
+
+PLANNER = (  # the decode pool always misses its ITL target, the prefill pool always meets its TTFT
+    "enabled = true\ninterval_s = 1.0\npatience = 1\ncooldown_s = 0.0\nttft_s = 1000.0\nitl_s = 0.000001\n"
+)
+
+
+async def planned_load(runtime_dir, prompts: list[list[int]], max_tokens: int):
+    """Run ``prompts`` until the planner has moved an instance, then four more; every
+    request's terminal event, and the instances once all have ended."""
+    client = await AsyncClient.connect(runtime_dir)
+    try:
+        streams = [await client.submit(token_ids=p, max_tokens=max_tokens, temperature=0.0) for p in prompts]
+        for _ in range(600):
+            stats = await client.stats()
+            if any(i.moves for i in stats.instances):
+                break
+            await asyncio.sleep(0.1)
+        streams += [await client.submit(token_ids=p, max_tokens=max_tokens, temperature=0.0) for p in prompts[:4]]
+        ends = [await stream.result() for stream in streams]
+        return ends, await client.stats()
+    finally:
+        await client.close()
+
+
+def test_the_planner_moves_an_instance_to_the_pool_that_misses(tiny_models, start_daemon):
+    """Under load the decode pool misses its (unreachable) ITL target while the prefill
+    pool has slack: the planner moves the less busy prefill instance to decode, once (the
+    prefill pool is then at its minimum); every request finishes, exactly; the decisions
+    are counted, shown by `kvasir stats` and logged with their inputs."""
+    daemon = start_daemon(
+        tiny_models["llama"], FLEET, planner=PLANNER, max_tokens=16, prefill_blocks=200, decode_blocks=300
+    ).wait_ready()
+    model = reference_model(tiny_models["llama"])
+    prompts = random_prompts(VOCAB, [9, 14, 5, 21, 11, 17, 8, 12, 19, 6, 15, 10], seed=62)
+    ends, stats = asyncio.run(planned_load(daemon.runtime_dir, prompts, 160))
+    assert len(ends) == len(prompts) + 4
+    assert all(isinstance(end, Finished) for end in ends), [e for e in ends if not isinstance(e, Finished)]
+    expected = {len(p): hf_greedy(model, p, 160) for p in prompts}
+    assert all(end.token_ids == expected[end.usage.prompt_tokens] for end in ends)
+    pools = {i.name: (i.pool, i.moves) for i in stats.instances}
+    moved = [name for name, (_, moves) in pools.items() if moves]
+    assert len(moved) == 1 and moved[0] in ("p0", "p1") and pools[moved[0]] == ("decode", 1), pools
+    planner = stats.planner
+    assert planner is not None and planner.decisions["move"] == 1 and planner.decisions["hold"] >= 1
+    assert planner.last_move is not None and planner.last_move.instance == moved[0]
+    assert "the decode pool misses its target" in planner.last_move.reason
+    shown = kvasir("stats", "--runtime-dir", str(daemon.runtime_dir))
+    assert "planner: targets TTFT 1000 s, ITL 1e-06 s at p90, every 1 s;" in shown.stdout, shown.stdout
+    assert re.search(r"^instance +pool .* moves$", shown.stdout, re.M), shown.stdout
+    logged = [line for line in daemon.log().splitlines() if " planner " in line and "action=move" in line]
+    assert len(logged) == 1 and "itl_s=" in logged[0] and "prefill=2" in logged[0], logged

@@ -118,7 +118,7 @@ def test_a_frame_ends_with_the_prefix_cache_once_it_was_used():
 
 
 def test_a_fleets_instances_get_a_line_each():
-    from kvasir.wire.client import InstanceStats
+    from kvasir.wire.fleet import InstanceStats
 
     def fleet(uptime_s, routed):
         instances = [

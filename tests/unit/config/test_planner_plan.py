@@ -30,6 +30,16 @@ def test_movable_instances_keep_the_larger_cache_and_their_pools_widths():
     assert parse_plan(plan_toml(plan)) == plan
 
 
+def test_the_planners_targets_round_trip():
+    plan = parse_plan(f"[planner]\nenabled = true\nttft_s = 1.5\nitl_s = 0.05\npercentile = 99\n{POOLS}")
+    assert plan.planner is not None and (plan.planner.enabled, plan.planner.ttft_s, plan.planner.percentile) == (
+        True,
+        1.5,
+        99.0,
+    )
+    assert parse_plan(plan_toml(plan)) == plan
+
+
 def test_without_planner_the_pools_are_fixed():
     rings = parse_plan(POOLS).rings()
     assert [(r.movable, r.plan.kv.num_blocks) for r in rings] == [(False, 256), (False, 512)]
@@ -40,7 +50,11 @@ def test_without_planner_the_pools_are_fixed():
     ("text", "says"),
     [
         ("[planner]\n[[stages]]\nlayers = [0, 10]\n[[stages]]\nlayers = [10, 30]\n", "disaggregated plan's pools"),
-        (f"[planner]\nenabled = true\n{POOLS}", "planner.enabled = true: the automatic planner is not part"),
+        (f"[planner]\nitl_s = 0\n{POOLS}", "planner.itl_s must be a positive number of seconds"),
+        (f"[planner]\ncooldown_s = -1.0\n{POOLS}", "planner.cooldown_s must be >= 0"),
+        (f"[planner]\npercentile = 100.5\n{POOLS}", "planner.percentile must be in"),
+        (f"[planner]\npatience = 0\n{POOLS}", "planner.patience must be 1 to 1000"),
+        (f"[planner]\nheadroom = 1.5\n{POOLS}", "planner.headroom must be in"),
         (f"[planner]\nmin_decode = 0\n{POOLS}", "planner.min_decode must be >= 1"),
         (f"[planner]\nmin_prefill = 2\n{POOLS}", "planner.min_prefill = 2, but the plan starts 1 prefill"),
         (f"[planner]\nspeed = 1\n{POOLS}", "planner.speed: unknown key"),

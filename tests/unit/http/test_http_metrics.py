@@ -77,7 +77,7 @@ def test_the_snapshot_reads_back_as_vllm_named_series():
 
 
 def test_a_fleets_series_carry_the_instance():
-    from kvasir.wire.client import InstanceStats
+    from kvasir.wire.fleet import InstanceStats
     from kvasir.wire.stats import PrefixCounters
 
     stages = [msgspec.structs.replace(stage(k), instance="a" if k < 2 else "b") for k in range(4)]
@@ -85,7 +85,7 @@ def test_a_fleets_series_carry_the_instance():
     instances = [
         InstanceStats(name="a", pool="", state="serving", stages=[0, 1], requests=2, routed=9, restarts=1,
                       prefix=PrefixCounters(queries=3, prompt_tokens=300, hit_tokens=240)),
-        InstanceStats(name="b", pool="", state="restarting", stages=[2, 3], routed=4),
+        InstanceStats(name="b", pool="", state="restarting", stages=[2, 3], routed=4, moves=2),
     ]  # fmt: skip
     stats = DaemonStats(
         uptime_s=1.0,
@@ -106,6 +106,7 @@ def test_a_fleets_series_carry_the_instance():
     assert by_instance("kvasir:instance_serving") == {"a": 1.0, "b": 0.0}
     assert by_instance("kvasir:instance_routed") == {"a": 9.0, "b": 4.0}
     assert by_instance("kvasir:instance_restarts") == {"a": 1.0, "b": 0.0}
+    assert by_instance("kvasir:instance_moves") == {"a": 0.0, "b": 2.0}
     assert by_instance("kvasir:instance_prefix_cache_hit_tokens") == {"a": 240.0, "b": 0.0}
     busy = {
         (s.labels["role"], s.labels["stage"]): s.labels["instance"]
@@ -161,7 +162,8 @@ DASHBOARD = Path(__file__).parents[3] / "grafana" / "kvasir.json"
 
 def test_the_grafana_dashboard_reads_only_series_that_exist():
     """grafana/kvasir.json: every series and label its queries name is one /metrics serves."""
-    from kvasir.wire.client import InstanceStats, KvPoolStats
+    from kvasir.wire.client import KvPoolStats
+    from kvasir.wire.fleet import InstanceStats
 
     stats = one_request(
         shards=[ShardStats(0, 1, (0, 4), 300, 10.0, 2.0, 8.0, 0.0, 3, 30, (10, 10, 5, 5))],
@@ -221,3 +223,30 @@ def test_a_kv_pools_series_are_served_only_with_a_pool():
     assert samples[("kvasir:kv_pool_bytes", (*model, ("tier", "disk")))] == 300
     plain = render(one_request(), "m").decode()
     assert "kv_pool" not in plain
+
+
+def test_the_planners_decisions_and_readings():
+    from kvasir.wire.fleet import PlannerDecision, PlannerStats
+
+    last = PlannerDecision(action="hold", reason="both pools meet their targets", ttft_s=0.5, itl_s=None)
+    planner = PlannerStats(
+        ttft_s=2.0, itl_s=0.2, percentile=90, interval_s=10, decisions={"hold": 7, "move": 2}, last=last
+    )
+    stats = DaemonStats(
+        uptime_s=1.0,
+        requests=0,
+        in_flight=0,
+        waiting_limit=10,
+        vocab_size=100,
+        max_seq_len=64,
+        stages=[],
+        planner=planner,
+    )
+    text = render(stats, "m").decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    decisions = {s.labels["action"]: s.value for s in families["kvasir:planner_decisions"].samples}
+    assert decisions == {"move": 2.0, "hold": 7.0}
+    assert [s.value for s in families["kvasir:planner_ttft_seconds"].samples] == [0.5]
+    assert families["kvasir:planner_itl_seconds"].samples == []  # no sample in the last interval
+    assert [s.value for s in families["kvasir:planner_itl_target_seconds"].samples] == [0.2]
+    assert 'kvasir:planner_decisions_total{action="move",model_name="m"} 2.0' in text
