@@ -64,18 +64,18 @@ class Heads:
         goes on to (RequestError "restarting" when none serves). A session is known by
         its id within the request's cache namespace, so two tenants' ids never meet."""
         key = root + b"\x00" + session.encode() if session is not None else None
-        decode = self.conductor.pick_decode()
+        choice = self.conductor.pick(prompt, root, time.monotonic(), key)
         try:
-            choice = self.conductor.pick(prompt, root, time.monotonic(), key)
-            if self.pool is not None:
-                pooled = self.pool.pooled(choice.name, prompt, root)
-                reason = f"{choice.reason}; kv pool: {pooled.why}" if pooled.why else choice.reason
-                choice = dataclasses.replace(choice, pooled=pooled.blocks, peers=pooled.peers, reason=reason)
-            return choice, decode
+            # a mixed instance (with [planner]) runs both phases itself: no decode instance
+            decode = self.conductor.pick_decode() if self.pool_of[choice.name] == "prefill" else None
         except RequestError:
-            if decode is not None:
-                self.conductor.decode_ended(decode)
+            self.conductor.ended(choice.name, choice.backlog)
             raise
+        if self.pool is not None:
+            pooled = self.pool.pooled(choice.name, prompt, root)
+            reason = f"{choice.reason}; kv pool: {pooled.why}" if pooled.why else choice.reason
+            choice = dataclasses.replace(choice, pooled=pooled.blocks, peers=pooled.peers, reason=reason)
+        return choice, decode
 
     def first_token(self, record) -> None:
         """A request's first token came (``record``: its kvasir/bridge/ledger.py Pending):

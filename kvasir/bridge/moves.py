@@ -34,17 +34,18 @@ from kvasir.bridge.heads import Heads
 from kvasir.bridge.ledger import Ledger, Pending
 from kvasir.bridge.planner import Member, Planner
 from kvasir.config.roles import PlannerSpec
+from kvasir.config.sections import Pool
 from kvasir.errors import RequestError
 from kvasir.logs import Logger
 from kvasir.wire.client import ErrorEvent, Move, MoveStarted
-from kvasir.wire.fleet import InstanceStats, MovablePool, MoveState
+from kvasir.wire.fleet import InstanceStats, MovablePool, MoveState, MoveTarget, target_pool
 
 MovePhase = Literal["finishing", "retiring", "restarting"]
 
 
 @dataclass
 class Moving:
-    to: MovablePool
+    to: MoveTarget
     since: float  # when it was decided (the bridge's monotonic clock)
     phase: MovePhase = "finishing"
 
@@ -78,13 +79,13 @@ class Moves:
         self.log.info("moving", instance=move.instance, to=move.to, requests=running)
         return MoveStarted(key=move.key, instance=move.instance, to=move.to, requests=running)
 
-    def start(self, name: str, to: MovablePool, now: float) -> None:
+    def start(self, name: str, to: MoveTarget, now: float) -> None:
         """Begin moving instance ``name`` to ``to``; RequestError saying why it cannot."""
         self._check(name, to)
         self.heads.conductor.leave(name)
         self.moving[name] = Moving(to, now)
 
-    def _check(self, name: str, to: MovablePool) -> None:
+    def _check(self, name: str, to: MoveTarget) -> None:
         heads = self.heads
         pool = heads.pool_of.get(name)
         if pool is None:
@@ -93,10 +94,12 @@ class Moves:
             raise RequestError("invalid_request", f"instance {name} cannot move: {heads.fixed[name]}")
         if name in self.moving:
             raise RequestError("invalid_request", f"instance {name} is already moving to {self.moving[name].to}")
-        if pool == to:
+        if pool == target_pool(to):
             raise RequestError("invalid_request", f"instance {name} already serves the {to} pool")
         if name not in heads.pids:
             raise RequestError("restarting", f"instance {name} is restarting: move it once it serves")
+        if not pool:
+            return  # the mixed role has no minimum
         staying = [n for n, p in heads.pool_of.items() if p == pool and n in heads.pids and n not in self.moving]
         least = getattr(self.planner, f"min_{pool}", 1)
         if len(staying) - 1 < least:
@@ -120,14 +123,15 @@ class Moves:
 
     @staticmethod
     def busy(requests: Iterable[Pending]) -> Iterable[str]:
-        """The instances requests still need: a prompt's until its first token, a decode instance's to the end."""
+        """The instances requests still need: a prompt's until its first token, a decode
+        instance's to the end, a mixed instance's (no decode instance) to the end."""
         for record in requests:
-            if not record.first_ns:
+            if not record.first_ns or record.decode is None:
                 yield record.instance
             if record.decode is not None:
                 yield record.decode
 
-    def retired(self, index: int, pid: int) -> tuple[str, MovablePool] | None:
+    def retired(self, index: int, pid: int) -> tuple[str, Pool] | None:
         """A head said it holds nothing: the instance to restart, and its new pool (None:
         no retiring move of the current head's)."""
         name = self.heads.instance_of.get(index)
@@ -135,7 +139,7 @@ class Moves:
         if name is None or move is None or move.phase != "retiring" or not self.heads.current(index, pid):
             return None
         move.phase = "restarting"
-        return name, move.to
+        return name, target_pool(move.to)
 
     def served(self, name: str, now: float) -> float | None:
         """An instance serves again: the seconds its move took, if it was one."""

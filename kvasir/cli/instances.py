@@ -1,5 +1,5 @@
 """``kvasir instances``: the fleet's instances (pool, state, load, moves); ``kvasir
-instances move NAME --to decode|prefill`` moves one to another pool (docs/planner.md)."""
+instances move NAME --to decode|prefill|mixed`` moves one to another pool (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import msgspec
 from kvasir.cli.common import RUNTIME_DIR, connect, fail
 from kvasir.cli.table import table_lines
 from kvasir.errors import KvasirError
-from kvasir.wire.fleet import InstanceStats
+from kvasir.wire.fleet import InstanceStats, MoveTarget, pool_name, target_pool
 
 POLL_S = 0.25  # how often `move` looks at the instance while it waits
 
@@ -48,12 +48,27 @@ def _row(i: InstanceStats) -> list[str]:
     if i.move is not None:
         state = f"moving to {i.move.to} ({i.move.phase}, {i.move.seconds:.1f} s)"
     last = f"{i.last_move_s:.1f} s" if i.last_move_s is not None else "-"
-    return [i.name, i.pool, state, str(i.requests), str(i.routed), "yes" if i.movable else "no", str(i.moves), last]
+    return [
+        i.name,
+        pool_name(i.pool, i.movable),
+        state,
+        str(i.requests),
+        str(i.routed),
+        "yes" if i.movable else "no",
+        str(i.moves),
+        last,
+    ]
 
 
 @instances.command()
 @click.argument("name")
-@click.option("--to", "to", type=click.Choice(["prefill", "decode"]), required=True, help="The pool it is to serve.")
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["prefill", "decode", "mixed"]),
+    required=True,
+    help="The pool it is to serve (mixed: both phases, as a colocated ring).",
+)
 @click.option(
     "--wait/--no-wait",
     default=True,
@@ -86,18 +101,21 @@ def move(group_dir, name, to, wait, timeout_s, runtime_dir) -> None:
         client.close()
 
 
-def _wait(client, name: str, to: str, timeout_s: float) -> None:
+def _wait(client, name: str, to: MoveTarget, timeout_s: float) -> None:
     """Poll the daemon until the instance serves in ``to``; say each phase once."""
     deadline = time.monotonic() + timeout_s
     said = ""
     while time.monotonic() < deadline:
         instance = next(i for i in client.stats().instances if i.name == name)
-        if instance.move is None and instance.pool == to and instance.state == "serving":
+        if instance.move is None and instance.pool == target_pool(to) and instance.state == "serving":
             took = f" in {instance.last_move_s:.1f} s" if instance.last_move_s is not None else ""
             click.echo(f"{name} serves the {to} pool: moved{took}")
             return
         if instance.move is None:
-            click.echo(f"error: {name} did not move: it is {instance.state} in the {instance.pool} pool", err=True)
+            click.echo(
+                f"error: {name} did not move: it is {instance.state} in the {pool_name(instance.pool, True)} pool",
+                err=True,
+            )
             sys.exit(1)
         if instance.move.phase != said:
             said = instance.move.phase

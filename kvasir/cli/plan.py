@@ -270,6 +270,8 @@ def _print_plan(path, resolved, source, stages) -> None:
             f"drafts   {how}, up to {spec.num_tokens} per decode row; none in batches of more than "
             f"{spec.max_rows} decode rows, probes only below {spec.min_acceptance:.0%} confirmed"
         )
+    if resolved.planner is not None:
+        click.echo(_planner_line(resolved))
     if resolved.disaggregated:
         click.echo(f"handoff  prefill KV not taken by the decode pool within {resolved.handoff.lease_s:g} s is freed")
     br = resolved.bridge
@@ -312,6 +314,20 @@ def _print_plan(path, resolved, source, stages) -> None:
     for s in stages:
         if s.edge:
             click.echo(f"edge     {s.index - 1} -> {s.index}: {s.edge} ({s.edge_reason})")
+
+
+def _planner_line(plan) -> str:
+    """[planner]: who may move, and whether the planner or a person moves them."""
+    spec = plan.planner
+    movable = ", ".join(ring.name for ring in plan.rings() if ring.movable) or "none"
+    how = (
+        f"the planner moves them against TTFT {spec.ttft_s:g} s and ITL {spec.itl_s:g} s at p{spec.percentile:g}, "
+        f"every {spec.interval_s:g} s (patience {spec.patience}, headroom {spec.headroom:g}, "
+        f"cooldown {spec.cooldown_s:g} s)"
+        if spec.enabled
+        else "moved by hand (`kvasir instances move`)"
+    )
+    return f"planner  movable: {movable}; {how}; at least {spec.min_prefill} prefill and {spec.min_decode} decode"
 
 
 def _print_shards(shards) -> None:

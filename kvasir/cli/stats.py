@@ -12,6 +12,7 @@ import msgspec
 from kvasir.cli.common import RUNTIME_DIR, connect, remote_options
 from kvasir.cli.table import table_lines
 from kvasir.units import format_bytes
+from kvasir.wire.fleet import pool_name
 from kvasir.wire.shares import PARTS, by_pool, stage_shares
 from kvasir.wire.stats import StageStats
 
@@ -152,7 +153,7 @@ def _print_instances(instances: list[dict]) -> None:
         rows.append(
             (
                 i["name"],
-                i["pool"] or "-",
+                pool_name(i["pool"], i["movable"]),
                 i["state"],
                 ",".join(map(str, i["stages"])),
                 str(i["requests"]),

@@ -28,9 +28,9 @@ from kvasir.wire.client import (
     DaemonStats,
     ErrorEvent,
     Finished,
-    MovablePool,
     Move,
     MoveStarted,
+    MoveTarget,
     PromptLogprobs,
     StatsQuery,
     StatsReply,
@@ -169,7 +169,7 @@ class AsyncClient:
         NoDaemon when no answer comes within ``timeout_s``."""
         return await self._keyed(StatsQuery(key=next(self._keys), timeline=timeline), timeout_s)
 
-    async def move(self, instance: str, to: MovablePool, timeout_s: float = 10.0) -> MoveStarted:
+    async def move(self, instance: str, to: MoveTarget, timeout_s: float = 10.0) -> MoveStarted:
         """Move an instance to another pool (a plan with [planner], docs/planner.md): the
         bridge's word that the move started (it goes on in the daemon: watch ``stats()``'s
         instances); RequestError with the bridge's reason when it refuses."""

@@ -15,8 +15,8 @@ from kvasir.wire.client import (
     DaemonStats,
     ErrorEvent,
     Finished,
-    MovablePool,
     MoveStarted,
+    MoveTarget,
 )
 
 
@@ -66,7 +66,7 @@ class Client:
     def stats(self, timeline: bool = False, timeout_s: float = 10.0) -> DaemonStats:
         return self._call(self._client.stats(timeline, timeout_s))
 
-    def move(self, instance: str, to: MovablePool, timeout_s: float = 10.0) -> MoveStarted:
+    def move(self, instance: str, to: MoveTarget, timeout_s: float = 10.0) -> MoveStarted:
         return self._call(self._client.move(instance, to, timeout_s))
 
     def close(self) -> None:

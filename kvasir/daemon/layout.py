@@ -91,8 +91,9 @@ def lay_out(plan: Plan, source: ModelSource, prefix: str, log) -> Layout:
 
 
 def pool_view(plan: Plan, ring: Plan, pool: Pool) -> Plan:
-    """A movable instance's ring in ``pool``: that pool's widths (its cache is the same in every pool)."""
-    return msgspec.structs.replace(ring, batch=pool_batch(plan, pool))
+    """A movable instance's ring in ``pool``: that pool's widths (its cache is the same in
+    every pool); in the mixed role ("": both phases, as a colocated ring) the widest."""
+    return msgspec.structs.replace(ring, batch=pool_batch(plan, pool) if pool else widest(plan))
 
 
 def make_segments(segments: HostSegments) -> list[ShmSlotRing | KvSegmentMap | DispatchSegment]:
@@ -138,7 +139,7 @@ def _edges(plan: Plan, source: ModelSource, prefix: str, log, layout: Layout, pl
                 layout.ipc_edges[spec.name] = (first + k, first + k + 1)
             log.info("edge", producer=first + k, kind=choice.kind, why=choice.reason)
             edges.append(spec)
-        views = {pool: pool_view(plan, view, pool) for pool in MOVABLE_POOLS} if ring.movable else {}
+        views = {pool: pool_view(plan, view, pool) for pool in (*MOVABLE_POOLS, "")} if ring.movable else {}
         layout.places += [StagePlace(ring.pool, view, first, edges, ring.name, views=views) for _ in view.stages]
 
 

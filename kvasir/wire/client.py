@@ -17,7 +17,7 @@ from kvasir.wire.base import (
     FinishReason,
     Grammar,
 )
-from kvasir.wire.fleet import InstanceStats, MovablePool, PlannerStats
+from kvasir.wire.fleet import InstanceStats, MoveTarget, PlannerStats
 from kvasir.wire.stats import BatchSpan, DraftCounters, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
@@ -85,7 +85,7 @@ class Move(_Client, frozen=True, tag="move"):
 
     key: int
     instance: InstanceName
-    to: MovablePool
+    to: MoveTarget
 
 
 ClientMessage = Submit | Cancel | StatsQuery | Move
@@ -379,7 +379,7 @@ class MoveStarted(_Client, frozen=True, tag="move_started"):
 
     key: int
     instance: str
-    to: MovablePool
+    to: MoveTarget
     requests: int  # on the instance now: the move waits for them to finish
 
 

@@ -11,13 +11,26 @@ from kvasir.config.sections import Pool
 from kvasir.wire.stats import PrefixCounters
 
 MovablePool = Literal["prefill", "decode"]
+MoveTarget = Literal["prefill", "decode", "mixed"]  # mixed: both phases on the instance, as a colocated ring
+
+
+def target_pool(to: MoveTarget) -> Pool:
+    """The pool an instance moved to ``to`` serves ("": mixed, which runs as a colocated ring)."""
+    return "" if to == "mixed" else to
+
+
+def pool_name(pool: Pool, movable: bool) -> str:
+    """A pool as ``kvasir instances`` shows it: a movable instance's "" is the mixed role."""
+    return pool or ("mixed" if movable else "-")
+
+
 PlannerAction = Literal["move", "hold"]
 
 
 class MoveState(msgspec.Struct, frozen=True, kw_only=True):
     """An instance's move to another pool, while it lasts (kvasir/bridge/moves.py)."""
 
-    to: MovablePool
+    to: MoveTarget
     phase: Literal["finishing", "retiring", "restarting"]  # its requests run out; its head empties; it restarts
     seconds: float  # since the move was decided
     requests: int  # still on it

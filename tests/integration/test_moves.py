@@ -117,6 +117,28 @@ def test_moves_by_hand_under_load_lose_nothing(tiny_models, start_daemon):
     assert refused.returncode == 2 and "would leave the decode pool" in refused.stderr
 
 
+def test_the_mixed_role_serves_both_phases_on_one_instance(tiny_models, start_daemon):
+    """A decode and then a prefill instance move to the mixed role (both phases, as a
+    colocated ring) under load, and the first moves back to decode: requests routed to a
+    mixed instance run there alone, every request finishes, exactly."""
+    daemon = start_fleet(start_daemon, tiny_models)
+    model = reference_model(tiny_models["llama"])
+    prompts = random_prompts(VOCAB, [9, 14, 5, 21, 11, 17, 8, 12], seed=63)
+    moves = [("d0", "mixed"), ("p1", "mixed"), ("d0", "decode")]
+    ends, said = asyncio.run(load(daemon.runtime_dir, prompts, 96, moves))
+    assert all(isinstance(end, Finished) for end in ends), [e for e in ends if not isinstance(e, Finished)]
+    expected = {len(p): hf_greedy(model, p, 96) for p in prompts}
+    assert all(end.token_ids == expected[end.usage.prompt_tokens] for end in ends)
+    alone = [end.instances for end in ends if len(end.instances) == 1]
+    assert alone and all(names[0] in ("d0", "p1") for names in alone), [end.instances for end in ends]
+    shown = kvasir("instances", "--runtime-dir", str(daemon.runtime_dir))
+    pools = {row.split()[0]: row.split()[1] for row in shown.stdout.splitlines()[1:]}
+    assert pools == {"p0": "prefill", "p1": "mixed", "d0": "decode", "d1": "decode"}, shown.stdout
+    with Client(daemon.runtime_dir) as client:
+        with pytest.raises(RequestError, match="already serves the mixed pool"):
+            client.move("p1", "mixed")
+
+
 def test_a_plan_without_planner_refuses_moves(tiny_models, start_daemon):
     splits = {"prefill": [(0, 3), (3, 6)], "decode": [(0, 2), (2, 6)]}
     daemon = start_daemon(tiny_models["llama"], splits, max_tokens=16).wait_ready()

@@ -147,3 +147,20 @@ def test_plan_check_prints_instances_and_kv_routes(tmp_path, tiny_models):
         ("p1", "d1"),
     ]
     assert [s["instance"] for s in body["stages"]] == ["p0", "p0", "p1", "p1", "d0", "d0", "d1", "d1"]
+
+
+def test_plan_check_says_who_may_move_and_who_moves_them(tmp_path, tiny_models):
+    source = XPYD.replace('source = "x"', f'source = "{tiny_models["llama"]}"')
+    for section, says in [
+        ("[planner]\n", "planner  movable: p0, p1, d0, d1; moved by hand (`kvasir instances move`); at least 1"),
+        (
+            "[planner]\nenabled = true\nttft_s = 3\nmin_decode = 2\n",
+            "planner  movable: p0, p1, d0, d1; the planner moves them against TTFT 3 s and ITL 0.2 s at p90, "
+            "every 10 s (patience 2, headroom 0.8, cooldown 30 s); at least 1 prefill and 2 decode",
+        ),
+    ]:
+        path = tmp_path / "fleet.toml"
+        path.write_text(section + source)
+        result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+        assert result.exit_code == 0, result.output
+        assert any(line.startswith(says) for line in result.output.splitlines()), result.output
