@@ -58,10 +58,11 @@ class Streams:
 
     async def _stream(self, record: Pending, token: SampledToken) -> None:
         now = time.monotonic_ns()
-        self.metrics.token(now - record.last_ns if record.token_ids else None)
+        gap_ns = now - record.last_ns if record.token_ids else None
+        self.metrics.token(gap_ns)
         if self.samples is not None:
-            if record.token_ids:
-                self.samples.gap((now - record.last_ns) / 1e9)
+            if gap_ns is not None:
+                self.samples.gap(gap_ns / 1e9)
             else:
                 self.samples.first_token((now - record.submitted_ns) / 1e9)
         if not record.token_ids:

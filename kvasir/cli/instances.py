@@ -113,7 +113,7 @@ def _wait(client, name: str, to: MoveTarget, timeout_s: float) -> None:
             return
         if instance.move is None:
             click.echo(
-                f"error: {name} did not move: it is {instance.state} in the {pool_name(instance.pool, True)} pool",
+                f"error: {name} did not move: it is {instance.state} in the {pool_name(instance.pool, instance.movable)} pool",
                 err=True,
             )
             sys.exit(1)
