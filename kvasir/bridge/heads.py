@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import zmq
 
 from kvasir.bridge.conductor import Candidate, Choice, Conductor
 from kvasir.bridge.pool import PoolView
+from kvasir.config.cluster import ring_hosts
 from kvasir.config.fleet import Ring
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
@@ -43,6 +45,9 @@ class Heads:
         self.pids: dict[str, frozenset[int]] = {}  # the serving instances' stage processes
         self.restarts: dict[str, int] = {}  # each instance's restarts so far
         self.failures: dict[str, str] = {}  # each instance's last failure
+        self.parked: set[str] = set()  # instances waiting for their standby or drained host to join
+        self.hosts = {ring.name: sorted(ring_hosts(plan.cluster, ring)) for ring in rings}  # where its workers run
+        self.leader = plan.cluster.leader if plan.cluster is not None else None
         self._io: dict[str, tuple[zmq.Socket, BatchedSocket]] = {}
         for ring in rings:
             self._io[ring.name] = self._connect(ring)
@@ -104,6 +109,7 @@ class Heads:
             self.conductor.assign(instance, decode=pool == "decode")
         self.pids[instance] = frozenset(pids)
         self.restarts[instance] = restarts
+        self.parked.discard(instance)
         self.conductor.up(instance)
         if self.pool is not None:
             self.pool.serve(pids)
@@ -111,8 +117,14 @@ class Heads:
     def down(self, instance: str, reason: str) -> None:
         """An instance failed: drop what was queued for its dead head, ignore its old
         processes' reports, and route nothing to it until it serves again."""
-        self.pids.pop(instance, None)
         self.failures[instance] = reason
+        self.park(instance, parked=False)
+
+    def park(self, instance: str, parked: bool = True) -> None:
+        """An instance stops serving (parked: its host is away, not a failure)."""
+        self.pids.pop(instance, None)
+        if parked:
+            self.parked.add(instance)
         self.conductor.down(instance)
         ring = next(ring for ring in self.rings if ring.name == instance)
         head, _ = self._io[instance]
@@ -145,6 +157,9 @@ class Heads:
         """The conductor's view of an instance, on whichever side it serves now."""
         return self.conductor.candidates.get(name) or self.conductor.decoders.get(name)
 
+    def _state(self, name: str) -> Literal["serving", "parked", "restarting"]:
+        return "serving" if name in self.pids else "parked" if name in self.parked else "restarting"
+
     def report(self, heads: dict[int, StageStats]) -> list[InstanceStats]:
         """Each instance for ``kvasir stats``, with its head's latest report (by index)."""
         out = []
@@ -155,7 +170,8 @@ class Heads:
                 InstanceStats(
                     name=ring.name,
                     pool=self.pool_of[ring.name],
-                    state="serving" if ring.name in self.pids else "restarting",
+                    state=self._state(ring.name),
+                    hosts=self.hosts[ring.name],
                     movable=ring.movable,
                     stages=list(range(ring.first, ring.last + 1)),
                     restarts=self.restarts.get(ring.name, 0),

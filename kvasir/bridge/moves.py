@@ -15,6 +15,11 @@ A move has three phases:
 No request is ended by a move. An instance that fails meanwhile restarts as any failed
 instance does (in the pool it was last started for), and its move is forgotten.
 
+Draining a host (``kvasir hosts drain``) moves each of its instances out the same way,
+to "parked": after ``retiring``, ``parking``: the launcher stops its processes and
+says "parked" (kvasir/daemon/supervisor.py); it serves again once the host's
+``kvasird join`` is started anew.
+
 With ``[planner] enabled = true`` the planner (kvasir/bridge/planner.py) decides moves
 too: ``follow`` asks it once per interval and starts the move it decides.
 Bookkeeping and checks only: the bridge sends what these answers say.
@@ -26,7 +31,6 @@ import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import msgspec
 
@@ -37,17 +41,16 @@ from kvasir.config.roles import PlannerSpec
 from kvasir.config.sections import Pool
 from kvasir.errors import RequestError
 from kvasir.logs import Logger
-from kvasir.wire.client import ErrorEvent, Move, MoveStarted
-from kvasir.wire.fleet import InstanceStats, MovablePool, MoveState, MoveTarget, target_pool
-
-MovePhase = Literal["finishing", "retiring", "restarting"]
+from kvasir.wire.client import DrainHost, DrainStarted, ErrorEvent, Move, MoveStarted
+from kvasir.wire.fleet import InstanceStats, MovablePool, MovePhase, MoveState, MoveTarget, MoveTo, target_pool
 
 
 @dataclass
 class Moving:
-    to: MoveTarget
+    to: MoveTo
     since: float  # when it was decided (the bridge's monotonic clock)
     phase: MovePhase = "finishing"
+    drain: str = ""  # to "parked": the host being drained
 
 
 @dataclass
@@ -64,20 +67,28 @@ class Moves:
         if self.planner is not None and self.planner.enabled:
             self.auto = Planner(self.planner)
 
-    def asked(self, move: Move, local: bool, draining: bool, now: float) -> MoveStarted | ErrorEvent:
-        """A client asks for a move (``local``: on the daemon's own socket): the answer."""
+    def asked(
+        self, asking: Move | DrainHost, local: bool, draining: bool, now: float
+    ) -> MoveStarted | DrainStarted | ErrorEvent:
+        """A client asks for a move or a host's drain (``local``: on the daemon's own socket): the answer."""
         try:
             if not local:
-                raise RequestError("invalid_request", "instances are moved from the daemon's host only")
+                raise RequestError(
+                    "invalid_request", "instances are moved and hosts drained from the daemon's host only"
+                )
             if draining:
                 raise RequestError("shutting_down", "the daemon is shutting down")
-            self.start(move.instance, move.to, now)
+            leaving = self.drain(asking.host, now) if isinstance(asking, DrainHost) else [asking.instance]
+            if isinstance(asking, Move):
+                self.start(asking.instance, asking.to, now)
         except RequestError as exc:
-            return ErrorEvent(code=exc.code, message=exc.message, key=move.key)
-        candidate = self.heads.candidate(move.instance)
-        running = candidate.running if candidate is not None else 0
-        self.log.info("moving", instance=move.instance, to=move.to, requests=running)
-        return MoveStarted(key=move.key, instance=move.instance, to=move.to, requests=running)
+            return ErrorEvent(code=exc.code, message=exc.message, key=asking.key)
+        running = sum(c.running for c in map(self.heads.candidate, leaving) if c is not None)
+        if isinstance(asking, DrainHost):
+            self.log.info("draining a host", host=asking.host, instances=leaving, requests=running)
+            return DrainStarted(key=asking.key, host=asking.host, instances=leaving, requests=running)
+        self.log.info("moving", instance=asking.instance, to=asking.to, requests=running)
+        return MoveStarted(key=asking.key, instance=asking.instance, to=asking.to, requests=running)
 
     def start(self, name: str, to: MoveTarget, now: float) -> None:
         """Begin moving instance ``name`` to ``to``; RequestError saying why it cannot."""
@@ -96,18 +107,58 @@ class Moves:
             raise RequestError("invalid_request", f"instance {name} is already moving to {self.moving[name].to}")
         if pool == target_pool(to):
             raise RequestError("invalid_request", f"instance {name} already serves the {to} pool")
-        if name not in heads.pids:
+        self._serving(name)
+        self._keeps(pool, [name], f"moving {name}")
+
+    def _serving(self, name: str) -> None:
+        if name in self.heads.parked:
+            raise RequestError("invalid_request", f"instance {name} is parked: it serves once its host joins")
+        if name not in self.heads.pids:
             raise RequestError("restarting", f"instance {name} is restarting: move it once it serves")
-        if not pool:
-            return  # the mixed role has no minimum
-        staying = [n for n, p in heads.pool_of.items() if p == pool and n in heads.pids and n not in self.moving]
-        least = getattr(self.planner, f"min_{pool}", 1)
-        if len(staying) - 1 < least:
+
+    def _keeps(self, pool: Pool, leaving: list[str], what: str) -> None:
+        """RequestError when ``leaving`` would leave ``pool`` fewer serving instances than
+        its minimum: the planner's min_prefill / min_decode (1 without it), a colocated
+        fleet's 1; the mixed role has none."""
+        heads = self.heads
+        if not pool and heads.disaggregated:
+            return
+        least = getattr(self.planner, f"min_{pool}", 1) if pool else 1
+        staying = [
+            n
+            for n, p in heads.pool_of.items()
+            if p == pool and n in heads.pids and n not in self.moving and n not in leaving
+        ]
+        if len(staying) < least:
+            rule = f"planner.min_{pool} = {least}" if pool and self.planner is not None else "one at least"
             raise RequestError(
                 "invalid_request",
-                f"moving {name} would leave the {pool} pool {len(staying) - 1} serving instances "
-                f"(planner.min_{pool} = {least})",
+                f"{what} would leave the {pool or 'colocated'} pool {len(staying)} serving instances ({rule})",
             )
+
+    def drain(self, host: str, now: float) -> list[str]:
+        """Begin moving every serving instance of ``host`` out to "parked"; their names
+        (RequestError saying why it cannot)."""
+        if host == self.heads.leader:
+            raise RequestError("invalid_request", f"host {host} is the leader: stop the daemon instead")
+        on = [name for name, hosts in self.heads.hosts.items() if host in hosts]
+        if not on:
+            known = sorted({h for hosts in self.heads.hosts.values() for h in hosts} - {self.heads.leader})
+            raise RequestError(
+                "invalid_request",
+                f"no instance runs on host {host!r} (hosts with instances: {', '.join(known) or 'none'})",
+            )
+        leaving = [name for name in on if name not in self.heads.parked]
+        for name in leaving:
+            if name in self.moving:
+                raise RequestError("invalid_request", f"instance {name} is moving to {self.moving[name].to}")
+            self._serving(name)
+        for pool in sorted({self.heads.pool_of[name] for name in leaving}):
+            self._keeps(pool, leaving, f"draining host {host}")
+        for name in leaving:
+            self.heads.conductor.leave(name)
+            self.moving[name] = Moving("parked", now, drain=host)
+        return leaving
 
     def due(self, ledger: Ledger) -> list[str]:
         """Finishing moves none of whose requests is left: their heads are to be asked to
@@ -131,15 +182,22 @@ class Moves:
             if record.decode is not None:
                 yield record.decode
 
-    def retired(self, index: int, pid: int) -> tuple[str, Pool] | None:
-        """A head said it holds nothing: the instance to restart, and its new pool (None:
-        no retiring move of the current head's)."""
+    def retired(self, index: int, pid: int) -> tuple[str, Pool, str] | None:
+        """A head said it holds nothing: the instance to restart, its new pool and the
+        host being drained ("": none; then it parks) (None: no retiring move of the
+        current head's)."""
         name = self.heads.instance_of.get(index)
         move = self.moving.get(name or "")
         if name is None or move is None or move.phase != "retiring" or not self.heads.current(index, pid):
             return None
-        move.phase = "restarting"
-        return name, target_pool(move.to)
+        move.phase = "parking" if move.to == "parked" else "restarting"
+        return name, target_pool(move.to) if move.to != "parked" else self.heads.pool_of[name], move.drain
+
+    def parked(self, name: str, now: float) -> None:
+        """The launcher parked an instance: a drain's move of it is over."""
+        move = self.moving.pop(name, None)
+        if move is not None and self.auto is not None:
+            self.auto.moved(now)
 
     def served(self, name: str, now: float) -> float | None:
         """An instance serves again: the seconds its move took, if it was one."""

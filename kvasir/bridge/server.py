@@ -50,6 +50,7 @@ from kvasir.wire.client import (
     Cancel,
     Cancelled,
     ClientMessage,
+    DrainHost,
     ErrorEvent,
     Move,
     StatsQuery,
@@ -108,7 +109,7 @@ class Bridge:
         self.inbox_io = BatchedSocket(self.inbox)
         self.ctx = ctx
         self.heads = Heads(plan, self.sockets, model.kv_bytes_per_token)
-        self.moves = Moves(self.heads, log, plan.planner)  # instances moving between pools
+        self.moves = Moves(self.heads, log, plan.planner)  # instances moving between pools, hosts draining
         self.stats_interval_s = settings.stats_interval_s
         self.encoder = msgspec.msgpack.Encoder()
         self.client_decoder: Decoder[ClientMessage] = Decoder(ClientMessage)
@@ -205,7 +206,7 @@ class Bridge:
                 await self._cancel(peer, rid)
             case StatsQuery(key=key, timeline=timeline):
                 await self._send(peer, StatsReply(key=key, stats=daemon_stats(self, timeline)))
-            case Move():
+            case Move() | DrainHost():
                 await self._send(peer, self.moves.asked(message, origin == LOCAL, self.draining, time.monotonic()))
 
     async def _submit(self, peer: Peer, msg: Submit, origin: str) -> None:
@@ -324,6 +325,10 @@ class Bridge:
                 self._serve(command)
             elif command.kind == "ring_down":
                 await self._ring_down(command.instance, command.message)
+            elif command.kind == "parked":  # nothing of it is routed or reported until "serve"
+                self.heads.park(command.instance)
+                self.moves.parked(command.instance, time.monotonic())
+                self.reports.forget([command.instance])
             elif command.kind == "hosts":
                 self.hosts_missing = list(command.hosts)
                 if self.heads.pool is not None:  # a lost host's KV pool tiers are gone with it

@@ -8,6 +8,7 @@ import click
 from kvasir import __version__
 from kvasir.cli.bench import bench
 from kvasir.cli.generate import generate
+from kvasir.cli.hosts import hosts
 from kvasir.cli.instances import instances
 from kvasir.cli.keys import keys
 from kvasir.cli.model import model
@@ -23,5 +24,5 @@ def kvasir() -> None:
     """Kvasir: serve a language model as an in-flight ring of pipeline stages."""
 
 
-for command in (plan, model, generate, tail, stats, top, instances, keys, bench):
+for command in (plan, model, generate, tail, stats, top, instances, hosts, keys, bench):
     kvasir.add_command(command)

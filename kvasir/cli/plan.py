@@ -362,4 +362,5 @@ def _print_cluster(plan) -> None:
     for name, host in plan.hosts.items():
         ports = routes.ports(name) if routes is not None else []
         bound = f"ports {ports[0]}-{ports[-1]} (TCP, CURVE)" if ports else "no ports (runs no worker)"
-        click.echo(f"  host {name}  {host.address}: {bound}")
+        standby = "; standby: its instances serve once it joins" if host.standby else ""
+        click.echo(f"  host {name}  {host.address}: {bound}{standby}")

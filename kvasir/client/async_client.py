@@ -26,6 +26,8 @@ from kvasir.wire.client import (
     Cancelled,
     ClientEvent,
     DaemonStats,
+    DrainHost,
+    DrainStarted,
     ErrorEvent,
     Finished,
     Move,
@@ -178,7 +180,16 @@ class AsyncClient:
             raise RequestError(reply.code, reply.message)
         return reply
 
-    async def _keyed(self, message: StatsQuery | Move, timeout_s: float):
+    async def drain_host(self, host: str, timeout_s: float = 10.0) -> DrainStarted:
+        """Drain a host (docs/planner.md): the bridge's word that its instances are leaving
+        (they park once their requests finished: watch ``stats()``'s instances);
+        RequestError with the bridge's reason when it refuses."""
+        reply = await self._keyed(DrainHost(key=next(self._keys), host=host), timeout_s)
+        if isinstance(reply, ErrorEvent):
+            raise RequestError(reply.code, reply.message)
+        return reply
+
+    async def _keyed(self, message: StatsQuery | Move | DrainHost, timeout_s: float):
         """Send a message answered by one event with its key; NoDaemon when none comes."""
         self._raise_if_failed()
         future = asyncio.get_running_loop().create_future()
@@ -187,18 +198,18 @@ class AsyncClient:
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
-            what = "a stats query" if isinstance(message, StatsQuery) else "a move"
+            what = {StatsQuery: "a stats query", Move: "a move", DrainHost: "a drain"}[type(message)]
             raise NoDaemon(f"kvasird at {self.runtime_dir} did not answer {what} within {timeout_s:g} s") from None
         finally:
             self._stats.pop(message.key, None)
 
-    def _encode(self, message: Submit | Cancel | StatsQuery | Move) -> bytes:
+    def _encode(self, message: Submit | Cancel | StatsQuery | Move | DrainHost) -> bytes:
         try:
             return self._encoder.encode(message)
         except (OverflowError, TypeError, ValueError) as exc:
             raise KvasirError(f"cannot send {type(message).__name__}: {exc}") from None
 
-    async def _post(self, message: Submit | Cancel | StatsQuery | Move) -> None:
+    async def _post(self, message: Submit | Cancel | StatsQuery | Move | DrainHost) -> None:
         await self._post_encoded(self._encode(message))
 
     async def _post_encoded(self, body: bytes) -> None:
@@ -319,7 +330,7 @@ class AsyncClient:
                 future = self._stats.get(key)
                 if future is not None and not future.done():
                     future.set_result(stats)
-            case MoveStarted(key=key) | ErrorEvent(key=key) if key in self._stats:
+            case MoveStarted(key=key) | DrainStarted(key=key) | ErrorEvent(key=key) if key in self._stats:
                 future = self._stats[key]
                 if not future.done():
                     future.set_result(event)

@@ -13,6 +13,7 @@ from kvasir.client.stream import RequestStream
 from kvasir.wire.client import (
     Cancelled,
     DaemonStats,
+    DrainStarted,
     ErrorEvent,
     Finished,
     MoveStarted,
@@ -68,6 +69,9 @@ class Client:
 
     def move(self, instance: str, to: MoveTarget, timeout_s: float = 10.0) -> MoveStarted:
         return self._call(self._client.move(instance, to, timeout_s))
+
+    def drain_host(self, host: str, timeout_s: float = 10.0) -> DrainStarted:
+        return self._call(self._client.drain_host(host, timeout_s))
 
     def close(self) -> None:
         self._call(self._client.close())

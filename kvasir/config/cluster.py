@@ -36,6 +36,7 @@ class ClusterSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
 class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     address: str  # where the other hosts reach it (an IP address or a host name)
     port: int = DEFAULT_PORT  # the first port of its range
+    standby: bool = False  # its instances start once its `kvasird join` is there, the others need not wait
 
 
 class HostedPlan(Protocol):
@@ -75,6 +76,7 @@ def check_cluster(plan: HostedPlan) -> None:
         if host not in hosts:
             where = f"the plan's hosts are {host_names(hosts)}" if hosts else "the plan has no [hosts.NAME] tables"
             raise PlanError(f"{key}.host = {host!r} is not a host of the plan ({where})")
+    _check_standby(plan)
     for ring in plan.rings():
         stages, key = ring.plan.stages, ring.key
         for i, (stage, nxt) in enumerate(zip(stages, stages[1:])):
@@ -84,6 +86,36 @@ def check_cluster(plan: HostedPlan) -> None:
                     f"{key}[{i}].edge = {stage.edge!r}: the edge goes from host {a} to host {b}, and only tcp "
                     "crosses hosts (leave the key out)"
                 )
+
+
+def ring_hosts(cluster: ClusterSpec | None, ring: Any) -> set[str]:
+    """The hosts an instance's workers (stages and expert shards) run on (empty: one machine)."""
+    found = set()
+    for stage in ring.plan.stages:
+        found.add(worker_host(cluster, stage.host))
+        found.update(worker_host(cluster, shard.host, stage.host) for shard in stage.experts)
+    return {host for host in found if host is not None}
+
+
+def standby_instances(plan: HostedPlan) -> list[str]:
+    """The instances with a worker on a standby host: they serve once it joins."""
+    standby = {name for name, host in plan.hosts.items() if host.standby}
+    return [ring.name for ring in plan.rings() if ring_hosts(plan.cluster, ring) & standby]
+
+
+def _check_standby(plan: HostedPlan) -> None:
+    """The leader is never standby, and every pool has an instance that starts without one."""
+    cluster = plan.cluster
+    if cluster is not None and cluster.leader in plan.hosts and plan.hosts[cluster.leader].standby:
+        raise PlanError(f"hosts.{cluster.leader}.standby: the leader cannot be a standby host")
+    parked = set(standby_instances(plan))
+    for pool in sorted({ring.pool for ring in plan.rings()}):
+        rings = [ring for ring in plan.rings() if ring.pool == pool]
+        if all(ring.name in parked for ring in rings):
+            raise PlanError(
+                f"every instance of the {pool or 'fleet'}{' pool' if pool else ''} has a worker on a standby host "
+                f"({', '.join(ring.name for ring in rings)}): one at least must start with the leader"
+            )
 
 
 def _placed(plan: HostedPlan) -> Iterator[tuple[str, str]]:

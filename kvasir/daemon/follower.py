@@ -4,8 +4,9 @@ A follower connects to the leader's ``hosts`` socket (CURVE, its host's key) and
 is alive about twice a second. The leader hands it the workers of its host (``Run``:
 settings and the shared memory to make for them); the follower makes the segments under
 its own names, starts the workers with its own paths (runtime dir, model, keys) and
-reports each start and each exit. The workers talk to the leader and to each other
-directly over the plan's TCP routes. When the leader says ``Halt``, or has been silent
+reports each start and each exit; a ``Run`` or a ``Stop`` touches only the workers it
+names (another instance of the host serves on). The workers talk to the leader and to
+each other directly over the plan's TCP routes. When the leader says ``Halt``, or has been silent
 for the plan's ``cluster.host_silence_s`` (the link is down) or for 1.2 s after its
 connection dropped (dead: kvasir/transport/resets.py), the follower kills its workers and
 waits for a leader to take it again; it runs until SIGTERM or SIGINT.
@@ -39,7 +40,7 @@ from kvasir.transport.routes import Placement, Routes, plan_digest
 from kvasir.transport.rundir import lock_runtime_dir
 from kvasir.wire.control import HostSegments, ShardSettings, ShardWiring, StageSettings, WorkerSettings
 from kvasir.wire.decoding import Decoder, Malformed
-from kvasir.wire.hosts import ALIVE_EVERY_S, Alive, Exited, Halt, LeaderMessage, Ping, Refused, Run, Spawned
+from kvasir.wire.hosts import ALIVE_EVERY_S, Alive, Exited, Halt, LeaderMessage, Ping, Refused, Run, Spawned, Stop
 
 FollowerState = Literal["waiting", "running", "stopping"]
 
@@ -121,7 +122,7 @@ class Follower:
         self.timeout_s = self.plan.cluster.host_silence_s
         self.sockets = Sockets(zmq.Context(), Endpoints(self.here.runtime_dir, routes), Fabric.of(routes, keys))
         self.workers: dict[str, subprocess.Popen] = {}
-        self.generation = 0
+        self.generations: dict[str, int] = {}  # each worker's Run
         self.layout = Layout()  # the shared memory made here, kept across runs
         self._made: set[str] = set()  # its names
         self.heard = 0.0  # when the leader last said anything (0: not since we started or lost it)
@@ -189,6 +190,8 @@ class Follower:
         self.heard = time.monotonic()
         if isinstance(message, Run):
             self._run(message)
+        elif isinstance(message, Stop):
+            self._stop(message.names, message.reason)
         elif isinstance(message, Halt):
             self._halt(message.reason)
         elif isinstance(message, Refused):
@@ -209,8 +212,7 @@ class Follower:
 
     # -- workers ---------------------------------------------------------------------------
     def _run(self, run: Run) -> None:
-        self._halt("the leader starts a new ring")
-        self.generation = run.generation
+        self._stop([ChildId.of(settings).name for settings in run.workers], "the leader starts it again")
         names = renamed(run.segments, run.prefix, self.here.prefix)
         try:
             check_segment_names(run.prefix, segment_names(run))
@@ -227,6 +229,7 @@ class Follower:
             name = ChildId.of(settings).name
             process = start_worker(settings)
             self.workers[name] = process
+            self.generations[name] = run.generation
             self._send(Spawned(run.generation, name, process.pid))
             self.log.info("spawned", child=name, pid=process.pid)
         self.state = "running"
@@ -238,19 +241,23 @@ class Follower:
             if code is not None:
                 del self.workers[name]
                 self.log.warning("worker exited", child=name, pid=process.pid, code=code)
-                self._send(Exited(self.generation, name, process.pid, code, ""))
+                self._send(Exited(self.generations.pop(name, 0), name, process.pid, code, ""))
 
     def _halt(self, reason: str) -> None:
-        if self.workers:
-            self.log.info("stopping the workers", reason=reason, workers=list(self.workers))
-        for process in self.workers.values():
+        self._stop(list(self.workers), reason)
+
+    def _stop(self, names: list[str], reason: str) -> None:
+        """Kill the named workers that run (each reported as exited); with none left, wait."""
+        stopping = {name: self.workers.pop(name) for name in names if name in self.workers}
+        if stopping:
+            self.log.info("stopping workers", reason=reason, workers=list(stopping))
+        for process in stopping.values():
             if process.poll() is None:
                 process.kill()
-        for name, process in self.workers.items():
+        for name, process in stopping.items():
             process.wait()
-            self._send(Exited(self.generation, name, process.pid, process.returncode, reason))
-        self.workers = {}
-        if self.state == "running":
+            self._send(Exited(self.generations.pop(name, 0), name, process.pid, process.returncode, reason))
+        if self.state == "running" and not self.workers:
             self.state = "waiting"
             self.notifier.status(f"host {self.here.host}: waiting for the leader ({reason})")
 

@@ -18,12 +18,13 @@ import zmq
 from kvasir.config.plan import Plan
 from kvasir.daemon.children import Child, ChildId, join_children
 from kvasir.daemon.fronts import FrontError, Fronts
+from kvasir.daemon.instances import EVERY, Failure, OpenError, plan_instances
 from kvasir.daemon.layout import Layout, LayoutError, lay_out
 from kvasir.daemon.notify import ServiceNotifier
 from kvasir.daemon.remote import Cluster, HostLink
 from kvasir.daemon.spawner import Spawner
-from kvasir.daemon.supervision import Heartbeats, RestartPolicy
-from kvasir.daemon.supervisor import EVERY, Failure, Instance, OpenError, RingSupervisor
+from kvasir.daemon.supervision import Heartbeats
+from kvasir.daemon.supervisor import RingSupervisor
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
@@ -143,18 +144,8 @@ class Launcher:
         self._watch_instances()
 
     def _watch_instances(self) -> None:
-        """The supervisor's instances, each with its own restart window; a disaggregated
-        plan's fail together (a request's life spans a prefill and a decode instance)."""
-        sup = self.plan.supervise
-        ids = self.layout.ring_ids()
-        rings = self.plan.rings()
-        self.ring.instances = [
-            Instance(ring.name, ring.pool, ids[ring.name], RestartPolicy(sup.max_restarts, sup.restart_window_s))
-            for ring in rings
-        ]
-        if self.plan.disaggregated:
-            every = tuple(ring.name for ring in rings)
-            self.ring.domains = {name: every for name in every}
+        """The supervisor's instances, each with its own restart window, and their failure domains."""
+        self.ring.instances, self.ring.domains = plan_instances(self.plan, self.layout.ring_ids())
 
     def spawn(self) -> None:
         """Start every child (the stages, their expert shards, the bridge) and the HTTP fronts."""
@@ -215,12 +206,22 @@ class Launcher:
             self._pass_handles(half)
 
     def _regroup(self, message: Regroup, now: float) -> None:
-        """The bridge says a moving instance is empty: restart it in its new pool, if the plan lets it serve there."""
+        """The bridge says a moving instance is empty: restart it in its new pool, if the
+        plan lets it serve there, or park it (its host is drained)."""
         place = next((p for p in self.layout.places if p.instance == message.instance), None)
-        if place is None or message.pool not in place.views:
-            self.log.warning("dropped a move the plan does not allow", instance=message.instance, pool=message.pool)
-            return
-        self.ring.move(message.instance, message.pool, now)
+        instance = next((i for i in self.ring.instances if i.name == message.instance), None)
+        if message.drain and self.hosts is not None and instance is not None and message.drain in instance.hosts:
+            self.hosts.drain(message.drain)
+            self.ring.park(message.instance)
+        elif place is None or message.drain or message.pool not in place.views:
+            self.log.warning(
+                "dropped a move the plan does not allow",
+                instance=message.instance,
+                pool=message.pool,
+                drain=message.drain,
+            )
+        else:
+            self.ring.move(message.instance, message.pool, now)
 
     def _pass_handles(self, half: EdgeHandles) -> None:
         """A stage's CUDA IPC handles: once both sides of its edge sent theirs, each gets the other's."""
@@ -240,7 +241,9 @@ class Launcher:
         if bridge is None:
             raise OpenError("no bridge to open")
         for ring in self.ring.instances:
-            if instance in (EVERY, ring.name):
+            if ring.state == "parked" and (instance == EVERY or new_bridge):
+                bridge.command.send(Command("parked", instance=ring.name))
+            elif instance in (EVERY, ring.name):
                 pids = tuple(c.process.pid for c in ring.children if c.process.pid is not None)
                 last = self.ring.last_failure
                 bridge.command.send(
@@ -257,6 +260,10 @@ class Launcher:
         if any(child.role == "stage" for child in wanted):
             self.exchange.clear()  # a new ring's stages pair their CUDA IPC edges afresh
         return self.spawner.start(self.layout, wanted)
+
+    def parked(self, instance: str) -> None:
+        if self.ring.bridge is not None:
+            self.ring.bridge.command.send(Command("parked", instance=instance))
 
     def ring_down(self, instance: str, reason: str) -> None:
         if self.ring.bridge is not None:

@@ -45,6 +45,7 @@ from kvasir.wire.hosts import (
     Refused,
     Run,
     Spawned,
+    Stop,
 )
 
 
@@ -64,10 +65,12 @@ class RemoteProcess:
         return self.returncode
 
     def kill(self) -> None:
-        """Stop it (the follower stops every worker of its host: the ring is restarting)."""
+        """Stop it (its follower kills it; the host's other workers run on)."""
         if self.returncode is None:
-            self.link.halt(self.host, f"the leader stops {self.name}")
+            self.link.stop(self.host, self.name, f"the leader stops {self.name}")
             self.returncode = -int(signal.SIGKILL)
+        if self.link.processes.get(self.name) is self:  # what its follower says of it now is of no use
+            del self.link.processes[self.name]
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -98,17 +101,19 @@ class FollowerState:
 class HostLink:
     sockets: Sockets
     leader: str
-    needed: set[str]  # the hosts, besides the leader's, that run workers
+    needed: set[str]  # the hosts, besides the leader's, that run workers and are neither standby nor drained
     owners: dict[bytes, str]  # each host's public key (z85) -> its name
     digest: str  # the plan's (kvasir/transport/routes.py plan_digest): a follower's must be the same
     model: str  # the served model's identity (kvasir/model/fingerprint.py): a follower's must be the same
     timeout_s: float
     log: Logger
     followers: dict[str, FollowerState] = field(default_factory=dict)
-    processes: dict[str, RemoteProcess] = field(default_factory=dict)  # the current ring's, by name
+    processes: dict[str, RemoteProcess] = field(default_factory=dict)  # the current worker of each name
     generation: int = 0
+    drained: dict[str, int] = field(default_factory=dict)  # host -> the pid of the kvasird join it was drained under
 
     def __post_init__(self) -> None:
+        self.required = frozenset(self.needed)  # the plan's needed hosts (a drained one is needed again once back)
         self.router = self.sockets.bind(zmq.ROUTER, self.sockets.ends.hosts)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a follower that reconnects takes its name back
         self.resets = Resets(self.router, self.sockets.keep)
@@ -164,7 +169,10 @@ class HostLink:
         if state is not None:  # its kvasird join restarted: whatever it ran is gone
             self._lose(host, f"host {host}'s kvasird join restarted (pid {state.pid} -> {message.pid})")
         self.followers[host] = FollowerState(message.pid, now)
-        self.log.info("host joined", host=host, pid=message.pid)
+        if self.drained.get(host, message.pid) != message.pid:  # a new kvasird join: the host is back
+            del self.drained[host]
+            self.needed |= {host} & self.required
+        self.log.info("host joined", host=host, pid=message.pid, drained=host in self.drained)
         self._send(host, Ping())
 
     def _report(self, host: str, message: Spawned | Exited) -> None:
@@ -205,8 +213,9 @@ class HostLink:
                     if reset
                     else f"no word from its kvasird join for {quiet:.1f} s"
                 )
+                live = any(p.host == host and p.returncode is None for p in self.processes.values())
                 self._lose(host, why)
-                if any(p.host == host for p in self.processes.values()):
+                if live:
                     return why
                 self.log.warning("host missing", host=host, quiet_s=round(quiet, 1))
         return None
@@ -226,12 +235,27 @@ class HostLink:
 
     @property
     def absent(self) -> list[str]:
-        """The hosts with workers whose follower has not joined (the ring cannot start yet)."""
+        """The needed hosts whose follower has not joined (the ring cannot start yet)."""
         return sorted(self.needed - set(self.followers))
+
+    def available(self, hosts: frozenset[str]) -> bool:
+        """Every one of ``hosts`` has joined, and not under the kvasird join it was drained under."""
+        return all(h in self.followers and self.drained.get(h) != self.followers[h].pid for h in hosts)
+
+    def parks(self, hosts: frozenset[str]) -> bool:
+        """One of ``hosts`` is standby or drained (not needed) and not available."""
+        return any(h not in self.needed and not self.available(frozenset({h})) for h in hosts)
+
+    def drain(self, host: str) -> None:
+        """``kvasir hosts drain``: the host is not needed until a new kvasird join there."""
+        state = self.followers.get(host)
+        self.drained[host] = state.pid if state is not None else 0
+        self.needed.discard(host)
+        self.log.info("host drained", host=host, pid=self.drained[host])
 
     # -- what goes out ---------------------------------------------------------------------
     def start(self, wanted: Iterable[WorkerSettings], layout: Layout, prefix: str) -> dict[ChildId, Child]:
-        """Hand each follower its workers; their Child entries."""
+        """Hand each follower these workers (the host's others run on); their Child entries."""
         by_host: dict[str, list[WorkerSettings]] = {}
         for settings in wanted:
             if settings.fabric is not None:
@@ -239,7 +263,6 @@ class HostLink:
         if not by_host:
             return {}  # the bridge alone: the ring's workers stay as they are
         self.generation += 1
-        self.processes = {}
         children = {}
         for host, workers in by_host.items():
             segments = layout.hosted.get(host, HostSegments())
@@ -251,6 +274,9 @@ class HostLink:
                 command = PushChannel[Command](self.sockets.connect(zmq.PUSH, self.sockets.ends.command(child.name)))
                 children[child] = Child(child, process, command)
         return children
+
+    def stop(self, host: str, name: str, reason: str) -> None:
+        self._send(host, Stop([name], reason))
 
     def halt(self, host: str, reason: str) -> None:
         self._send(host, Halt(reason))
@@ -298,6 +324,7 @@ class Cluster:
         """Bind the followers' socket; ``weights``: the served model's folder."""
         placement = self.placement
         needed = {host for host in (*placement.stages, *placement.shards) if host is not None} - {placement.leader}
+        needed -= {name for name, host in plan.hosts.items() if host.standby}
         return HostLink(
             sockets,
             self.keys.host,

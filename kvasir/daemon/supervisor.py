@@ -8,7 +8,11 @@ requests are told, its children are killed, and a restart waits out its policy's
 back-off (kvasir/daemon/supervision.py); then "starting" (new children loading) until
 every child is ready and the bridge routes to it again, back to "up". The other
 instances serve on. Too many failures of one instance within the window and it is
-"failed": nothing is routed to it again. The daemon gives up (``failed`` returns False
+"failed": nothing is routed to it again. An instance with a worker on a standby host
+(kvasir/config/cluster.py) or a drained one (``kvasir hosts drain``) is "parked" while
+that host's ``kvasird join`` is not there (or is the one it was drained under): no
+children, nothing routed; once the host joins it is "joining" (loading) and then up,
+without a restart of the others. The daemon gives up (``failed`` returns False
 and the launcher stops everything) when every instance of a pool has failed, or on a
 failure while it drains. A disaggregated plan's instances are one failure domain (a
 request's life spans a prefill and a decode instance), and the bridge's death fails
@@ -19,82 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
 
 from kvasir.config.sections import Pool
 from kvasir.daemon.children import BRIDGE, Child, ChildId, ending
+from kvasir.daemon.instances import EVERY, Failure, Instance, InstanceState, OpenError, Plumbing
 from kvasir.daemon.remote import RemoteProcess
-from kvasir.daemon.supervision import Heartbeats, RestartPolicy
-from kvasir.errors import KvasirError
+from kvasir.daemon.supervision import Heartbeats
 from kvasir.logs import Logger
 from kvasir.wire.control import EdgeHandles, Heartbeat, Ready
 
-InstanceState = Literal["up", "down", "starting", "moving", "failed"]
-EVERY = ""  # an instance name that stands for all of them (the bridge's commands)
-
-
-class OpenError(KvasirError):
-    """The bridge could not start serving an instance (it died, or never bound its endpoint)."""
-
-
-class HostWatch(Protocol):
-    """What the supervisor asks of the followers' link (kvasir/daemon/remote.py)."""
-
-    @property
-    def absent(self) -> list[str]: ...
-
-    def missing(self, now: float) -> str | None: ...
-
-    def silent_host(self, host: str, now: float) -> str | None: ...
-
-
-class Plumbing(Protocol):
-    """The launcher's side: processes, sockets and service status."""
-
-    @property
-    def hosts(self) -> HostWatch | None: ...
-
-    def spawn_children(self, wanted: list[ChildId]) -> list[Child]: ...
-
-    def kill(self, children: list[Child]) -> None: ...
-
-    def open(self, instance: str, restarts: int, new_bridge: bool, deadline: float) -> None:
-        """Tell the bridge to serve an instance (EVERY: all of them) in its pool; raises OpenError when it cannot."""
-
-    def ring_down(self, instance: str, reason: str) -> None:
-        """Tell the (live) bridge an instance failed: it ends that instance's requests with stage_failed."""
-
-    def bridge_gone(self) -> None:
-        """The bridge died: remove its socket files."""
-
-    def status(self, text: str) -> None: ...
-
-
-@dataclass
-class Instance:
-    """One instance's children and where its restarts stand."""
-
-    name: str
-    pool: Pool
-    ids: list[ChildId]  # its stages in ring order, then their expert shards
-    policy: RestartPolicy
-    children: list[Child] = field(default_factory=list)
-    state: InstanceState = "up"
-    restarts: int = 0
-    moves: int = 0  # restarts in another pool (kvasir/config/roles.py), not counted as restarts
-    last_failure: str = ""
-    respawn_at: float = 0.0
-    deadline: float = 0.0  # "starting": when the new children must be ready
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.children) and all(child.ready for child in self.children)
-
-
-@dataclass(frozen=True)
-class Failure:
-    reason: str
-    instances: tuple[str, ...]  # the instances it takes down
+__all__ = ["EVERY", "Failure", "Instance", "OpenError", "RingSupervisor"]
 
 
 @dataclass
@@ -129,8 +67,13 @@ class RingSupervisor:
 
     @property
     def settled(self) -> bool:
-        """No instance is down or starting."""
-        return all(i.state in ("up", "failed") for i in self.instances)
+        """No instance is down, starting, moving or joining, nor parked with its hosts back."""
+        return all(i.state in ("up", "failed") or (i.state == "parked" and not self._back(i)) for i in self.instances)
+
+    def _back(self, instance: Instance) -> bool:
+        """A parked instance's hosts are all there (it may join)."""
+        hosts = self.plumbing.hosts
+        return hosts is None or hosts.available(instance.hosts)
 
     @property
     def restarts(self) -> int:
@@ -142,7 +85,7 @@ class RingSupervisor:
     def spawn_missing(self) -> None:
         """Start the children of every instance that has none, and a bridge if there is none."""
         for instance in self.instances:
-            if not instance.children and instance.state != "failed":
+            if not instance.children and instance.state not in ("failed", "parked"):
                 instance.children = self.plumbing.spawn_children(instance.ids)
         if self.bridge is None:
             [self.bridge] = self.plumbing.spawn_children([BRIDGE])
@@ -153,7 +96,8 @@ class RingSupervisor:
         self.plumbing.open(EVERY, 0, self.new_bridge, deadline)
         self.new_bridge = False
         for instance in self.instances:
-            instance.state = "up"
+            if instance.state != "parked":
+                instance.state = "up"
 
     # -- what the children say --------------------------------------------------------
     def note(self, messages: Iterable[Ready | Heartbeat | EdgeHandles], now: float) -> list[EdgeHandles]:
@@ -248,7 +192,8 @@ class RingSupervisor:
             self.bridge = None
             self.plumbing.bridge_gone()
         for name in failure.instances:
-            self._down(self.instance(name), failure.reason, now, serving and not bridge_dead)
+            if self.instance(name).state != "parked":
+                self._down(self.instance(name), failure.reason, now, serving and not bridge_dead)
         if not serving:
             return False
         gave_up = self._pool_gone()
@@ -291,11 +236,27 @@ class RingSupervisor:
         instance.children = []
         instance.pool = pool
         instance.ids = [replace(child, pool=pool) for child in instance.ids]
-        self.spawn_missing()
-        instance.state = "moving"
-        instance.deadline = now + self.ready_s
+        self._spawn(instance, "moving", now)
         self.log.info("moving", instance=name, pool=pool)
         self.plumbing.status(f"moving {name} to the {pool} pool")
+
+    def park(self, name: str) -> None:
+        """The bridge says an instance on a host being drained holds no request: stop its
+        children; it stays parked until its host joins again (an instance that is not up
+        is left to its restart, which parks it while the host is away)."""
+        instance = next((i for i in self.instances if i.name == name), None)
+        if instance is None or instance.state != "up":
+            self.log.warning("park dropped: the instance is not serving", instance=name)
+            return
+        self.kill(instance.children)
+        instance.children = []
+        self._parked(instance, "its host is drained")
+
+    def _parked(self, instance: Instance, why: str) -> None:
+        instance.state = "parked"
+        self.log.info("parked", instance=instance.name, hosts=sorted(instance.hosts), why=why)
+        self.plumbing.parked(instance.name)
+        self.plumbing.status(f"{instance.name} parked: {why}")
 
     def _pool_gone(self) -> str | None:
         """A pool all of whose instances have failed for good (its name), if any."""
@@ -311,40 +272,58 @@ class RingSupervisor:
         return True
 
     def _step(self, instance: Instance, now: float) -> bool:
+        hosts = self.plumbing.hosts
         if instance.state == "down" and now >= instance.respawn_at:
-            hosts = self.plumbing.hosts
+            if hosts is not None and hosts.parks(instance.hosts):
+                self._parked(instance, f"waiting for hosts {', '.join(sorted(instance.hosts))} to join")
+                return True
             if hosts is not None and hosts.absent:
                 return True  # an instance needs its hosts: wait for their kvasird join
-            self.spawn_missing()
-            instance.state = "starting"
-            instance.deadline = now + self.ready_s
-        elif (
-            instance.state in ("starting", "moving")
-            and instance.ready
-            and self.bridge is not None
-            and self.bridge.ready
-        ):
-            moved = instance.state == "moving"
-            try:
-                self.plumbing.open(instance.name, instance.restarts + (not moved), self.new_bridge, instance.deadline)
-            except OpenError as exc:
-                return self.failed(Failure(str(exc), (instance.name,)), now, serving=True)
-            self.new_bridge = False
-            instance.state = "up"
-            if moved:
-                instance.moves += 1
-                self.log.info("serving in its new pool", instance=instance.name, pool=instance.pool)
-                self.plumbing.status(f"{instance.name} serving in the {instance.pool} pool")
-                return True
-            instance.restarts += 1
-            self.log.info("serving again", instance=instance.name, restarts=instance.restarts)
-            self.plumbing.status(f"{instance.name} serving again; restarted {instance.restarts} times")
-        elif instance.state in ("starting", "moving") and now > instance.deadline:
+            self._spawn(instance, "starting", now)
+        elif instance.state == "parked" and self._back(instance):
+            self.log.info("joining", instance=instance.name, hosts=sorted(instance.hosts))
+            self._spawn(instance, "joining", now)
+        elif instance.state in ("starting", "moving", "joining") and instance.ready and self._bridge_ready:
+            return self._opened(instance, now)
+        elif instance.state in ("starting", "moving", "joining") and now > instance.deadline:
             late = [c for c in self.children if not c.ready]
             self.kill(late)
             reason = f"not ready after {self.ready_s:.0f} s: {', '.join(c.name for c in late)}"
             bridge_late = any(c.id == BRIDGE for c in late)
             return self.failed(self._of(reason, {instance.name}, self.bridge if bridge_late else None), now, True)
+        return True
+
+    @property
+    def _bridge_ready(self) -> bool:
+        return self.bridge is not None and self.bridge.ready
+
+    def _spawn(self, instance: Instance, state: InstanceState, now: float) -> None:
+        instance.state = state
+        self.spawn_missing()
+        instance.deadline = now + self.ready_s
+
+    def _opened(self, instance: Instance, now: float) -> bool:
+        """Its new children are ready: the bridge serves it (a restart counts as one)."""
+        was = instance.state
+        try:
+            self.plumbing.open(
+                instance.name, instance.restarts + (was == "starting"), self.new_bridge, instance.deadline
+            )
+        except OpenError as exc:
+            return self.failed(Failure(str(exc), (instance.name,)), now, serving=True)
+        self.new_bridge = False
+        instance.state = "up"
+        if was == "starting":
+            instance.restarts += 1
+            self.log.info("serving again", instance=instance.name, restarts=instance.restarts)
+            self.plumbing.status(f"{instance.name} serving again; restarted {instance.restarts} times")
+        elif was == "moving":
+            instance.moves += 1
+            self.log.info("serving in its new pool", instance=instance.name, pool=instance.pool)
+            self.plumbing.status(f"{instance.name} serving in the {instance.pool} pool")
+        else:
+            self.log.info("joined", instance=instance.name, hosts=sorted(instance.hosts))
+            self.plumbing.status(f"{instance.name} serving: its hosts joined")
         return True
 
     def kill(self, children: list[Child]) -> None:

@@ -126,6 +126,7 @@ class _Snapshot:
         """Per instance (kvasir/config/fleet.py): serving or not, its load, routing and cache."""
         families = (
             (GaugeMetricFamily, "instance_serving", "1 while the instance serves, 0 while it restarts.", "serving"),
+            (GaugeMetricFamily, "instance_parked", "1 while its standby or drained host is away.", "parked"),
             (GaugeMetricFamily, "instance_requests_running", "Requests on the instance now.", "requests"),
             (CounterMetricFamily, "instance_routed", "Requests the conductor sent to the instance.", "routed"),
             (CounterMetricFamily, "instance_restarts", "Restarts of the instance after a failure.", "restarts"),
@@ -274,8 +275,8 @@ class _Snapshot:
 
 def _instance_value(instance: InstanceStats, field: str) -> float:
     prefix = instance.prefix
-    if field == "serving":
-        return 1.0 if instance.state == "serving" else 0.0
+    if field in ("serving", "parked"):
+        return 1.0 if instance.state == field else 0.0
     if field == "hits":
         return prefix.hit_tokens if prefix is not None else 0
     if field == "queries":

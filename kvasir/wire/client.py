@@ -88,7 +88,14 @@ class Move(_Client, frozen=True, tag="move"):
     to: MoveTarget
 
 
-ClientMessage = Submit | Cancel | StatsQuery | Move
+class DrainHost(_Client, frozen=True, tag="drain_host"):
+    """Drain a host: its instances finish their requests and park (``kvasir hosts drain``; local clients only)."""
+
+    key: int
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=63)]
+
+
+ClientMessage = Submit | Cancel | StatsQuery | Move | DrainHost
 
 
 class Accepted(_Client, frozen=True, tag="accepted"):
@@ -383,4 +390,16 @@ class MoveStarted(_Client, frozen=True, tag="move_started"):
     requests: int  # on the instance now: the move waits for them to finish
 
 
-ClientEvent = Accepted | TokenOut | PromptLogprobs | Finished | Cancelled | ErrorEvent | StatsReply | MoveStarted
+class DrainStarted(_Client, frozen=True, tag="drain_started"):
+    """The bridge took a drain: nothing new goes to the host's ``instances``; they park
+    once the ``requests`` on them finished."""
+
+    key: int
+    host: str
+    instances: list[str]  # those that leave (already parked ones are not listed)
+    requests: int
+
+
+ClientEvent = (
+    Accepted | TokenOut | PromptLogprobs | Finished | Cancelled | ErrorEvent | StatsReply | MoveStarted | DrainStarted
+)

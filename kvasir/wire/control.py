@@ -242,21 +242,24 @@ class Heartbeat(Tagged, frozen=True):
 
 
 class Regroup(Tagged, frozen=True):
-    """Bridge -> launcher: a moving instance holds no request; restart it in ``pool``."""
+    """Bridge -> launcher: a moving instance holds no request; restart it in ``pool``
+    (with ``drain``: that host is drained, park the instance instead)."""
 
     instance: str
     pool: Pool
+    drain: str = ""
 
 
 ControlMessage = Ready | Drained | Heartbeat | EdgeHandles | Regroup
 
 
-CommandKind = Literal["serve", "ring_down", "attach", "drain", "stop", "hosts"]
+CommandKind = Literal["serve", "ring_down", "parked", "attach", "drain", "stop", "hosts"]
 
 
 class Command(Wire, frozen=True):
     # "serve" (bridge: every stage is ready; bind the client endpoints, or after a restart
     # take requests again) | "ring_down" (bridge: the stages failed and are restarting) |
+    # "parked" (bridge: the instance waits for its standby or drained host to join) |
     # "attach" (stage: CUDA IPC handles of its edges' other sides) | "drain" | "stop" |
     # "hosts" (bridge: which hosts are missing, whenever that changes)
     kind: CommandKind
@@ -266,5 +269,5 @@ class Command(Wire, frozen=True):
     pids: tuple[int, ...] = ()  # with "serve": the stages' pids (stats from any other process are stale)
     handles: tuple[EdgeHandles, ...] = ()  # with "attach" (stages at start-up): the other sides' CUDA IPC handles
     hosts: tuple[str, ...] = ()  # with "hosts" (bridge, a plan across hosts): the hosts missing now
-    instance: str = ""  # with "serve" and "ring_down": the instance ("": every instance)
+    instance: str = ""  # with "serve", "ring_down" and "parked": the instance ("": every instance)
     pool: Pool | None = None  # with "serve": the pool the instance serves now (None: the plan's)

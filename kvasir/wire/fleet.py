@@ -12,6 +12,8 @@ from kvasir.wire.stats import PrefixCounters
 
 MovablePool = Literal["prefill", "decode"]
 MoveTarget = Literal["prefill", "decode", "mixed"]  # mixed: both phases on the instance, as a colocated ring
+MoveTo = Literal["prefill", "decode", "mixed", "parked"]  # parked: its host is drained (kvasir hosts drain)
+MovePhase = Literal["finishing", "retiring", "restarting", "parking"]
 
 
 def target_pool(to: MoveTarget) -> Pool:
@@ -30,8 +32,8 @@ PlannerAction = Literal["move", "hold"]
 class MoveState(msgspec.Struct, frozen=True, kw_only=True):
     """An instance's move to another pool, while it lasts (kvasir/bridge/moves.py)."""
 
-    to: MoveTarget
-    phase: Literal["finishing", "retiring", "restarting"]  # its requests run out; its head empties; it restarts
+    to: MoveTo
+    phase: MovePhase  # its requests run out; its head empties; it restarts (or parks)
     seconds: float  # since the move was decided
     requests: int  # still on it
 
@@ -41,8 +43,9 @@ class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
 
     name: str
     pool: Pool  # the pool it serves now
-    state: Literal["serving", "restarting", "moving"]
+    state: Literal["serving", "restarting", "moving", "parked"]  # parked: its standby or drained host is away
     stages: list[int]  # its stages' global indices
+    hosts: list[str] = []  # the hosts its workers run on (a plan across hosts)
     restarts: int = 0
     last_failure: str | None = None
     requests: int = 0  # the bridge's requests on it now (an admitting instance's)

@@ -5,10 +5,11 @@ named after its host, both CURVE-authenticated with the hosts' keys.
 The follower says it is alive about twice a second, from the moment it starts; the launcher pings
 back as often (silence either way, for the plan's ``cluster.host_silence_s``, or for
 1.2 s after a connection dropped (kvasir/transport/resets.py), means the other is gone). The
-launcher hands the follower its workers (``Run``: their settings and the
-shared memory to make for them) and stops them (``Halt``); the follower reports each
-worker it started and each that exited. A ``generation`` numbers each ``Run``, so a report
-about an older set of workers is never taken for one about the current set.
+launcher hands the follower workers (``Run``: their settings and the shared memory to
+make for them), stops some of them (``Stop``: an instance restarts or moves, the others
+run on) or all (``Halt``); the follower reports each worker it started and each that
+exited. A ``generation`` numbers each ``Run``, so a report about a worker of an older
+start is never taken for one about the current worker of that name.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ FollowerMessage = Alive | Spawned | Exited
 
 # -- launcher -> follower --------------------------------------------------------------
 class Run(Tagged, frozen=True):
-    """Stop whatever runs, make the shared memory, start these workers."""
+    """Make the shared memory, start these workers (stopping those of their names that
+    still run); the host's other workers run on."""
 
     generation: int
     prefix: str  # the leader's segment prefix: the follower renames segments to its own
@@ -64,6 +66,13 @@ class Halt(Tagged, frozen=True):
     reason: str
 
 
+class Stop(Tagged, frozen=True):
+    """Stop (kill) these workers of the host: their instance restarts, moves or parks."""
+
+    names: list[str]
+    reason: str
+
+
 class Ping(Tagged, frozen=True):
     """The launcher's heartbeat."""
 
@@ -74,4 +83,4 @@ class Refused(Tagged, frozen=True):
     reason: str
 
 
-LeaderMessage = Run | Halt | Ping | Refused
+LeaderMessage = Run | Stop | Halt | Ping | Refused

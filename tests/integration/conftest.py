@@ -22,8 +22,8 @@ def hosted(network, tmp_path, request):
     """Start a leader and its followers; each host's log is printed when the test failed."""
     started: list[HostedDaemon] = []
 
-    def start(plan_text: str, stages: int) -> HostedDaemon:
-        daemon = HostedDaemon(network, tmp_path, plan_text, stages)
+    def start(plan_text: str, stages: int, later: tuple = ()) -> HostedDaemon:
+        daemon = HostedDaemon(network, tmp_path, plan_text, stages, later=later)
         started.append(daemon)
         return daemon
 

@@ -17,20 +17,26 @@ from kvasir.client import Client
 from tests.support.daemon import BIN
 
 
-def hosts_table(network: Network, leader: str = "a", silence_s: float | None = None) -> str:
+def hosts_table(network: Network, leader: str = "a", silence_s: float | None = None, standby: tuple = ()) -> str:
     """[cluster] and [hosts.NAME] for every host of ``network`` (keys in keys/);
-    ``silence_s``: cluster.host_silence_s."""
+    ``silence_s``: cluster.host_silence_s; ``standby``: the standby hosts."""
     text = f'[cluster]\nleader = "{leader}"\nkeys = "keys"\n'
     if silence_s is not None:
         text += f"host_silence_s = {silence_s}\n"
-    return text + "".join(f'[hosts.{name}]\naddress = "{network.address(name)}"\n' for name in network.names)
+    return text + "".join(
+        f'[hosts.{name}]\naddress = "{network.address(name)}"\n' + ("standby = true\n" if name in standby else "")
+        for name in network.names
+    )
 
 
 class HostedDaemon:
     """The leader and its followers; every process in its own session (a follower killed
     with its workers is one killpg)."""
 
-    def __init__(self, network: Network, folder: Path, plan_text: str, stages: int, leader: str = "a") -> None:
+    def __init__(
+        self, network: Network, folder: Path, plan_text: str, stages: int, leader: str = "a", later: tuple = ()
+    ) -> None:
+        """``later``: hosts whose kvasird join the test starts itself (standby hosts)."""
         self.network, self.folder, self.stages, self.leader = network, folder, stages, leader
         result = CliRunner().invoke(
             kvasir, ["keys", "generate", str(folder / "keys"), *[f"--host={name}" for name in network.names]]
@@ -44,7 +50,7 @@ class HostedDaemon:
         self.killed: set[str] = set()  # killed by the test (and not started again)
         self.start(leader)
         for name in network.names:
-            if name != leader:
+            if name != leader and name not in later:
                 self.start(name)
 
     def start(self, host: str) -> subprocess.Popen:

@@ -140,3 +140,48 @@ def test_kvasird_join_refuses_a_host_the_plan_does_not_name_and_the_leader(clust
     assert result.exit_code == 2 and "host 'z' is not one of the plan's [hosts] (a, b)" in result.output
     result = CliRunner().invoke(kvasird, ["join", "--plan", str(path), "--host", "a"])
     assert result.exit_code == 2 and "host a is the plan's leader: run `kvasird start" in result.output
+
+
+FLEET_ON_HOSTS = """
+[[instances]]
+name = "x"
+[[instances.stages]]
+layers = [0, 2]
+[[instances.stages]]
+layers = [2, 6]
+[[instances]]
+name = "y"
+[[instances.stages]]
+layers = [0, 3]
+[[instances.stages]]
+layers = [3, 6]
+host = "b"
+"""
+
+
+def test_standby_hosts_park_their_instances_and_a_pool_keeps_one_that_starts_with_the_leader():
+    from kvasir.config.cluster import standby_instances
+
+    standby = HOSTS.replace("port = 7400\n", "port = 7400\nstandby = true\n")
+    plan = parse_plan(standby + FLEET_ON_HOSTS)
+    assert plan.hosts["b"].standby and not plan.hosts["a"].standby
+    assert standby_instances(plan) == ["y"] and parse_plan(plan_toml(plan)) == plan
+    assert standby_instances(parse_plan(HOSTS + FLEET_ON_HOSTS)) == []
+    assert "hosts.a.standby: the leader cannot be a standby host" in refused(
+        HOSTS.replace('address = "10.0.0.1"\n', 'address = "10.0.0.1"\nstandby = true\n') + FLEET_ON_HOSTS
+    )
+    alone = FLEET_ON_HOSTS.replace("layers = [2, 6]\n", 'layers = [2, 6]\nhost = "b"\n')
+    assert "every instance of the fleet has a worker on a standby host (x, y)" in refused(standby + alone)
+
+
+def test_plan_check_says_which_hosts_are_standby(cluster_plan):
+    path = cluster_plan()
+    path.write_text(path.read_text().replace(HOSTS, HOSTS.replace("port = 7400\n", "port = 7400\nstandby = true\n")))
+    path.write_text(path.read_text().replace(STAGES, FLEET_ON_HOSTS))
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 0, result.output
+    hosts = [line for line in result.output.splitlines() if line.startswith("  host ")]
+    assert hosts[1].startswith("  host b  10.0.0.2: ports") and hosts[1].endswith(
+        "; standby: its instances serve once it joins"
+    )
+    assert not hosts[0].endswith("joins")

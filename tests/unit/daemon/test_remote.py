@@ -1,7 +1,8 @@
 """The launcher's link to its followers (kvasir/daemon/remote.py), over real CURVE
 sockets on loopback: a host is who its key says, never who its name says; reports about
 an older set of workers are ignored; starting the bridge alone leaves the ring's remote
-workers as they are."""
+workers as they are; stopping a worker stops that one; a standby or drained host is not
+waited for, and a drained one is back only under a new kvasird join."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def leader(tmp_path, tiny_models):
     plan_path.write_text(
         f'[model]\nsource = "{tiny_models["llama"]}"\nmax_seq_len = 64\n[cluster]\nleader = "a"\nkeys = "keys"\n'
         f'[hosts.a]\naddress = "127.0.0.1"\nport = {free_port()}\n'
-        f'[hosts.b]\naddress = "127.0.0.2"\nport = {free_port()}\n[hosts.c]\naddress = "127.0.0.3"\n'
+        f'[hosts.b]\naddress = "127.0.0.2"\nport = {free_port()}\n[hosts.c]\naddress = "127.0.0.3"\nstandby = true\n'
         '[[stages]]\nlayers = [0, 3]\n[[stages]]\nlayers = [3, 6]\nhost = "b"\n'
     )
     plan, _ = resolve_plan(plan_path)
@@ -150,3 +151,50 @@ def test_a_follower_whose_connection_drops_is_lost_after_the_grace_unless_it_spe
     assert link.timeout_s > 2 * RECONNECT_GRACE_S  # what follows is the drop, not the silence timeout
     link.missing(dropped + RECONNECT_GRACE_S + 0.1)
     assert "b" not in link.followers and "c" in link.followers
+
+
+def test_stopping_a_worker_names_it_and_forgets_what_its_follower_says_of_it(leader):
+    from kvasir.wire.hosts import LeaderMessage, Run, Stop
+
+    link, follower, digest, cluster, plan = leader
+    b = follower("b", "b")
+    send(b, Alive("b", 1, digest, MODEL))
+    settle(link, lambda: "b" in link.followers)
+    worker = StageSettings(
+        index=1, plan=plan, runtime_dir="/x", launcher_pid=os.getpid(), edges=[], first=0, fabric=cluster.fabric("b")
+    )
+    children = link.start([worker], Layout(), "kvasir-1-00000000")
+    child = children[ChildId("stage", 1)]
+    child.process.kill()
+    said = []
+    deadline = time.monotonic() + 10
+    while len(said) < 3 and time.monotonic() < deadline:
+        if b.poll(100):
+            said.append(msgspec.msgpack.decode(b.recv(), type=LeaderMessage))
+    stops = [m for m in said if isinstance(m, Stop)]
+    assert any(isinstance(m, Run) for m in said) and stops and stops[0].names == ["stage-1"]
+    assert "stage-1" not in link.processes and child.process.poll() is not None
+    child.command.socket.close(linger=0)
+
+
+def test_standby_and_drained_hosts_are_not_waited_for_and_a_drained_one_returns_under_a_new_join(leader):
+    link, follower, digest, _, _ = leader
+    assert link.needed == {"b"} and link.absent == ["b"]  # c is standby
+    b, c = follower("b", "b"), follower("c", "c")
+    send(c, Alive("c", 5, digest, MODEL))
+    settle(link, lambda: "c" in link.followers)
+    assert link.available(frozenset({"c"})) and not link.parks(frozenset({"c"}))
+    assert not link.available(frozenset({"b", "c"})) and not link.parks(frozenset({"b"}))  # b is needed: waited for
+    link.drain("c")
+    assert not link.available(frozenset({"c"})) and link.parks(frozenset({"c"}))
+    send(c, Alive("c", 5, digest, MODEL))  # the same kvasird join: still drained
+    settle(link, lambda: False, timeout_s=0.3)
+    assert link.parks(frozenset({"c"}))
+    send(c, Alive("c", 6, digest, MODEL))  # started anew
+    settle(link, lambda: link.followers["c"].pid == 6)
+    assert link.available(frozenset({"c"})) and link.needed == {"b"}
+    link.drain("b")  # a needed host drained while away: no longer waited for
+    assert link.absent == [] and link.parks(frozenset({"b"}))
+    send(b, Alive("b", 7, digest, MODEL))
+    settle(link, lambda: "b" in link.followers)
+    assert link.needed == {"b"} and link.available(frozenset({"b"}))

@@ -63,12 +63,19 @@ def child(role, index=0, instance="") -> Child:
 class Hosts:
     absent: list[str] = field(default_factory=list)
     lost: str | None = None
+    away: set[str] = field(default_factory=set)  # standby or drained hosts that are not there
 
     def missing(self, now: float) -> str | None:
         return self.lost
 
     def silent_host(self, host: str, now: float) -> str | None:
         return None
+
+    def available(self, hosts: frozenset[str]) -> bool:
+        return not hosts & (self.away | set(self.absent))
+
+    def parks(self, hosts: frozenset[str]) -> bool:
+        return bool(hosts & self.away)
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Recorder:
     killed: list[str] = field(default_factory=list)
     opened: list[tuple[str, int, bool]] = field(default_factory=list)
     downs: list[tuple[str, str]] = field(default_factory=list)
+    parks: list[str] = field(default_factory=list)
     said: list[str] = field(default_factory=list)
     open_fails: bool = False
     bridge_files_removed: int = 0
@@ -100,6 +108,9 @@ class Recorder:
 
     def ring_down(self, instance: str, reason: str) -> None:
         self.downs.append((instance, reason))
+
+    def parked(self, instance: str) -> None:
+        self.parks.append(instance)
 
     def bridge_gone(self) -> None:
         self.bridge_files_removed += 1

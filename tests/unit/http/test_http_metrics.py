@@ -86,6 +86,7 @@ def test_a_fleets_series_carry_the_instance():
         InstanceStats(name="a", pool="", state="serving", stages=[0, 1], requests=2, routed=9, restarts=1,
                       prefix=PrefixCounters(queries=3, prompt_tokens=300, hit_tokens=240)),
         InstanceStats(name="b", pool="", state="restarting", stages=[2, 3], routed=4, moves=2),
+        InstanceStats(name="c", pool="", state="parked", stages=[4, 5], hosts=["h"]),
     ]  # fmt: skip
     stats = DaemonStats(
         uptime_s=1.0,
@@ -103,11 +104,12 @@ def test_a_fleets_series_carry_the_instance():
     def by_instance(name: str) -> dict[str, float]:
         return {s.labels["instance"]: s.value for s in families[name].samples if not s.name.endswith("_created")}
 
-    assert by_instance("kvasir:instance_serving") == {"a": 1.0, "b": 0.0}
-    assert by_instance("kvasir:instance_routed") == {"a": 9.0, "b": 4.0}
-    assert by_instance("kvasir:instance_restarts") == {"a": 1.0, "b": 0.0}
-    assert by_instance("kvasir:instance_moves") == {"a": 0.0, "b": 2.0}
-    assert by_instance("kvasir:instance_prefix_cache_hit_tokens") == {"a": 240.0, "b": 0.0}
+    assert by_instance("kvasir:instance_serving") == {"a": 1.0, "b": 0.0, "c": 0.0}
+    assert by_instance("kvasir:instance_parked") == {"a": 0.0, "b": 0.0, "c": 1.0}
+    assert by_instance("kvasir:instance_routed") == {"a": 9.0, "b": 4.0, "c": 0.0}
+    assert by_instance("kvasir:instance_restarts") == {"a": 1.0, "b": 0.0, "c": 0.0}
+    assert by_instance("kvasir:instance_moves") == {"a": 0.0, "b": 2.0, "c": 0.0}
+    assert by_instance("kvasir:instance_prefix_cache_hit_tokens") == {"a": 240.0, "b": 0.0, "c": 0.0}
     busy = {
         (s.labels["role"], s.labels["stage"]): s.labels["instance"]
         for s in families["kvasir:worker_busy_seconds"].samples
