@@ -173,6 +173,8 @@ class HostLink:
             del self.drained[host]
             self.needed |= {host} & self.required
         self.log.info("host joined", host=host, pid=message.pid, drained=host in self.drained)
+        # whatever it still runs is no current worker of ours (a Run replaces only what it names)
+        self._send(host, Halt("the leader takes this host afresh"))
         self._send(host, Ping())
 
     def _report(self, host: str, message: Spawned | Exited) -> None:
