@@ -20,6 +20,19 @@ RUNTIME_DIR = click.option(
 )
 
 
+def wait_timeout(what: str):
+    """``--timeout SECONDS`` (``timeout_s``) of a command that waits for ``what`` to end."""
+    return click.option(
+        "--timeout",
+        "timeout_s",
+        type=float,
+        default=600.0,
+        show_default=True,
+        metavar="SECONDS",
+        help=f"With --wait: give up waiting ({what} goes on) after this long.",
+    )
+
+
 def remote_options(command):
     """--connect / --key / --server-key (or $KVASIR_CONNECT, $KVASIR_KEY, $KVASIR_SERVER_KEY):
     talk to a daemon's TCP endpoint instead of its runtime dir; passed on as ``remote``."""

@@ -10,7 +10,7 @@ import time
 
 import click
 
-from kvasir.cli.common import RUNTIME_DIR, connect, fail
+from kvasir.cli.common import RUNTIME_DIR, connect, fail, wait_timeout
 from kvasir.cli.table import table_lines
 from kvasir.errors import KvasirError
 from kvasir.wire.client import DaemonStats
@@ -65,15 +65,7 @@ def hosts(ctx, as_json, runtime_dir) -> None:
 @hosts.command()
 @click.argument("name")
 @click.option("--wait/--no-wait", default=True, help="Wait until its instances are parked (default).")
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=float,
-    default=600.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="With --wait: give up waiting (the drain goes on) after this long.",
-)
+@wait_timeout("the drain")
 @RUNTIME_DIR
 @click.pass_obj
 def drain(group_dir, name, wait, timeout_s, runtime_dir) -> None:

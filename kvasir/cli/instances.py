@@ -10,7 +10,7 @@ import time
 import click
 import msgspec
 
-from kvasir.cli.common import RUNTIME_DIR, connect, fail
+from kvasir.cli.common import RUNTIME_DIR, connect, fail, wait_timeout
 from kvasir.cli.table import table_lines
 from kvasir.errors import KvasirError
 from kvasir.wire.fleet import InstanceStats, MoveTarget, pool_name, target_pool
@@ -23,7 +23,7 @@ POLL_S = 0.25  # how often `move` looks at the instance while it waits
 @RUNTIME_DIR
 @click.pass_context
 def instances(ctx, as_json, runtime_dir) -> None:
-    """Each instance: the pool it serves now, its state (serving, moving, restarting),
+    """Each instance: the pool it serves now, its state (serving, moving, restarting, parked),
     the requests on it, requests routed to it since start, whether it may move (a plan
     with [planner]), its moves and how long the last one took."""
     if ctx.invoked_subcommand is not None:
@@ -74,15 +74,7 @@ def _row(i: InstanceStats) -> list[str]:
     default=True,
     help="Wait until it serves in its new pool (default), or return once the move started.",
 )
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=float,
-    default=600.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="With --wait: give up waiting (the move goes on) after this long.",
-)
+@wait_timeout("the move")
 @RUNTIME_DIR
 @click.pass_obj
 def move(group_dir, name, to, wait, timeout_s, runtime_dir) -> None:

@@ -25,6 +25,14 @@ def standby_fleet(plumbing: Recorder, domains: bool = False) -> RingSupervisor:
     return ring
 
 
+def joined(ring: RingSupervisor) -> RingSupervisor:
+    """b's host is there: it joins and serves."""
+    ring.step(1.0)
+    ready(ring, 2.0)
+    ring.step(2.0)
+    return ring
+
+
 def test_a_standby_instance_waits_parked_then_joins_without_restarting_the_others():
     hosts = Hosts(away={"s"})
     plumbing = Recorder(hosts=hosts)
@@ -44,10 +52,7 @@ def test_a_standby_instance_waits_parked_then_joins_without_restarting_the_other
 def test_a_drained_host_parks_its_instance_until_it_joins_again():
     hosts = Hosts()
     plumbing = Recorder(hosts=hosts)
-    ring = standby_fleet(plumbing)
-    ring.step(1.0)
-    ready(ring, 2.0)
-    ring.step(2.0)
+    ring = joined(standby_fleet(plumbing))
     assert ring.instance("b").state == "up"
     hosts.away = {"s"}  # kvasir hosts drain s: the launcher drains the host, then parks b
     ring.park("b")
@@ -64,10 +69,7 @@ def test_a_drained_host_parks_its_instance_until_it_joins_again():
 def test_a_lost_standby_host_parks_its_instance_after_the_back_off():
     hosts = Hosts()
     plumbing = Recorder(hosts=hosts)
-    ring = standby_fleet(plumbing)
-    ring.step(1.0)
-    ready(ring, 2.0)
-    ring.step(2.0)
+    ring = joined(standby_fleet(plumbing))
     hosts.lost, hosts.away = "host s is missing", {"s"}
     ring.instance("b").children[0].process.returncode = -9  # the link marks its workers lost
     found = failure(ring, 3.0)
