@@ -73,6 +73,18 @@ def settle(link, until, timeout_s: float = 10.0) -> None:
         link.receive(50)
 
 
+def joined_with_stage(leader) -> tuple:
+    """Host b joined; the link, b's socket, and the settings of stage 1 (on b)."""
+    link, follower, digest, cluster, plan = leader
+    b = follower("b", "b")
+    send(b, Alive("b", 1, digest, MODEL))
+    settle(link, lambda: "b" in link.followers)
+    worker = StageSettings(
+        index=1, plan=plan, runtime_dir="/x", launcher_pid=os.getpid(), edges=[], first=0, fabric=cluster.fabric("b")
+    )
+    return link, b, worker
+
+
 def test_a_host_is_who_its_key_says(leader):
     link, follower, digest, _, _ = leader
     impostor = follower("c", "b")  # c's key (a listed host), b's name
@@ -85,19 +97,7 @@ def test_a_host_is_who_its_key_says(leader):
 
 
 def test_reports_about_older_workers_are_ignored_and_the_bridge_alone_changes_nothing(leader):
-    link, follower, digest, cluster, plan = leader
-    b = follower("b", "b")
-    send(b, Alive("b", 1, digest, MODEL))
-    settle(link, lambda: "b" in link.followers)
-    worker = StageSettings(
-        index=1,
-        plan=plan,
-        runtime_dir="/nonexistent",
-        launcher_pid=os.getpid(),
-        edges=[],
-        first=0,
-        fabric=cluster.fabric("b"),
-    )
+    link, b, worker = joined_with_stage(leader)
     children = link.start([worker], Layout(), "kvasir-1-00000000")
     process = children[ChildId("stage", 1)].process
     assert isinstance(process, RemoteProcess) and process.generation == link.generation == 1
@@ -156,13 +156,7 @@ def test_a_follower_whose_connection_drops_is_lost_after_the_grace_unless_it_spe
 def test_stopping_a_worker_names_it_and_forgets_what_its_follower_says_of_it(leader):
     from kvasir.wire.hosts import LeaderMessage, Stop
 
-    link, follower, digest, cluster, plan = leader
-    b = follower("b", "b")
-    send(b, Alive("b", 1, digest, MODEL))
-    settle(link, lambda: "b" in link.followers)
-    worker = StageSettings(
-        index=1, plan=plan, runtime_dir="/x", launcher_pid=os.getpid(), edges=[], first=0, fabric=cluster.fabric("b")
-    )
+    link, b, worker = joined_with_stage(leader)
     children = link.start([worker], Layout(), "kvasir-1-00000000")
     child = children[ChildId("stage", 1)]
     child.process.kill()
