@@ -125,8 +125,9 @@ class Heads:
         self.pids.pop(instance, None)
         if parked:
             self.parked.add(instance)
-            idle = [h for h in self.hosts[instance] if all(n in self.parked for n, on in self.hosts.items() if h in on)]
             if self.pool is not None:  # a host all of whose instances are parked serves none of its KV pool tiers
+                on = self.hosts.items()
+                idle = [h for h in self.hosts[instance] if all(n in self.parked for n, at in on if h in at)]
                 self.pool.forget_hosts(idle)
         self.conductor.down(instance)
         ring = next(ring for ring in self.rings if ring.name == instance)

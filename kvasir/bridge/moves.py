@@ -78,9 +78,11 @@ class Moves:
                 )
             if draining:
                 raise RequestError("shutting_down", "the daemon is shutting down")
-            leaving = self.drain(asking.host, now) if isinstance(asking, DrainHost) else [asking.instance]
-            if isinstance(asking, Move):
+            if isinstance(asking, DrainHost):
+                leaving = self.drain(asking.host, now)
+            else:
                 self.start(asking.instance, asking.to, now)
+                leaving = [asking.instance]
         except RequestError as exc:
             return ErrorEvent(code=exc.code, message=exc.message, key=asking.key)
         running = sum(c.running for c in map(self.heads.candidate, leaving) if c is not None)

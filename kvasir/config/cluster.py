@@ -108,13 +108,13 @@ def _check_standby(plan: HostedPlan) -> None:
     cluster = plan.cluster
     if cluster is not None and cluster.leader in plan.hosts and plan.hosts[cluster.leader].standby:
         raise PlanError(f"hosts.{cluster.leader}.standby: the leader cannot be a standby host")
-    parked = set(standby_instances(plan))
-    for pool in sorted({ring.pool for ring in plan.rings()}):
-        rings = [ring for ring in plan.rings() if ring.pool == pool]
-        if all(ring.name in parked for ring in rings):
+    parked, every = set(standby_instances(plan)), plan.rings()
+    for pool in sorted({ring.pool for ring in every}):
+        names = [ring.name for ring in every if ring.pool == pool]
+        if parked.issuperset(names):
             raise PlanError(
                 f"every instance of the {pool or 'fleet'}{' pool' if pool else ''} has a worker on a standby host "
-                f"({', '.join(ring.name for ring in rings)}): one at least must start with the leader"
+                f"({', '.join(names)}): one at least must start with the leader"
             )
 
 

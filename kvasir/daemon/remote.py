@@ -240,13 +240,17 @@ class HostLink:
         """The needed hosts whose follower has not joined (the ring cannot start yet)."""
         return sorted(self.needed - set(self.followers))
 
+    def _present(self, host: str) -> bool:
+        """Its follower has joined, and not the kvasird join it was drained under."""
+        return host in self.followers and self.drained.get(host) != self.followers[host].pid
+
     def available(self, hosts: frozenset[str]) -> bool:
-        """Every one of ``hosts`` has joined, and not under the kvasird join it was drained under."""
-        return all(h in self.followers and self.drained.get(h) != self.followers[h].pid for h in hosts)
+        """Every one of ``hosts`` is present."""
+        return all(self._present(h) for h in hosts)
 
     def parks(self, hosts: frozenset[str]) -> bool:
-        """One of ``hosts`` is standby or drained (not needed) and not available."""
-        return any(h not in self.needed and not self.available(frozenset({h})) for h in hosts)
+        """One of ``hosts`` is standby or drained (not needed) and not present."""
+        return any(h not in self.needed and not self._present(h) for h in hosts)
 
     def drain(self, host: str) -> None:
         """``kvasir hosts drain``: the host is not needed until a new kvasird join there."""
