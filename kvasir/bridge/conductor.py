@@ -189,8 +189,9 @@ class Conductor:
 
     def events(self, name: str, stored: Iterable[bytes], removed: Iterable[bytes], reset: bool) -> None:
         """An instance's head registered and evicted prefix blocks (``reset``: ``stored``
-        is everything it holds; forget the rest)."""
-        chosen = self.candidates.get(name)
+        is everything it holds; forget the rest). A decode instance's are kept too: a
+        move keeps its cache (kvasir/stage/roles.py)."""
+        chosen = self.candidates.get(name) or self.decoders.get(name)
         if chosen is None:
             return
         if reset:
@@ -220,10 +221,10 @@ class Conductor:
 
     def assign(self, name: str, decode: bool) -> None:
         """An instance serves the decode pool (``decode``) or admits requests: it joins
-        that side, with an empty cache and nothing on it (its processes are new), down
-        until ``up``."""
+        that side with nothing on it, down until ``up``; its cache's keys stay (its
+        stages keep their KV cache when they change pools)."""
         chosen = self.candidates.pop(name, None) or self.decoders.pop(name)
-        chosen.state, chosen.running, chosen.backlog, chosen.keys, chosen.used = "down", 0, 0, {}, 0
+        chosen.state, chosen.running, chosen.backlog, chosen.used = "down", 0, 0, 0
         (self.decoders if decode else self.candidates)[name] = chosen
 
     def _trim(self, chosen: Candidate, now: float) -> None:

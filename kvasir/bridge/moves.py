@@ -8,12 +8,14 @@ A move has three phases:
 - ``retiring``: none of them is left; its head is asked (``Retire``) to say when it holds
   no request (a prefill head keeps a handed-off request's KV until the decode head
   took it).
-- ``restarting``: the head said ``Retired``; the launcher restarts the instance's
-  processes in the new pool (``Regroup``) and, once they are ready, tells the bridge to
-  serve it there ("serve" with its pool), which ends the move.
+- ``regrouping``: the head said ``Retired``; the launcher tells the instance's processes
+  to serve the new pool (``Regroup``; they keep their weights and KV cache,
+  kvasir/stage/roles.py) and, once each stage is ready again, tells the bridge to serve
+  it there ("serve" with its pool), which ends the move.
 
 No request is ended by a move. An instance that fails meanwhile restarts as any failed
-instance does (in the pool it was last started for), and its move is forgotten.
+instance does (in the pool it was moving to, if it had got that far), and its move is
+forgotten.
 
 Draining a host (``kvasir hosts drain``) moves each of its instances out the same way,
 to "parked": after ``retiring``, ``parking``: the launcher stops its processes and
@@ -192,7 +194,7 @@ class Moves:
         move = self.moving.get(name or "")
         if name is None or move is None or move.phase != "retiring" or not self.heads.current(index, pid):
             return None
-        move.phase = "parking" if move.to == "parked" else "restarting"
+        move.phase = "parking" if move.to == "parked" else "regrouping"
         return name, target_pool(move.to) if move.to != "parked" else self.heads.pool_of[name], move.drain
 
     def parked(self, name: str, now: float) -> None:
@@ -204,7 +206,7 @@ class Moves:
     def served(self, name: str, now: float) -> float | None:
         """An instance serves again: the seconds its move took, if it was one."""
         move = self.moving.get(name)
-        if move is None or move.phase != "restarting":
+        if move is None or move.phase != "regrouping":
             return None
         del self.moving[name]
         if self.auto is not None:

@@ -309,8 +309,8 @@ class Bridge:
                 self.reports.note(message)
             case Retired(index=index, pid=pid):
                 regroup = self.moves.retired(index, pid)
-                if regroup is not None:  # its processes restart in the new pool; "serve" ends the move
-                    self.log.info("instance retired: restarting it", instance=regroup[0], to=regroup[1])
+                if regroup is not None:  # its processes regroup in the new pool; "serve" ends the move
+                    self.log.info("instance retired: regrouping it", instance=regroup[0], to=regroup[1])
                     await self.control.send(self.encoder.encode(Regroup(*regroup)))
 
     async def _commands(self) -> None:

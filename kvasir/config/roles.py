@@ -3,8 +3,9 @@
 A disaggregated plan with a ``[planner]`` section lays its instances out so that each
 one may serve either pool: an instance without widths or a cache of its own is
 **movable**. Moving it (``kvasir instances move``) stops routing new work to it, waits
-for its requests to finish, and restarts its stage processes in the other pool, with
-that pool's batch widths; the other instances serve on.
+for its requests to finish, and has its stage processes serve the other pool with that
+pool's batch widths (kvasir/stage/roles.py: they keep their weights and KV cache); the
+other instances serve on.
 
 What stays put across a move is what the other instances have mapped or connected to:
 a movable instance's KV cache is laid out once, in shared memory (a prefill stage's

@@ -49,6 +49,9 @@ class Plumbing(Protocol):
 
     def kill(self, children: list[Child]) -> None: ...
 
+    def regroup(self, children: list[Child], pool: Pool) -> None:
+        """Tell an empty instance's children to serve ``pool`` (each stage says Ready again)."""
+
     def open(self, instance: str, restarts: int, new_bridge: bool, deadline: float) -> None:
         """Tell the bridge to serve an instance (EVERY: all of them) in its pool; raises OpenError when it cannot."""
 

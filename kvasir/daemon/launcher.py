@@ -16,6 +16,7 @@ from typing import Literal
 import zmq
 
 from kvasir.config.plan import Plan
+from kvasir.config.sections import Pool
 from kvasir.daemon.children import Child, ChildId, join_children
 from kvasir.daemon.fronts import FrontError, Fronts
 from kvasir.daemon.instances import EVERY, Failure, OpenError, plan_instances
@@ -260,6 +261,9 @@ class Launcher:
         if any(child.role == "stage" for child in wanted):
             self.exchange.clear()  # a new ring's stages pair their CUDA IPC edges afresh
         return self.spawner.start(self.layout, wanted)
+
+    def regroup(self, children: list[Child], pool: Pool) -> None:
+        self.spawner.regroup(self.layout, children, pool)
 
     def parked(self, instance: str) -> None:
         if self.ring.bridge is not None:

@@ -5,13 +5,14 @@ own children, on its follower (kvasir/daemon/remote.py) for another host's."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvasir.config.cluster import worker_host
 from kvasir.config.devices import torch_dtype
 from kvasir.config.kvpool import tier_shares
 from kvasir.config.plan import Plan
+from kvasir.config.sections import Pool
 from kvasir.daemon.children import Child, ChildId, spawn_child
 from kvasir.daemon.layout import Layout
 from kvasir.daemon.remote import Cluster, HostLink
@@ -22,6 +23,7 @@ from kvasir.transport.fabric import Sockets
 from kvasir.wire.base import Role
 from kvasir.wire.control import (
     BridgeSettings,
+    Command,
     FrontSettings,
     ModelFacts,
     PoolTiers,
@@ -83,6 +85,15 @@ class Spawner:
             [wiring] = shards
             return ShardSettings(index=index, plan=plan, wiring=wiring, pool=child.pool, **common)
         return BridgeSettings(plan=self.plan, model=self._model_facts(), **common)
+
+    def regroup(self, layout: Layout, children: list[Child], pool: Pool) -> None:
+        """Tell a moving instance's children (it holds no request) to serve ``pool``: each
+        stage gets its ring's plan there (its widths), each shard the pool its stats name."""
+        for child in children:
+            place, _ = layout.place_of(child.id.role, child.id.index, self.plan)
+            plan = place.view(pool) if child.id.role == "stage" else None
+            child.command.send(Command("regroup", pool=pool, plan=plan))
+            child.id = replace(child.id, pool=pool)
 
     def front(self, index: int, listen_fd: int) -> FrontSettings:
         """An HTTP front's settings: it runs beside the launcher and reaches the bridge as a client."""

@@ -225,18 +225,22 @@ class RingSupervisor:
         self.log.info("restarting", instance=instance.name, delay_s=delay)
 
     def move(self, name: str, pool: Pool, now: float) -> None:
-        """The bridge says a moving instance holds no request: restart its children in
-        ``pool`` (state "moving" until they are ready and the bridge serves it there). An
-        instance that is not up (a failure overtook the move) is left to its restart."""
+        """The bridge says a moving instance holds no request: its children regroup in
+        ``pool`` (the same processes; state "moving" until each stage is ready again and
+        the bridge serves it there; one that is not in time fails the instance, which then
+        restarts in ``pool``). An instance that is not up (a failure overtook the move) is
+        left to its restart."""
         instance = next((i for i in self.instances if i.name == name), None)
         if instance is None or instance.state != "up":
             self.log.warning("move dropped: the instance is not serving", instance=name, pool=pool)
             return
-        self.kill(instance.children)
-        instance.children = []
         instance.pool = pool
         instance.ids = [replace(child, pool=pool) for child in instance.ids]
-        self._spawn(instance, "moving", now)
+        for child in instance.children:
+            child.ready = child.id.role != "stage"  # a shard changes nothing but its stats' pool
+        self.plumbing.regroup(instance.children, pool)
+        instance.state = "moving"
+        instance.deadline = now + self.ready_s
         self.log.info("moving", instance=name, pool=pool)
         self.plumbing.status(f"moving {name} to the {pool} pool")
 

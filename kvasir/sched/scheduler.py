@@ -46,10 +46,6 @@ class Scheduler:
         """``reserve_output`` False: a prefill pool's head, whose requests leave after their
         first token, reserves blocks for the prompt only. ``drafter``: where a plan with
         [speculative] gets its drafts (default: prompt lookup)."""
-        self.reserve_output = reserve_output
-        self.max_rows = plan.batch.max_rows
-        self.max_tokens = plan.batch.max_tokens
-        self.inflight_limit = plan.batch.inflight
         self.block_size = plan.kv.block_size
         self.max_seq_len = plan.model.max_seq_len
         self.vocab_size = vocab_size
@@ -57,13 +53,7 @@ class Scheduler:
         pool = plan.kv_pool is not None
         self.cache = PrefixCache(self.blocks, self.block_size, enabled=plan.kv.prefix_cache, spill=pool)
         self.pool = PoolLoads(self.cache, self.block_size)
-        # drafts for decode rows (a prefill pool's requests leave before decoding: its
-        # head only tells the tail their prompts, which go on to the decode pool's drafter)
-        spec = plan.speculative
-        self.speculation = None
-        if spec is not None and reserve_output:
-            self.speculation = Speculation(spec, drafter or NgramDrafter(spec))
-        self.announce_prompts = spec is not None and not reserve_output
+        self._serve(plan, reserve_output, drafter)
         self.waiting: dict[int, RequestState] = {}  # by request id, in arrival order
         self.queues: dict[int, deque[int]] = {}  # per client: its waiting request ids, oldest first (stale ids skipped)
         self.held: dict[int, int] = {}  # per client: KV blocks its running requests hold
@@ -73,6 +63,31 @@ class Scheduler:
         self._release: list[int] = []
         self._next_request = 1
         self._next_batch = 1
+
+    def _serve(self, plan: Plan, reserve_output: bool, drafter: Drafter | None) -> None:
+        """What depends on the pool the head serves: its widths, its reservations, its drafts."""
+        self.reserve_output = reserve_output
+        self.max_rows = plan.batch.max_rows
+        self.max_tokens = plan.batch.max_tokens
+        self.inflight_limit = plan.batch.inflight
+        # drafts for decode rows (a prefill pool's requests leave before decoding: its
+        # head only tells the tail their prompts, which go on to the decode pool's drafter)
+        spec = plan.speculative
+        self.speculation = None
+        if spec is not None and reserve_output:
+            self.speculation = Speculation(spec, drafter or NgramDrafter(spec))
+        self.announce_prompts = spec is not None and not reserve_output
+
+    def regroup(self, plan: Plan, reserve_output: bool, drafter: Drafter | None = None) -> None:
+        """Serve another pool (a moving instance, kvasir/stage/roles.py): ``plan``'s widths,
+        ``reserve_output`` and drafts as in the constructor; its KV blocks and prefix cache
+        stay (the same cache in every pool). Refused while it holds a request."""
+        if not self.idle:
+            raise BatchError(
+                f"the head holds {len(self.waiting) + len(self.running)} requests and "
+                f"{len(self.inflight)} batches in flight: it changes pools only once empty"
+            )
+        self._serve(plan, reserve_output, drafter)
 
     # -- entry points -------------------------------------------------------------
     def submit(

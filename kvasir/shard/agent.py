@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import zmq
 
@@ -77,6 +78,8 @@ class ShardAgent:
             for command in self.ports.commands.drain():
                 if command.kind == "stop":
                     self._stopping = True
+                elif command.kind == "regroup" and command.pool is not None:  # its stage's instance moved
+                    self.settings = msgspec.structs.replace(self.settings, pool=command.pool)
             work = self.ports.work.drain_framed()
             for message, frames in work:
                 self._handle(message, frames)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,13 +18,12 @@ import zmq
 
 from kvasir.model.pinning import Threads
 from kvasir.stage.engine import StageEngine
-from kvasir.stage.handoff import NoHandoff
 from kvasir.stage.pooling import NoPool
-from kvasir.stage.ports import HandoffRole, Intake, Outlet, PoolPart
+from kvasir.stage.ports import PoolPart, PoolParts, RegroupError
 from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor
 from kvasir.wire.bridge import PrefixEvents
-from kvasir.wire.control import Heartbeat, StageSettings
+from kvasir.wire.control import Command, Heartbeat, Ready
 from kvasir.wire.shares import imbalance
 from kvasir.wire.stats import BatchSpan, ExpertLoad, GpuMemory, KvUse, StageStats
 
@@ -49,38 +49,41 @@ class Clock:
 class StageAgent:
     def __init__(
         self,
-        settings: StageSettings,
+        parts: PoolParts,
         engine: StageEngine,
-        intake: Intake,
-        outlet: Outlet,
         *,
         commands: PullChannel,
         bridge: PushChannel,
         control: PushChannel,
         log,
         threads: Threads,
-        handoff: HandoffRole | None = None,
         pool: PoolPart | None = None,
+        regroup: Callable[[Command], PoolParts] | None = None,
     ) -> None:
-        self.settings = settings
+        """``parts``: what it does in the pool it serves; ``regroup``: the parts of
+        another pool, built when a ``regroup`` command says (kvasir/stage/roles.py)."""
         self.engine = engine
         self.threads = threads
-        self.intake = intake
-        self.outlet = outlet
-        self.handoff: HandoffRole = handoff if handoff is not None else NoHandoff()
         self.pool: PoolPart = pool if pool is not None else NoPool()
         self.commands = commands
         self.bridge = bridge
         self.control = control
-        self.index = settings.index  # global: a disaggregated plan numbers both pools' stages in one sequence
+        self.regroup = regroup
+        self.index = parts.settings.index  # global: a disaggregated plan numbers both pools' stages in one sequence
         self.heartbeat = Heartbeat("stage", self.index, os.getpid())
         self.log = log
         self.clock = Clock(started=time.monotonic())
-        self.poller = zmq.Poller()
-        for sock in [commands.socket, *intake.sockets, *outlet.sockets, *self.handoff.sockets]:
-            self.poller.register(sock, zmq.POLLIN)
+        self._take(parts)
         self._stopping = False
         self._next_stats = 0.0
+
+    def _take(self, parts: PoolParts) -> None:
+        """Serve with ``parts`` (its pool's intake, outlet and hand-off role)."""
+        self.settings = parts.settings
+        self.intake, self.outlet, self.handoff = parts.intake, parts.outlet, parts.handoff
+        self.poller = zmq.Poller()
+        for sock in [self.commands.socket, *self.intake.sockets, *self.outlet.sockets, *self.handoff.sockets]:
+            self.poller.register(sock, zmq.POLLIN)
 
     def serve(self) -> None:
         while not self._stopping:
@@ -98,9 +101,34 @@ class StageAgent:
         for command in self.commands.drain():
             if command.kind == "stop":
                 self._stopping = True
+            elif command.kind == "regroup":
+                self._regroup(command)
         self.outlet.receive()
         self.clock.busy_s += self.handoff.receive()
         self.intake.receive()
+
+    def _regroup(self, command: Command) -> None:
+        """Its instance moves to another pool (it holds no request): serve there, and say
+        Ready again. A command it cannot follow is dropped with the reason; the
+        launcher's wait for its Ready then gives up on it."""
+        if self.regroup is None:
+            self.commands.drop("a regroup command to a stage that cannot change pools")
+            return
+        try:
+            parts = self.regroup(command)
+        except RegroupError as exc:
+            self.log.error("regroup refused", pool=command.pool, reason=str(exc))
+            return
+        self._take(parts)
+        self.control.send(Ready("stage", self.index, os.getpid()))
+        batch = self.settings.plan.batch
+        self.log.info(
+            "stage regrouped",
+            pool=self.settings.pool or "mixed",
+            max_rows=batch.max_rows,
+            max_tokens=batch.max_tokens,
+            inflight=batch.inflight,
+        )
 
     def _run(self, descriptor: BatchDescriptor, inputs: torch.Tensor | None) -> None:
         self.clock.busy_s += self.pool.before(descriptor)  # the KV pool's spills and loads, before any row

@@ -50,6 +50,14 @@ Work = tuple[BatchDescriptor, torch.Tensor | None]  # None: a descriptor with no
 ENDED_KEPT = 65536  # ids a head remembers ending before it heard of them
 
 
+def answer_load(loads: LoadWaits | None, scheduler: Scheduler, message: PoolLoaded) -> None:
+    """One stage's word on a loading request's pool blocks; once every stage's is in, the
+    scheduler knows where its computing starts."""
+    tiers = loads.answer(message) if loads is not None else None
+    if tiers is not None:
+        scheduler.loaded(message.request_id, list(tiers))
+
+
 class SchedulerIntake:
     """The head of a colocated ring: batches come from its scheduler.
 
@@ -87,9 +95,7 @@ class SchedulerIntake:
 
     def pool_loaded(self, message: PoolLoaded) -> None:
         """A stage read back (some of) a loading request's pool blocks."""
-        tiers = self.loads.answer(message) if self.loads is not None else None
-        if tiers is not None:
-            self.scheduler.loaded(message.request_id, list(tiers))
+        answer_load(self.loads, self.scheduler, message)
 
     def handle(self, message) -> None:
         match message:

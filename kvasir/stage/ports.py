@@ -3,13 +3,16 @@ intake), where its outputs go (an outlet) and its part in the KV hand-off betwee
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import zmq
 
+from kvasir.errors import KvasirError
 from kvasir.stage.heads import Work
 from kvasir.wire.batch import BatchDescriptor
+from kvasir.wire.control import StageSettings
 from kvasir.wire.stats import DraftCounters, HandoffCounters, HeadQueue, PoolCounters, PrefixCounters
 
 
@@ -86,3 +89,18 @@ class PoolPart(Protocol):
     def counters(self) -> PoolCounters | None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class PoolParts:
+    """A stage's parts in the pool it serves now (kvasir/stage/roles.py): its settings
+    there, its intake, its outlet and its hand-off role."""
+
+    settings: StageSettings
+    intake: Intake
+    outlet: Outlet
+    handoff: HandoffRole
+
+
+class RegroupError(KvasirError):
+    """A regroup command a stage cannot follow (it is dropped; the stage serves on as it was)."""

@@ -253,7 +253,7 @@ class Regroup(Tagged, frozen=True):
 ControlMessage = Ready | Drained | Heartbeat | EdgeHandles | Regroup
 
 
-CommandKind = Literal["serve", "ring_down", "parked", "attach", "drain", "stop", "hosts"]
+CommandKind = Literal["serve", "ring_down", "parked", "attach", "drain", "stop", "hosts", "regroup"]
 
 
 class Command(Wire, frozen=True):
@@ -261,7 +261,8 @@ class Command(Wire, frozen=True):
     # take requests again) | "ring_down" (bridge: the stages failed and are restarting) |
     # "parked" (bridge: the instance waits for its standby or drained host to join) |
     # "attach" (stage: CUDA IPC handles of its edges' other sides) | "drain" | "stop" |
-    # "hosts" (bridge: which hosts are missing, whenever that changes)
+    # "hosts" (bridge: which hosts are missing, whenever that changes) | "regroup" (a
+    # moving instance's stages and shards, once it holds no request: serve ``pool`` now)
     kind: CommandKind
     code: str = "shutting_down"  # with "stop": the error code for requests still running
     message: str = ""  # with "ring_down": what failed; with "serve": the last failure ("" for none)
@@ -270,4 +271,5 @@ class Command(Wire, frozen=True):
     handles: tuple[EdgeHandles, ...] = ()  # with "attach" (stages at start-up): the other sides' CUDA IPC handles
     hosts: tuple[str, ...] = ()  # with "hosts" (bridge, a plan across hosts): the hosts missing now
     instance: str = ""  # with "serve", "ring_down" and "parked": the instance ("": every instance)
-    pool: Pool | None = None  # with "serve": the pool the instance serves now (None: the plan's)
+    pool: Pool | None = None  # with "serve" and "regroup": the pool the instance serves now (None: the plan's)
+    plan: Plan | None = None  # with "regroup" (a stage): its ring's plan in that pool (kvasir/daemon/layout.py)

@@ -13,7 +13,7 @@ from kvasir.wire.stats import PrefixCounters
 MovablePool = Literal["prefill", "decode"]
 MoveTarget = Literal["prefill", "decode", "mixed"]  # mixed: both phases on the instance, as a colocated ring
 MoveTo = Literal["prefill", "decode", "mixed", "parked"]  # parked: its host is drained (kvasir hosts drain)
-MovePhase = Literal["finishing", "retiring", "restarting", "parking"]
+MovePhase = Literal["finishing", "retiring", "regrouping", "parking"]
 
 
 def target_pool(to: MoveTarget) -> Pool:
@@ -33,7 +33,7 @@ class MoveState(msgspec.Struct, frozen=True, kw_only=True):
     """An instance's move to another pool, while it lasts (kvasir/bridge/moves.py)."""
 
     to: MoveTo
-    phase: MovePhase  # its requests run out; its head empties; it restarts (or parks)
+    phase: MovePhase  # its requests run out; its head empties; it regroups in the new pool (or parks)
     seconds: float  # since the move was decided
     requests: int  # still on it
 

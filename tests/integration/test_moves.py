@@ -39,6 +39,11 @@ def instances(runtime_dir) -> dict:
         return {i.name: i for i in client.stats().instances}
 
 
+def stage_pids(runtime_dir) -> dict[int, int]:
+    with Client(runtime_dir) as client:
+        return {stage.index: stage.pid for stage in client.stats().stages}
+
+
 def kvasir(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "kvasir"), *args], **TEXT)
 
@@ -65,9 +70,9 @@ async def load(runtime_dir, prompts: list[list[int]], max_tokens: int, moves: li
 
 def test_moves_by_hand_under_load_lose_nothing(tiny_models, start_daemon):
     """Four moves one after the other while requests run and more arrive after each:
-    every request finishes, exactly; each instance serves where it was moved, with its
-    moves counted apart from restarts; a move that would empty a pool, or names an
-    unknown instance or its own pool, is refused with the reason."""
+    every request finishes, exactly; each instance serves where it was moved, in the same
+    stage processes, with its moves counted apart from restarts; a move that would empty
+    a pool, or names an unknown instance or its own pool, is refused with the reason."""
     daemon = start_fleet(start_daemon, tiny_models)
     model = reference_model(tiny_models["llama"])
     before = instances(daemon.runtime_dir)
@@ -77,6 +82,7 @@ def test_moves_by_hand_under_load_lose_nothing(tiny_models, start_daemon):
         "d0": ("decode", True, "serving"),
         "d1": ("decode", True, "serving"),
     }
+    pids = stage_pids(daemon.runtime_dir)
     prompts = random_prompts(VOCAB, [9, 14, 5, 21, 11, 17, 8, 12, 19, 6, 15, 10], seed=61)
     moves = [("d0", "prefill"), ("p1", "decode"), ("d1", "prefill"), ("p0", "decode")]
     ends, said = asyncio.run(load(daemon.runtime_dir, prompts, 160, moves))
@@ -98,6 +104,7 @@ def test_moves_by_hand_under_load_lose_nothing(tiny_models, start_daemon):
         "d1": ("prefill", "serving", 1, 0),
     }
     assert all(i.last_move_s is not None and i.last_move_s > 0 for i in after.values())
+    assert stage_pids(daemon.runtime_dir) == pids and len(pids) == 8  # a move keeps the stage processes
     with Client(daemon.runtime_dir) as client:
         for name, to, why in [
             ("zz", "decode", "no instance is named 'zz'"),

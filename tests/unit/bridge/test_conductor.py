@@ -108,7 +108,8 @@ def test_a_session_stays_on_its_instance_while_it_serves(monkeypatch):
 def test_a_leaving_instance_gets_nothing_new_and_moves_to_the_other_side():
     """kvasir/bridge/moves.py: an instance moving to the decode pool takes no new request,
     its running ones still end there; once assigned it is a decode instance, down until
-    up, with nothing on it and no cached keys."""
+    up, with nothing on it; its cached keys stay (its stages keep their cache), and its
+    head's prefix events go on counting there."""
     c = Conductor(  # type: ignore[arg-type]
         "least_loaded", [Candidate("a", BLOCK, 64), Candidate("b", BLOCK, 64)], [Candidate("d", BLOCK, 64)]
     )
@@ -118,8 +119,11 @@ def test_a_leaving_instance_gets_nothing_new_and_moves_to_the_other_side():
     assert {c.pick([6, 7], b"", 0.0).name for _ in range(3)} == {other}
     c.ended(first.name, 5)
     assert c.candidates[first.name].running == 0
+    c.events(first.name, [b"k1", b"k2"], [], False)
     c.assign(first.name, decode=True)
     assert first.name not in c.candidates and c.decoders[first.name].state == "down"
+    c.events(first.name, [b"k3"], [b"k1"], False)
+    assert set(c.decoders[first.name].keys) >= {b"k2", b"k3"} and b"k1" not in c.decoders[first.name].keys
     assert c.pick_decode() == "d"
     c.up(first.name)
     assert c.pick_decode() == first.name  # the fewest requests on it

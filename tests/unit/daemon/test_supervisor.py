@@ -88,6 +88,7 @@ class Recorder:
     opened: list[tuple[str, int, bool]] = field(default_factory=list)
     downs: list[tuple[str, str]] = field(default_factory=list)
     parks: list[str] = field(default_factory=list)
+    regrouped: list[tuple[list[str], str]] = field(default_factory=list)
     said: list[str] = field(default_factory=list)
     open_fails: bool = False
     bridge_files_removed: int = 0
@@ -111,6 +112,9 @@ class Recorder:
 
     def parked(self, instance: str) -> None:
         self.parks.append(instance)
+
+    def regroup(self, children: list[Child], pool: str) -> None:
+        self.regrouped.append(([c.name for c in children], pool))
 
     def bridge_gone(self) -> None:
         self.bridge_files_removed += 1
@@ -283,6 +287,29 @@ def test_children_not_ready_in_time_or_a_bridge_that_cannot_open_count_as_failur
     plumbing.open_fails = True
     assert ring.step(34.0) and ring.instance("a").state == "down"
     assert ring.last_failure == "the bridge did not bind the client endpoint"
+
+
+def test_a_move_keeps_the_processes_and_a_stage_not_ready_again_in_time_fails_it():
+    """A move regroups the instance's own children (no kill, no spawn): it serves in the
+    new pool once each stage says Ready again (a shard changes only its stats' pool).
+    A stage that does not say it in time fails the instance, which restarts in the new pool."""
+    plumbing = Recorder()
+    ring = supervisor(plumbing, fleet=True, pools=("prefill", "decode"))
+    pids, spawns = [c.process.pid for c in ring.instance("a").children], len(plumbing.spawned)
+    ring.move("a", "decode", 1.0)
+    a = ring.instance("a")
+    assert a.state == "moving" and plumbing.regrouped == [(["stage-0", "stage-1", "shard-0"], "decode")]
+    assert [c.ready for c in a.children] == [False, False, True] and a.pool == "decode"
+    assert ring.step(2.0) and a.state == "moving"
+    ready(ring, 2.5)
+    assert ring.step(3.0) and a.state == "up" and a.moves == 1 and a.restarts == 0
+    assert [c.process.pid for c in a.children] == pids and plumbing.killed == [] and len(plumbing.spawned) == spawns
+    assert plumbing.opened[-1] == ("a", 0, False)
+    ring.move("a", "prefill", 4.0)
+    assert ring.step(35.0) and a.state == "down"
+    assert ring.last_failure == "not ready after 30 s: stage-0, stage-1"
+    ring.step(36.5)
+    assert [c.pool for c in plumbing.spawned[-1]] == ["prefill"] * 3 and a.state == "starting"
 
 
 def test_a_failure_while_not_serving_gives_up_at_once():
