@@ -57,8 +57,8 @@ class StageAgent:
         control: PushChannel,
         log,
         threads: Threads,
+        regroup: Callable[[Command], PoolParts],
         pool: PoolPart | None = None,
-        regroup: Callable[[Command], PoolParts] | None = None,
     ) -> None:
         """``parts``: what it does in the pool it serves; ``regroup``: the parts of
         another pool, built when a ``regroup`` command says (kvasir/stage/roles.py)."""
@@ -111,9 +111,6 @@ class StageAgent:
         """Its instance moves to another pool (it holds no request): serve there, and say
         Ready again. A command it cannot follow is dropped with the reason; the
         launcher's wait for its Ready then gives up on it."""
-        if self.regroup is None:
-            self.commands.drop("a regroup command to a stage that cannot change pools")
-            return
         try:
             parts = self.regroup(command)
         except RegroupError as exc:

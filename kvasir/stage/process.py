@@ -130,14 +130,14 @@ def _descriptors_in(w: Wiring, ring: SlotRing):
     """The upstream edge's descriptors: a typed channel, or on a tcp edge each with its boundary frame."""
     endpoint = w.ends.stage_in(w.settings.index)
     if isinstance(ring, TcpSlotRing):
-        return FramedIntake(w.sockets.bind(zmq.PULL, endpoint), ring)
+        return FramedIntake(w.bind(zmq.PULL, endpoint), ring)
     return w.pull(BatchDescriptor, endpoint)
 
 
 def _descriptors_out(w: Wiring, ring: SlotRing):
     endpoint = w.ends.stage_in(w.settings.index + 1)
     if isinstance(ring, TcpSlotRing):
-        return FramedDescriptors(w.sockets.connect(zmq.PUSH, endpoint), ring)
+        return FramedDescriptors(w.connect(zmq.PUSH, endpoint), ring)
     return w.push(BatchDescriptor, endpoint)
 
 
