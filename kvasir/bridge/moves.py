@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -45,6 +45,7 @@ from kvasir.errors import RequestError
 from kvasir.logs import Logger
 from kvasir.wire.client import DrainHost, DrainStarted, ErrorEvent, Move, MoveStarted
 from kvasir.wire.fleet import InstanceStats, MovablePool, MovePhase, MoveState, MoveTarget, MoveTo, target_pool
+from kvasir.wire.stats import StageStats
 
 
 @dataclass
@@ -215,20 +216,22 @@ class Moves:
         self.last_s[name] = now - move.since
         return self.last_s[name]
 
-    async def follow(self, ledger: Ledger) -> None:
-        """The planner's loop (a plan with it enabled): one decision per interval."""
+    async def follow(self, ledger: Ledger, stages: Mapping[int, StageStats]) -> None:
+        """The planner's loop (a plan with it enabled): one decision per interval, on the
+        requests in ``ledger`` and the stages' latest reports (``stages``, by index)."""
         if self.auto is None:
             raise RuntimeError("the planner's loop started for a plan without [planner] enabled")
         while True:
             await asyncio.sleep(self.auto.spec.interval_s)
-            self.plan(ledger, time.monotonic())
+            self.plan(ledger, stages, time.monotonic())
 
-    def plan(self, ledger: Ledger, now: float) -> None:
+    def plan(self, ledger: Ledger, stages: Mapping[int, StageStats], now: float) -> None:
         """The planner decides on the interval's samples; a move it decides starts now."""
         if self.auto is None:
             return
         waiting = [(now * 1e9 - record.submitted_ns) / 1e9 for _, record in ledger.items() if not record.first_ns]
-        decision = self.auto.decide(waiting, self.members(), bool(self.moving), now)
+        members = self.members(self.auto.busy.shares(stages))
+        decision = self.auto.decide(waiting, members, bool(self.moving), now)
         self.log.info("planner", **{k: getattr(decision, k) for k in decision.__struct_fields__ if k != "seconds_ago"})
         if decision.action != "move" or decision.instance is None or decision.to is None:
             return
@@ -237,14 +240,21 @@ class Moves:
         except RequestError as exc:
             self.log.warning("the planner's move was refused", instance=decision.instance, reason=exc.message)
 
-    def members(self) -> dict[MovablePool, list[Member]]:
-        """Each pool's serving instances that are not moving, with their load."""
+    def members(self, shares: Mapping[int, float]) -> dict[MovablePool, list[Member]]:
+        """Each pool's serving instances that are not moving, with their load: requests, and
+        its busiest stage's busy share (``shares``, by stage index)."""
         heads = self.heads
+        busiest: dict[str, float] = {}
+        for index, share in shares.items():
+            name = heads.instance_of.get(index)
+            if name is not None:
+                busiest[name] = max(share, busiest.get(name, 0.0))
         out: dict[MovablePool, list[Member]] = {"prefill": [], "decode": []}
         for name, pool in heads.pool_of.items():
             if name in heads.pids and name not in self.moving and pool in ("prefill", "decode"):
                 candidate = heads.candidate(name)
-                out[pool].append(Member(name, candidate.running if candidate else 0, not heads.fixed[name]))
+                running = candidate.running if candidate else 0
+                out[pool].append(Member(name, running, not heads.fixed[name], busiest.get(name)))
         return out
 
     def dropped(self, names: Iterable[str]) -> None:

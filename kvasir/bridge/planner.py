@@ -8,14 +8,20 @@ Every ``interval_s`` it reads that interval's samples:
   behind that no first token comes shows all the same);
 - **inter-token latency**, the decode pool's: each gap between a request's tokens.
 
-A pool's *load* is its figure at the ``percentile`` over its target (1: on target). A
-pool that misses (load above 1) gets an instance from the other pool when that one has
-slack: its load scaled to one instance fewer (``n / (n - 1)``) stays under
-``headroom``, and it keeps more instances than its minimum. Against flapping: the same
-pool must miss ``patience`` intervals in a row, no move is decided while one is under
-way, and after a move ends there is none for ``cooldown_s`` (and the samples start
-again). The instance that moves is the giving pool's movable one with the fewest
-requests on it, the quickest to empty.
+A pool's *load* is its figure at the ``percentile`` over its target (1: on target); its
+*busy share* is the mean over its instances of their busiest stage's share of the
+interval spent running batches (each stage reports its busy and wall seconds). A pool
+that misses (load above 1) gets an instance from the other pool when that one has
+slack: its busy share scaled to one instance fewer (``n / (n - 1)``) stays under
+``headroom``, and it keeps more instances than its minimum. While both pools meet
+their targets, the busier one gets an instance when its busy share is at ``headroom``
+or more and the other's, one instance fewer, stays under ``headroom`` and under the
+busier one's with one more (``m / (m + 1)``): the move evens the pools out, and the
+same readings cannot ask for it back. Against flapping: the same pool must be short
+``patience`` intervals in a row, no move is decided while one is under way, and after
+a move ends there is none for ``cooldown_s`` (and the samples start again). The
+instance that moves is the giving pool's movable one with the fewest requests on it,
+the quickest to empty.
 
 Policy only: no sockets, no clock of its own. The bridge feeds it samples and carries
 out its moves through kvasir/bridge/moves.py.
@@ -32,6 +38,7 @@ import msgspec
 
 from kvasir.config.roles import PlannerSpec
 from kvasir.wire.fleet import MovablePool, PlannerAction, PlannerDecision, PlannerStats
+from kvasir.wire.stats import StageStats
 
 SAMPLES_KEPT = 1 << 16  # of each kind per interval: the most recent
 
@@ -42,6 +49,7 @@ class Member(NamedTuple):
     name: str
     requests: int  # the bridge's requests on it now
     movable: bool
+    busy: float | None = None  # its busiest stage's busy share of the interval (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class PoolReading:
     figure_s: float | None  # its latency at the percentile (None: no sample)
     target_s: float
     instances: int  # serving, none moving
+    busy: float | None  # its instances' mean busy share (None: none measured)
 
     @property
     def load(self) -> float:
@@ -59,8 +68,15 @@ class PoolReading:
 
     @property
     def one_fewer(self) -> float:
-        """Its load with one instance fewer (the work spread over the rest)."""
-        return self.load * self.instances / (self.instances - 1) if self.instances > 1 else float("inf")
+        """Its busy share with one instance fewer (the work spread over the rest)."""
+        if self.busy is None or self.instances < 2:
+            return float("inf")
+        return self.busy * self.instances / (self.instances - 1)
+
+    @property
+    def one_more(self) -> float:
+        """Its busy share with one instance more."""
+        return (self.busy or 0.0) * self.instances / (self.instances + 1)
 
 
 def percentile(values: Iterable[float], share: float) -> float | None:
@@ -70,6 +86,12 @@ def percentile(values: Iterable[float], share: float) -> float | None:
         return None
     rank = max(1, -(-len(ordered) * share // 100))  # ceil
     return ordered[int(rank) - 1]
+
+
+def _busy(members: Sequence[Member]) -> tuple[int, float | None]:
+    """A pool's serving instances and their mean busy share (of those measured)."""
+    shares = [m.busy for m in members if m.busy is not None]
+    return len(members), sum(shares) / len(shares) if shares else None
 
 
 class Samples:
@@ -90,10 +112,30 @@ class Samples:
         self.gap_s.clear()
 
 
+class StageBusy:
+    """Each stage's busy share between two readings: the busy seconds over the wall seconds
+    its reports added in between (a stage new since, or unreported: not measured)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[int, float, float]] = {}  # by stage index: pid, busy_s, wall_s
+
+    def shares(self, reports: Mapping[int, StageStats]) -> dict[int, float]:
+        """By stage index, each measured stage's share since the previous call."""
+        out = {}
+        for index, report in reports.items():
+            before = self.seen.get(index)
+            self.seen[index] = (report.pid, report.busy_s, report.wall_s)
+            if before is not None and before[0] == report.pid and report.wall_s > before[2]:
+                share = (report.busy_s - before[1]) / (report.wall_s - before[2])
+                out[index] = min(1.0, max(0.0, share))
+        return out
+
+
 @dataclass
 class Planner:
     spec: PlannerSpec
     samples: Samples = field(default_factory=Samples)
+    busy: StageBusy = field(default_factory=StageBusy)
     streak: tuple[MovablePool | None, int] = (None, 0)  # the pool missing, intervals in a row
     quiet_until: float = 0.0  # no decision before this (after a move)
     decisions: dict[str, int] = field(default_factory=dict)
@@ -134,8 +176,8 @@ class Planner:
         ttft = percentile([*samples.first_token_s, *waiting_s], spec.percentile)
         itl = percentile(samples.gap_s, spec.percentile)
         return (
-            PoolReading("prefill", ttft, spec.ttft_s, len(members.get("prefill", ()))),
-            PoolReading("decode", itl, spec.itl_s, len(members.get("decode", ()))),
+            PoolReading("prefill", ttft, spec.ttft_s, *_busy(members.get("prefill", ()))),
+            PoolReading("decode", itl, spec.itl_s, *_busy(members.get("decode", ()))),
         )
 
     def _weigh(
@@ -159,22 +201,50 @@ class Planner:
         return self._decision("move", why, prefill, decode, chosen.name, short)
 
     def _short(self, prefill: PoolReading, decode: PoolReading) -> tuple[MovablePool | None, str]:
-        """The pool that misses while the other has slack (None: neither, or both), and why."""
+        """The pool that misses while the other has slack, or the busier one while both
+        meet (None: neither), and why."""
         if prefill.load > 1 and decode.load > 1:
             return None, "both pools miss their targets: neither has an instance to spare"
         if prefill.load <= 1 and decode.load <= 1:
-            return None, "both pools meet their targets"
+            return self._busier(prefill, decode)
         short, giver = (prefill, decode) if prefill.load > 1 else (decode, prefill)
         why = f"the {short.pool} pool misses its target ({short.load:.2f} of it)"
+        if (held := self._spares(giver, why)) is not None:
+            return None, held
+        return short.pool, f"{why}; the {giver.pool} pool has slack ({giver.one_fewer:.2f} busy with one fewer)"
+
+    def _busier(self, prefill: PoolReading, decode: PoolReading) -> tuple[MovablePool | None, str]:
+        """Both meet their targets: the busier pool, where the other can spare an instance and
+        the move evens them out."""
+        why = "both pools meet their targets"
+        if prefill.busy is None or decode.busy is None:
+            return None, why
+        busier, giver = (prefill, decode) if prefill.busy >= decode.busy else (decode, prefill)
+        if busier.busy is None or busier.busy < self.spec.headroom:
+            return None, why
+        why += f", but the {busier.pool} pool is busy ({busier.busy:.2f} of the time)"
+        if (held := self._spares(giver, why)) is not None:
+            return None, held
+        if giver.one_fewer >= busier.one_more:
+            return None, (
+                f"{why}; the {giver.pool} pool one instance fewer ({giver.one_fewer:.2f}) would be as busy "
+                f"as the {busier.pool} pool one more ({busier.one_more:.2f})"
+            )
+        return busier.pool, f"{why}; the {giver.pool} pool has slack ({giver.one_fewer:.2f} busy with one fewer)"
+
+    def _spares(self, giver: PoolReading, why: str) -> str | None:
+        """Why ``giver`` cannot spare an instance (None: it can)."""
         least = getattr(self.spec, f"min_{giver.pool}")
         if giver.instances <= least:
-            return None, f"{why}, but the {giver.pool} pool is at planner.min_{giver.pool} = {least}"
+            return f"{why}, but the {giver.pool} pool is at planner.min_{giver.pool} = {least}"
+        if giver.busy is None:
+            return f"{why}, but the {giver.pool} pool's stages have not reported how busy they are"
         if giver.one_fewer > self.spec.headroom:
-            return None, (
-                f"{why}, but the {giver.pool} pool has no slack: one instance fewer it would run at "
-                f"{giver.one_fewer:.2f} of its target (planner.headroom = {self.spec.headroom:g})"
+            return (
+                f"{why}, but the {giver.pool} pool has no slack: one instance fewer its stages would be "
+                f"busy {giver.one_fewer:.2f} of the time (planner.headroom = {self.spec.headroom:g})"
             )
-        return short.pool, f"{why}; the {giver.pool} pool has slack ({giver.one_fewer:.2f} with one fewer)"
+        return None
 
     def _decision(
         self,
@@ -192,6 +262,8 @@ class Planner:
             itl_s=decode.figure_s,
             prefill=prefill.instances,
             decode=decode.instances,
+            prefill_busy=prefill.busy,
+            decode_busy=decode.busy,
             instance=instance,
             to=to,
         )

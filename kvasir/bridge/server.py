@@ -152,7 +152,7 @@ class Bridge:
         ):
             tasks.start(coro, name)
         if self.moves.auto is not None:
-            tasks.start(self.moves.follow(self.requests), "planner")
+            tasks.start(self.moves.follow(self.requests, self.reports.stages), "planner")
         tasks.start(self.stopped.wait(), "stopped", may_return=True)
         try:
             await tasks.until_one_ends()  # "stopped", or a broken loop: fatal, the launcher sees us exit

@@ -17,8 +17,8 @@ pools' widths.
 - ``enabled``: the automatic planner (kvasir/bridge/planner.py): every ``interval_s`` it
   reads the time to first token and the inter-token latency at the ``percentile``
   against ``ttft_s`` and ``itl_s`` and moves one instance from the pool with slack to
-  the pool that misses (``patience``, ``headroom`` and ``cooldown_s`` keep it from
-  flapping).
+  the pool that misses, or while both meet them to the busier pool (``patience``,
+  ``headroom`` and ``cooldown_s`` keep it from flapping).
 - ``min_prefill`` / ``min_decode``: a move, by hand or by the planner, never leaves a
   pool with fewer serving instances than this.
 """
@@ -45,7 +45,7 @@ class PlannerSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     percentile: float = 90.0  # of the interval's samples
     interval_s: float = 10.0  # one decision per interval, on its samples
     patience: int = 2  # intervals in a row a pool misses (while the other has slack) before a move
-    headroom: float = 0.8  # the giving pool, one instance smaller, must stay under this share of its target
+    headroom: float = 0.8  # the giving pool, one instance smaller, must stay under this busy share
     cooldown_s: float = 30.0  # after a move ends, none for this long (its samples settle)
 
 
@@ -144,4 +144,4 @@ def _check_targets(spec: PlannerSpec) -> None:
     if not 1 <= spec.patience <= 1000:
         raise PlanError(f"planner.patience must be 1 to 1000 intervals, got {spec.patience}")
     if not 0 < spec.headroom <= 1:
-        raise PlanError(f"planner.headroom must be in (0, 1] (a share of the target), got {spec.headroom}")
+        raise PlanError(f"planner.headroom must be in (0, 1] (a share of the time busy), got {spec.headroom}")

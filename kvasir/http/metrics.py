@@ -204,6 +204,18 @@ class _Snapshot:
                 reading.add_metric([self.model], value)
             yield reading
             yield self._gauge(f"planner_{name}_target_seconds", f"The planner's target {doc}.", [self.model], target)
+        busy = GaugeMetricFamily(
+            self._name("planner_busy_ratio"),
+            "The planner's last interval: each pool's busy share (its instances' busiest stage, averaged).",
+            labels=["model_name", "pool"],
+        )
+        for pool, share in (
+            ("prefill", last.prefill_busy if last else None),
+            ("decode", last.decode_busy if last else None),
+        ):
+            if share is not None:
+                busy.add_metric([self.model, pool], share)
+        yield busy
 
     def _drafts(self, drafts: DraftCounters, model: list[str]) -> Iterator[Metric]:
         """Speculative decoding (a plan with [speculative]), vLLM's names where it has them."""

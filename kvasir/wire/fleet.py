@@ -73,6 +73,8 @@ class PlannerDecision(msgspec.Struct, frozen=True, kw_only=True):
     itl_s: float | None = None  # its inter-token latency at the percentile
     prefill: int = 0  # serving prefill instances, none moving
     decode: int = 0  # serving decode instances
+    prefill_busy: float | None = None  # the prefill pool's busy share in the interval (None: not measured)
+    decode_busy: float | None = None  # the decode pool's
     instance: str | None = None  # a move: the instance it moves
     to: MovablePool | None = None  # and where
 
@@ -81,9 +83,10 @@ class PlannerDecision(msgspec.Struct, frozen=True, kw_only=True):
         what = f"move {self.instance} to {self.to}" if self.action == "move" else "hold"
         ttft = f"{self.ttft_s:.3g} s" if self.ttft_s is not None else "-"
         itl = f"{self.itl_s:.3g} s" if self.itl_s is not None else "-"
+        busy = "/".join(f"{b:.2f}" if b is not None else "-" for b in (self.prefill_busy, self.decode_busy))
         return (
             f"{what} {self.seconds_ago:.0f} s ago: {self.reason} "
-            f"(TTFT {ttft}, ITL {itl}; {self.prefill} prefill, {self.decode} decode)"
+            f"(TTFT {ttft}, ITL {itl}; {self.prefill} prefill, {self.decode} decode; busy {busy})"
         )
 
 

@@ -230,7 +230,9 @@ def test_a_kv_pools_series_are_served_only_with_a_pool():
 def test_the_planners_decisions_and_readings():
     from kvasir.wire.fleet import PlannerDecision, PlannerStats
 
-    last = PlannerDecision(action="hold", reason="both pools meet their targets", ttft_s=0.5, itl_s=None)
+    last = PlannerDecision(
+        action="hold", reason="both pools meet their targets", ttft_s=0.5, itl_s=None, prefill_busy=0.25
+    )
     planner = PlannerStats(
         ttft_s=2.0, itl_s=0.2, percentile=90, interval_s=10, decisions={"hold": 7, "move": 2}, last=last
     )
@@ -252,3 +254,5 @@ def test_the_planners_decisions_and_readings():
     assert families["kvasir:planner_itl_seconds"].samples == []  # no sample in the last interval
     assert [s.value for s in families["kvasir:planner_itl_target_seconds"].samples] == [0.2]
     assert 'kvasir:planner_decisions_total{action="move",model_name="m"} 2.0' in text
+    busy = {s.labels["pool"]: s.value for s in families["kvasir:planner_busy_ratio"].samples}
+    assert busy == {"prefill": 0.25}  # the decode pool's was not measured
