@@ -145,11 +145,12 @@ def test_a_decode_host_drains_under_load_and_the_last_decode_host_is_kept(networ
         [str(BIN / "kvasir"), "hosts", "drain", "b", "--runtime-dir", str(daemon.runtime_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     ))  # fmt: skip
-    events, _, _, late = asyncio.run(load_then(daemon, 12, strike, max_tokens=60))
+    events, _, _, _ = asyncio.run(load_then(daemon, 12, strike, max_tokens=200))
     said = drains[0].communicate(timeout=300)[0]
     assert drains[0].returncode == 0 and "host b is drained" in said, said
     assert terminal_codes(events) == ["finished"] * 12
-    assert late.instances == ["p0", "d1"]
+    after = served_as_generate(daemon, model, [6, 13], 35, lambda i: 5)  # sent once the drain has ended
+    assert [final.instances for final in after] == [["p0", "d1"], ["p0", "d1"]]
     refused = kvasir(daemon, "hosts", "drain", "c")
     assert refused.returncode == 2
     assert "draining host c would leave the decode pool 0 serving instances (one at least)" in refused.stderr
