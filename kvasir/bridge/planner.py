@@ -14,8 +14,8 @@ interval spent running batches (each stage reports its busy and wall seconds). A
 that misses (load above 1) gets an instance from the other pool when that one has
 slack: its busy share scaled to one instance fewer (``n / (n - 1)``) stays under
 ``headroom``, and it keeps more instances than its minimum. While both pools meet
-their targets, the busier one gets an instance when its busy share is at ``headroom``
-or more and the other's, one instance fewer, stays under ``headroom`` and under the
+their targets, the busier one gets an instance when it is busy ``WORKING`` (half) of
+the time or more and the other's, one instance fewer, stays under ``headroom`` and under the
 busier one's with one more (``m / (m + 1)``): the move evens the pools out, and the
 same readings cannot ask for it back. Against flapping: the same pool must be short
 ``patience`` intervals in a row, no move is decided while one is under way, and after
@@ -41,6 +41,7 @@ from kvasir.wire.fleet import MovablePool, PlannerAction, PlannerDecision, Plann
 from kvasir.wire.stats import StageStats
 
 SAMPLES_KEPT = 1 << 16  # of each kind per interval: the most recent
+WORKING = 0.5  # while both pools meet their targets, one busy this share of the time or more asks for an instance
 
 
 class Member(NamedTuple):
@@ -220,7 +221,7 @@ class Planner:
         if prefill.busy is None or decode.busy is None:
             return None, why
         busier, giver = (prefill, decode) if prefill.busy >= decode.busy else (decode, prefill)
-        if busier.busy is None or busier.busy < self.spec.headroom:
+        if busier.busy is None or busier.busy < WORKING:
             return None, why
         why += f", but the {busier.pool} pool is busy ({busier.busy:.2f} of the time)"
         if (held := self._spares(giver, why)) is not None:

@@ -11,7 +11,7 @@ from kvasir.wire.stats import StageStats
 SPEC = PlannerSpec(enabled=True, ttft_s=1.0, itl_s=0.1, percentile=90, patience=2, headroom=0.8, cooldown_s=30)
 
 
-def fleet(prefill: int = 2, decode: int = 2, busy: tuple[float | None, float | None] = (0.5, 0.2)) -> dict:
+def fleet(prefill: int = 2, decode: int = 2, busy: tuple[float | None, float | None] = (0.4, 0.2)) -> dict:
     """Instances with their requests, each pool's busy share as ``busy`` (prefill, decode)."""
     return {
         "prefill": [Member(f"p{i}", requests=i, movable=True, busy=busy[0]) for i in range(prefill)],
@@ -42,7 +42,7 @@ def test_a_pool_missing_for_patience_intervals_gets_the_least_busy_instance_of_t
     second = interval(planner, [2.0] * 10, [0.02] * 50, now=20)
     assert (second.action, second.instance, second.to) == ("move", "d1", "prefill")  # d1 has fewest requests
     assert "decode pool has slack (0.40 busy with one fewer)" in second.reason
-    assert (second.prefill_busy, second.decode_busy) == (0.5, 0.2)
+    assert (second.prefill_busy, second.decode_busy) == (0.4, 0.2)
     assert planner.decisions == {"hold": 1, "move": 1}
     stats = planner.stats(now=25)
     assert stats.last_move is not None and stats.last_move.seconds_ago == 5 and stats.last_move.instance == "d1"
@@ -124,12 +124,14 @@ def test_a_move_that_would_not_even_the_pools_out_is_not_made():
     close = interval(planner, [0.3], [0.05], now=10, members=fleet(busy=(0.39, 0.85)))
     assert close.action == "hold" and "would be as busy as the decode pool one more" in close.reason
     assert "(0.78)" in close.reason and "(0.57)" in close.reason
-    idle = interval(planner, [0.3], [0.05], now=20, members=fleet(busy=(0.1, 0.7)))
-    assert idle.action == "hold" and idle.reason == "both pools meet their targets"  # 0.7 < headroom
+    idle = interval(planner, [0.3], [0.05], now=20, members=fleet(busy=(0.1, 0.45)))
+    assert idle.action == "hold" and idle.reason == "both pools meet their targets"  # busy under half the time
     unmeasured = interval(planner, [0.3], [0.05], now=30, members=fleet(busy=(None, 0.95)))
     assert unmeasured.reason == "both pools meet their targets"
     balanced = interval(planner, [0.3], [0.05], now=40, members=fleet(prefill=1, decode=3, busy=(0.3, 0.9)))
     assert "prefill pool is at planner.min_prefill = 1" in balanced.reason
+    half = interval(planner, [0.3], [0.05], now=50, members=fleet(busy=(0.6, 0.1)))  # 0.2 one fewer < 0.4 one more
+    assert (half.action, half.to) == ("move", "prefill") and "prefill pool is busy (0.60 of the time)" in half.reason
 
 
 def stage(index: int, pid: int, busy_s: float, wall_s: float) -> StageStats:
