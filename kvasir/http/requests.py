@@ -203,8 +203,8 @@ def _shaping(req: _Sampling, tools: ToolPlan | None) -> dict[str, Any]:
         )
     bias = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.isdigit() or len(key) > 10:
-            raise invalid(f"logit_bias keys are token ids, got {key[:20]!r}", "logit_bias")
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:  # "²" is a digit to isdigit(), not to int()
+            raise invalid(f"logit_bias keys are token ids (ASCII decimal digits), got {key[:20]!r}", "logit_bias")
         bias[int(key)] = value
     return {
         "presence_penalty": req.presence_penalty or 0.0,

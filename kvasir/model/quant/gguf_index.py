@@ -20,6 +20,8 @@ import numpy as np
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 MAX_ITEMS = 1 << 31  # more tensors, entries or array elements than any real file holds
+MAX_DEPTH = 4  # arrays inside arrays: real files hold arrays of scalars or strings (depth 1)
+MAX_STRING = 1 << 26  # bytes in one string (a chat template or a token is far shorter)
 
 
 class GgufFormatError(ValueError):
@@ -65,25 +67,31 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.count("string length")
+        if n > MAX_STRING:
+            raise GgufFormatError(f"a string of {n} bytes at byte {self.at} (at most {MAX_STRING})")
         if self.at + n > len(self.raw):
             raise GgufFormatError(f"a string runs past the end of the file (at byte {self.at})")
         text = bytes(self.raw[self.at : self.at + n]).decode("utf-8", errors="replace")
         self.at += n
         return text
 
-    def value(self, kind: int) -> object:
+    def value(self, kind: int, depth: int = 0) -> object:
         if kind in SCALARS:
             return self.take(SCALARS[kind])
         if kind == STRING:
             return self.string()
         if kind != ARRAY:
             raise GgufFormatError(f"unknown metadata value type {kind}")
+        if depth == MAX_DEPTH:
+            raise GgufFormatError(f"metadata arrays nested deeper than {MAX_DEPTH} (at byte {self.at})")
         inner, n = self.take("<I"), self.count("array")
         if inner in SCALARS:  # skipped whole
             self.at += n * struct.calcsize(SCALARS[inner])
+            if self.at > len(self.raw):
+                raise GgufFormatError(f"an array of {n} values runs past the end of the file")
         else:
             for _ in range(n):
-                self.value(inner)
+                self.value(inner, depth + 1)
         return None
 
 

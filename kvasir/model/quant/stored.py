@@ -111,14 +111,24 @@ def swap_stored(
         if isinstance(child, nn.Linear):
             bias = None if child.bias is None else torch.empty(child.out_features, device="meta")
             weights = tensors.nibbles(name)
+            _check_shape(name, (weights.out_features, weights.in_features), child)
             replacement = QuantLinear(weights, bias)
             report.stored_bytes += weights.held_bytes(dtype)
         else:
-            replacement = QuantEmbedding(*tensors.blocks(name)[:2], child.embedding_dim, dtype)
+            raw, stored_format, width = tensors.blocks(name)
+            _check_shape(name, (raw.shape[0], width), child)
+            replacement = QuantEmbedding(raw, stored_format, child.embedding_dim, dtype)
             report.stored_bytes += replacement.stored_bytes
         report.layers.append(name)
         _replace(modules, path, replacement)
     return report
+
+
+def _check_shape(name: str, stored: tuple[int, int], child: nn.Linear | nn.Embedding) -> None:
+    """A stored matrix is [out, in] as the config makes the layer it replaces, or the stage refuses."""
+    expected = tuple(child.weight.shape)
+    if tuple(stored) != expected:
+        raise ModelSourceError(f"tensor {name} is stored as {list(stored)}, the config expects {list(expected)}")
 
 
 def _replace(modules: nn.Module, path: str, replacement: nn.Module) -> None:

@@ -230,6 +230,8 @@ def test_a_refusal_says_why_and_shows_the_value():
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_p": 1.5}, "min_p"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to str.isdigit(), not to int()
+        ({"logit_bias": {"\u0665": 1}}, "logit_bias"),  # ARABIC-INDIC FIVE: int() reads it, ASCII only is served
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"bad_words": [""]}, "bad_words[0]"),

@@ -6,6 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
+from kvasir.errors import ModelSourceError
+from kvasir.model.gguf import gguf_architecture
 from kvasir.model.quant.gguf_index import GgufFormatError, read_index
 from tests.support.gguf_models import save_tiny_gguf
 
@@ -46,3 +48,35 @@ def test_a_truncated_file_is_refused_where_its_header_ends(tmp_path):
     cut.write_bytes(whole[:200])
     with pytest.raises(GgufFormatError, match="ends inside its header|runs past the end"):
         read_index(cut)
+
+
+def nested_arrays(depth: int) -> bytes:
+    """A GGUF header whose one metadata value is an array of an array of ... (``depth``
+    levels) of one u8: about 12 bytes a level."""
+    key = b"general.nested"
+    head = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+    level = (9).to_bytes(4, "little") + (1).to_bytes(8, "little")  # elements: arrays, one of them
+    innermost = (0).to_bytes(4, "little") + (1).to_bytes(8, "little") + b"\x07"  # elements: u8, one of them
+    value = (9).to_bytes(4, "little") + level * (depth - 1) + innermost
+    return head + len(key).to_bytes(8, "little") + key + value
+
+
+def test_metadata_nested_past_the_bound_is_refused_not_a_recursion_error(tmp_path):
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(nested_arrays(5000))  # about 60 KB: deeper than Python's recursion limit
+    with pytest.raises(GgufFormatError, match="nested deeper than 4"):
+        read_index(path)
+    with pytest.raises(ModelSourceError, match="is not a readable GGUF file: metadata arrays nested deeper"):
+        gguf_architecture(path)  # what the loader and `kvasir model prepare` call first
+    shallow = tmp_path / "shallow.gguf"
+    shallow.write_bytes(nested_arrays(2))  # within the bound: read (and skipped, as every array)
+    assert read_index(shallow).metadata == {"general.nested": None}
+
+
+def test_a_string_longer_than_the_bound_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "long.gguf"
+    path.write_bytes(
+        b"GGUF" + (3).to_bytes(4, "little") + bytes(8) + (1).to_bytes(8, "little") + (1 << 30).to_bytes(8, "little")
+    )
+    with pytest.raises(GgufFormatError, match="a string of 1073741824 bytes"):
+        read_index(path)

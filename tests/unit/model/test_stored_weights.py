@@ -3,12 +3,15 @@ against Hugging Face ``generate`` on transformers' float32 reading of the same f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kvasir.errors import ModelSourceError
 from kvasir.model.convert import prepare
 from kvasir.model.loader import SliceSpec, load_slice
+from kvasir.model.quant.gguf_index import read_index
 from kvasir.model.quant.linear import QuantEmbedding, QuantLinear, int4_kernels_available
 from kvasir.model.source import resolve_source
 from kvasir.stage.chain import Chain
@@ -86,6 +89,30 @@ def test_rows_read_in_another_order_than_transformers_are_refused(ggufs, monkeyp
     monkeypatch.setattr("kvasir.model.quant.gguf_weights._unrotated_rows", lambda rows, heads: torch.arange(rows))
     source = resolve_source(str(ggufs["llama-q4_1"]))
     with pytest.raises(ModelSourceError, match="does not match transformers' reading"):
+        load_slice(source, SliceSpec((0, 2), True, False), torch.float32, torch.device("cpu"), "as_stored")
+
+
+@pytest.mark.parametrize(
+    ("tensor", "stored", "expected"),
+    [("blk.1.attn_v.weight", [16, 64], [32, 64]), ("token_embd.weight", [160, 64], [320, 64])],
+)
+def test_every_stored_matrix_whose_shape_is_not_the_configs_is_refused(ggufs, monkeypatch, tensor, stored, expected):
+    """A file whose table gives a later matrix (not the first, which is compared with
+    transformers' copy) fewer rows than the config: refused by name before it is used."""
+    real = read_index
+
+    def shrunk(path):
+        index = real(path)
+        info = index.tensors[tensor]
+        index.tensors[tensor] = replace(info, shape=(info.shape[0], info.shape[1] // 2))
+        return index
+
+    monkeypatch.setattr("kvasir.model.quant.gguf_weights.read_index", shrunk)
+    source = resolve_source(str(ggufs["llama-q4_1"]))
+    message = rf"tensor \S+ is stored as {stored}, the config expects {expected}".replace("[", r"\[").replace(
+        "]", r"\]"
+    )
+    with pytest.raises(ModelSourceError, match=message):
         load_slice(source, SliceSpec((0, 2), True, False), torch.float32, torch.device("cpu"), "as_stored")
 
 
