@@ -7,7 +7,9 @@ instance's cache, in tiers below it (docs/architecture.md, The KV pool).
   survives restarts.
 
 Each size is a host's whole tier: every stage on the host gets a share in proportion to
-its layers (its slices are that share of a block's bytes). No ``[kv_pool]``: no pool.
+its layers (its slices are that share of a block's bytes), and the stages of the same
+layers on a host, which share a folder, keep that folder within their shares together.
+No ``[kv_pool]``: no pool.
 """
 
 from __future__ import annotations
@@ -60,3 +62,13 @@ def tier_shares(total: int, stages: Sequence[tuple[str, tuple[int, int]]]) -> li
     for host, (first, end) in stages:
         layers_on[host] = layers_on.get(host, 0) + end - first
     return [total * (end - first) // layers_on[host] for host, (first, end) in stages]
+
+
+def folder_budgets(total: int, stages: Sequence[tuple[str, tuple[int, int]]]) -> list[int]:
+    """Each stage's folder's bytes: the shares (``tier_shares``) of every stage of the same
+    host and layers, which share one folder of the tier."""
+    shares = tier_shares(total, stages)
+    by_folder: dict[tuple[str, tuple[int, int]], int] = {}
+    for stage, share in zip(stages, shares):
+        by_folder[stage] = by_folder.get(stage, 0) + share
+    return [by_folder[stage] for stage in stages]

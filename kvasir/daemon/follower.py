@@ -31,7 +31,7 @@ from kvasir.daemon.notify import ServiceNotifier
 from kvasir.daemon.spawner import pool_tiers
 from kvasir.errors import KvasirError
 from kvasir.logs import Logger
-from kvasir.ring.shm import check_segment_names, remove_pool_folder, segment_prefix
+from kvasir.ring.shm import check_segment_names, make_pool_folder, remove_pool_folder, segment_prefix
 from kvasir.transport.channels import Endpoints, waiting
 from kvasir.transport.curve import Fabric, HostKeys
 from kvasir.transport.fabric import Sockets
@@ -125,6 +125,7 @@ class Follower:
         self.generations: dict[str, int] = {}  # each worker's Run
         self.layout = Layout()  # the shared memory made here, kept across runs
         self._made: set[str] = set()  # its names
+        self._pool_made = False  # the KV pool's memory tier folder
         self.heard = 0.0  # when the leader last said anything (0: not since we started or lost it)
         self._lock_fd: int | None = None
         self._link: zmq.Socket | None = None
@@ -216,6 +217,7 @@ class Follower:
         names = renamed(run.segments, run.prefix, self.here.prefix)
         try:
             check_segment_names(run.prefix, segment_names(run))
+            self._pool_folder()
             wanted = run.segments.renamed(names)
             self.layout.rings += make_segments(wanted.without(self._made))
             self._made.update(wanted.names())
@@ -260,6 +262,16 @@ class Follower:
         if self.state == "running" and not self.workers:
             self.state = "waiting"
             self.notifier.status(f"host {self.here.host}: waiting for the leader ({reason})")
+
+    def _pool_folder(self) -> None:
+        """The KV pool's memory tier on this host, made before any other file of this
+        follower's prefix (once); KvasirError if the plan's host_bytes do not fit /dev/shm."""
+        pool = self.plan.kv_pool
+        if pool is None or pool.host_bytes == 0 or self._pool_made:
+            return
+        if not make_pool_folder(self.here.prefix, pool.host_bytes):
+            self.log.error("the KV pool's memory tier folder existed before this host made it: its stages check it")
+        self._pool_made = True
 
     def cleanup(self) -> None:
         self._halt("kvasird join is stopping")

@@ -30,7 +30,7 @@ from kvasir.errors import KvasirError
 from kvasir.logs import Logger
 from kvasir.model.source import ModelSource
 from kvasir.ring.handshake import HandleExchange, HandshakeError
-from kvasir.ring.shm import remove_pool_folder, sweep_stale_segments
+from kvasir.ring.shm import make_pool_folder, remove_pool_folder, sweep_stale_segments
 from kvasir.transport.channels import Endpoints, PullChannel
 from kvasir.transport.curve import Fabric
 from kvasir.transport.fabric import Sockets
@@ -130,6 +130,7 @@ class Launcher:
         for stale in self.ends.socket_files():  # only Kvasir's names (make_runtime_dir checked)
             stale.unlink(missing_ok=True)
         self._sweep()
+        self._pool_folder()
         self._control = PullChannel(self.sockets.bind(zmq.PULL, self.ends.control), ControlMessage, self.log)
         try:
             self.fronts.bind()
@@ -370,6 +371,18 @@ class Launcher:
         if absent != self._absent and bridge is not None and bridge.ready:
             bridge.command.send(Command("hosts", hosts=absent))
             self._absent = absent
+
+    def _pool_folder(self) -> None:
+        """The KV pool's memory tier, made fresh before any other file of the daemon's prefix."""
+        pool = self.plan.kv_pool
+        if pool is None or pool.host_bytes == 0:
+            return
+        try:
+            made = make_pool_folder(self.spawner.prefix, pool.host_bytes)
+        except KvasirError as exc:
+            raise LaunchError(str(exc)) from None
+        if not made:
+            self.log.error("the KV pool's memory tier folder existed before the daemon made it: its stages check it")
 
     def _sweep(self) -> None:
         """Remove shared memory whose creator is gone (killed children's, a killed daemon's)."""

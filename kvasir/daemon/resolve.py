@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 
 from kvasir.config.http import default_model_name, read_api_keys, tls_context
-from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_public
+from kvasir.config.keys import POOL_SECRET, KeyFileError, allowed_keys, load_pair, load_public, read_pool_secret
 from kvasir.config.plan import Plan, check_model_fit, load_plan
 from kvasir.daemon.dtype import DtypeChoice, auto_dtype, checkpoint_dtype, cpu_flags
 from kvasir.errors import ModelSourceError, PlanError
@@ -122,6 +122,11 @@ def resolve_cluster(plan: Plan, base: Path) -> Plan:
             raise PlanError(
                 f"cluster.keys: host {name}: {exc} (make the pairs with `kvasir keys generate DIR --host {name}`)"
             ) from None
+    if plan.kv_pool is not None:  # every host keys its slices' checksums with the fleet's one secret
+        try:
+            read_pool_secret(folder / POOL_SECRET)
+        except KeyFileError as exc:
+            raise PlanError(f"cluster.keys: [kv_pool] across hosts needs the fleet's pool secret: {exc}") from None
     return msgspec.structs.replace(plan, cluster=msgspec.structs.replace(plan.cluster, keys=str(folder)))
 
 

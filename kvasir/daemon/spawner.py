@@ -10,7 +10,8 @@ from pathlib import Path
 
 from kvasir.config.cluster import worker_host
 from kvasir.config.devices import torch_dtype
-from kvasir.config.kvpool import tier_shares
+from kvasir.config.keys import POOL_SECRET
+from kvasir.config.kvpool import folder_budgets
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
 from kvasir.daemon.children import Child, ChildId, spawn_child
@@ -130,17 +131,20 @@ class Spawner:
 
 
 def pool_tiers(plan: Plan, index: int, prefix: str) -> PoolTiers | None:
-    """Stage ``index``'s (global) share of the KV pool's tiers on its host: its host's
-    memory tier is the folder named from ``prefix`` (the shared-memory names of the
-    daemon, or of the follower, on that host)."""
+    """Stage ``index``'s (global) part of the KV pool's tiers on its host: each tier's
+    folder of its layers and that folder's bytes; its host's memory tier is the folder
+    named from ``prefix`` (the shared-memory names of the daemon, or of the follower, on
+    that host); a plan across hosts keys its slices with the fleet's secret in cluster.keys."""
     pool = plan.kv_pool
     if pool is None:
         return None
     stages = [(worker_host(plan.cluster, stage.host) or "", stage.layers) for stage in plan.all_stages]
-    host, disk = tier_shares(pool.host_bytes, stages)[index], tier_shares(pool.disk_bytes, stages)[index]
+    host, disk = folder_budgets(pool.host_bytes, stages)[index], folder_budgets(pool.disk_bytes, stages)[index]
+    keys = plan.cluster.keys if plan.cluster is not None else None
     return PoolTiers(
         host_dir=str(pool_folder(prefix)) if host else "",
         host_bytes=host,
         disk_dir=pool.disk_dir or "" if disk else "",
         disk_bytes=disk,
+        secret_file=str(Path(keys) / POOL_SECRET) if keys else "",
     )

@@ -9,11 +9,14 @@ host memory tier, then the disk tier, which survives a restart). The stage takes
 tiers' changes since it last asked (``take_events``: slices stored and removed, and at
 first everything the tiers held at start) for the bridge, whose index then knows where a
 block is complete. A writer that fails raises from the next ``spill`` or
-``take_events``: the stage process fails loudly, never with a silently stopped pool.
+``take_events``: the stage process fails loudly, never with a silently stopped pool (a
+storage fault is no failure of the writer: the tier drops the slice and counts it,
+kvasir/kvpool/disk.py).
 
 ``load`` reads a slice back into a block from the first tier holding it: a slice that is
-missing, corrupt or made with anything else is not used (the caller recomputes the
-block) and a bad one is removed.
+missing, unreadable, corrupt or made with anything else is not used (the caller
+recomputes the block) and a bad one is removed. ``secret`` keys every slice's checksum
+(kvasir/kvpool/slices.py).
 
 The stage also keeps which of its blocks hold which prefix (``registered``, from the
 head's descriptors; an evicted block leaves it), so that a clean stop (``close``) writes
@@ -30,8 +33,9 @@ import msgspec
 import torch
 
 from kvasir.kvpool.disk import DiskTier
+from kvasir.kvpool.health import TierHealth
 from kvasir.kvpool.index import Tier
-from kvasir.kvpool.slices import SliceError, SliceMeta, decode_slice, encode_slice
+from kvasir.kvpool.slices import SliceError, SliceMeta, decode_slice, encode_slice, slice_bytes
 
 PUT_TIMEOUT_S = 5.0  # closing: how long the writer gets to store what is queued (under the launcher's stop wait)
 MAX_SNAPSHOT = 1 << 20  # keys in the first events of a tier (kvasir/wire/bridge.py MAX_PREFIX_EVENTS)
@@ -57,12 +61,24 @@ class TierEvents:
 
 
 class StagePool:
-    """One stage's slices in ``tiers`` (tried in order); ``template``: its SliceMeta less the key."""
+    """One stage's slices in ``tiers`` (tried in order); ``template``: its SliceMeta less
+    the key; ``refused``: the health of tiers refused at start (reported, never used)."""
 
-    def __init__(self, cache, tiers: dict[Tier, DiskTier], template: SliceMeta, max_queued_bytes: int) -> None:
+    def __init__(
+        self,
+        cache,
+        tiers: dict[Tier, DiskTier],
+        template: SliceMeta,
+        max_queued_bytes: int,
+        *,
+        secret: bytes,
+        refused: tuple[TierHealth, ...] = (),
+    ) -> None:
         self.cache = cache  # kvasir/model/kv_cache.py PagedKVCache
         self.tiers = tiers
         self.template = template
+        self.secret = secret
+        self.healths = [tier.health for tier in tiers.values()] + list(refused)
         self.max_queued_bytes = max_queued_bytes
         self.counters = StageCounters()
         self._queue: queue.SimpleQueue[tuple[bytes, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
@@ -107,10 +123,10 @@ class StagePool:
     def load(self, block: int, key: bytes) -> Tier | None:
         """Read block ``key``'s slice into ``block``: the tier it came from, or None
         (nothing written) when no tier has a usable one."""
-        where = (key, self.template.layers)
+        where, size = (key, self.template.layers), self.size(key)
         for name, tier in self.tiers.items():
             with self._tier_lock:
-                data = tier.get(where)
+                data = tier.get(where, size)
             if data is None:
                 continue
             if self.place(block, key, data):
@@ -124,7 +140,7 @@ class StagePool:
         """Read one stored slice of ``key`` (a tier's file, or another host's) into
         ``block``; False (nothing written, counted) when it is corrupt or made with anything else."""
         try:
-            keys, values = decode_slice(data, msgspec.structs.replace(self.template, key=key))
+            keys, values = decode_slice(data, msgspec.structs.replace(self.template, key=key), self.secret)
         except SliceError:
             self.counters.unusable += 1
             return False
@@ -133,6 +149,10 @@ class StagePool:
         cache_values.copy_(values)
         self.counters.loaded += 1
         return True
+
+    def size(self, key: bytes) -> int:
+        """The stored size of this stage's slice of block ``key``."""
+        return slice_bytes(msgspec.structs.replace(self.template, key=key))
 
     def take_events(self) -> list[TierEvents]:
         """Each tier's changes since the last call (the first call: all it holds)."""
@@ -164,6 +184,9 @@ class StagePool:
             self.spill(list(self._held.items()))
         self._queue.put(None)
         self._writer.join(PUT_TIMEOUT_S)
+        if not self._writer.is_alive():  # a writer still at work keeps its folders' descriptors
+            for tier in self.tiers.values():
+                tier.close()
 
     def _block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         size = self.cache.block_size
@@ -175,7 +198,7 @@ class StagePool:
             while (item := self._queue.get()) is not None:
                 key, keys, values = item
                 meta = msgspec.structs.replace(self.template, key=key)
-                data = encode_slice(meta, keys, values)
+                data = encode_slice(meta, keys, values, self.secret)
                 for name, tier in self.tiers.items():
                     with self._tier_lock:
                         if tier.put((key, meta.layers), data):

@@ -36,6 +36,25 @@ def pool_folder(prefix: str) -> Path:
     return SHM_DIR / f"{prefix}{POOL_SUFFIX}"
 
 
+def make_pool_folder(prefix: str, host_bytes: int, directory: Path = SHM_DIR) -> bool:
+    """The KV pool's host memory tier, made fresh (0700) by the daemon before any of its
+    stages starts; False when something by its name exists already (its stages check it
+    and refuse it unless it is this user's folder open to nobody else). KvasirError when
+    ``host_bytes`` is more than ``directory`` (/dev/shm) holds, with both sizes."""
+    info = os.statvfs(directory)
+    size = info.f_blocks * info.f_frsize
+    if host_bytes > size:
+        raise KvasirError(
+            f"kv_pool.host_bytes = {host_bytes} bytes is more than {directory} holds on this host "
+            f"({size} bytes): lower it, or give {directory} more room"
+        )
+    try:
+        os.mkdir(directory / f"{prefix}{POOL_SUFFIX}", 0o700)
+    except FileExistsError:
+        return False
+    return True
+
+
 def remove_pool_folder(prefix: str) -> None:
     shutil.rmtree(pool_folder(prefix), ignore_errors=True)
 
@@ -99,16 +118,27 @@ def _creator(name: str) -> int | None:
 
 
 def map_file(path: Path, size: int, create: bool) -> mmap.mmap:
+    """Map a segment; one created is allocated whole now (a full /dev/shm is an error at
+    start, never a SIGBUS when a page is first written under load)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            _allocate(fd, path, size)
         elif os.fstat(fd).st_size != size:
             raise SlotError(f"shared memory {path} has {os.fstat(fd).st_size} bytes, expected {size}")
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
+
+
+def _allocate(fd: int, path: Path, size: int) -> None:
+    try:
+        if size > 0:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.unlink(path)
+        raise SlotError(f"shared memory {path}: {size} bytes cannot be allocated ({exc.strerror})") from None
 
 
 def close_map(mapping: mmap.mmap) -> None:

@@ -4,8 +4,9 @@ own host lacks (``PeerFetcher``, on its loop), over the plan's fabric (TCP with 
 kvasir/transport/fabric.py).
 
 The server reads a slice's file from its tiers' folders by name (a file is whole once
-it has its name: kvasir/kvpool/disk.py), so it needs no lock with the stage's writer; a
-file evicted meanwhile is a miss. A fetch keeps at most ``window`` slices asked for and
+it has its name: kvasir/kvpool/disk.py ``DiskTier.read``, which checks it is a file of
+the slice's size the pool wrote), so it needs no lock with the stage's writer; a file
+evicted meanwhile, unfit or unreadable is a miss (a fault counted in the tier's health). A fetch keeps at most ``window`` slices asked for and
 unanswered, and gives up at its deadline: what came by then is used, the rest computed.
 The asker checks each slice as it checks its own files (kvasir/kvpool/slices.py).
 """
@@ -15,13 +16,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Generator
-from pathlib import Path
 
 import msgspec
 import zmq
 
 from kvasir.errors import KvasirError
-from kvasir.kvpool.disk import file_name
+from kvasir.kvpool.disk import DiskTier
 from kvasir.wire.decoding import Decoder, Malformed
 from kvasir.wire.kvpool import SliceGot, SliceWant
 
@@ -31,13 +31,17 @@ WINDOW = 8  # slices a fetch keeps asked for and unanswered
 
 
 class SliceServer:
-    """Serves ``layers``' slices from ``folders`` (the stage's tiers, fastest first) on a bound ROUTER."""
+    """Serves ``layers``' slices from ``tiers`` (the stage's, fastest first) on a bound
+    ROUTER; ``size_of``: a block key's slice size."""
 
-    def __init__(self, socket: zmq.Socket, folders: list[Path], layers: tuple[int, int]) -> None:
+    def __init__(
+        self, socket: zmq.Socket, tiers: list[DiskTier], layers: tuple[int, int], size_of: Callable[[bytes], int]
+    ) -> None:
         self.socket = socket
         socket.setsockopt(zmq.SNDHWM, SERVER_HWM)
-        self.folders = folders
+        self.tiers = tiers
         self.layers = layers
+        self.size_of = size_of
         self.served = 0
         self.malformed = 0
         self._stop = threading.Event()
@@ -77,14 +81,12 @@ class SliceServer:
     def _read(self, want: SliceWant) -> bytes | None:
         if tuple(want.layers) != self.layers:
             return None
-        name = file_name((want.key, self.layers))
-        for folder in self.folders:
-            try:
-                data = (folder / name).read_bytes()
-            except FileNotFoundError:
-                continue
-            self.served += 1
-            return data
+        where, size = (want.key, self.layers), self.size_of(want.key)
+        for tier in self.tiers:
+            data = tier.read(where, size)
+            if data is not None:
+                self.served += 1
+                return data
         return None
 
 

@@ -17,13 +17,11 @@ request's rows come after it round the ring and overwrite it).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from kvasir.kvpool.disk import DiskTier
+from kvasir.kvpool.health import TierHealth
 from kvasir.kvpool.index import Tier
 from kvasir.kvpool.slices import SliceMeta
 from kvasir.kvpool.stage_side import StagePool
@@ -34,9 +32,8 @@ from kvasir.transport.channels import PushChannel
 from kvasir.units import MIB
 from kvasir.wire.batch import BatchDescriptor, PoolLoad
 from kvasir.wire.bridge import PoolEvents
-from kvasir.wire.control import PoolTiers
 from kvasir.wire.head import PoolLoaded
-from kvasir.wire.stats import PoolCounters, PoolReads
+from kvasir.wire.stats import PoolCounters, PoolFault, PoolReads, PoolTierState
 
 MAX_QUEUED_BYTES = 256 * MIB  # a stage's slices copied out and not yet written
 SLOWER: tuple[Tier, ...] = ("host", "disk", "remote")  # a block read from several tiers counts at the slowest
@@ -174,6 +171,10 @@ class PoolRole:
             ),
             host_bytes=tiers["host"].bytes if "host" in tiers else 0,
             disk_bytes=tiers["disk"].bytes if "disk" in tiers else 0,
+            faults=tuple(fault for health in self.pool.healths for fault in _faults(health)),
+            tiers=tuple(
+                PoolTierState(h.tier, h.path, h.state, h.reason) for h in self.pool.healths if h.state != "serving"
+            ),
         )
 
     def close(self) -> None:
@@ -182,17 +183,8 @@ class PoolRole:
         self.pool.close()
 
 
-def open_tiers(settings: PoolTiers, source: ModelSource, dtype: str, layers: tuple[int, int]) -> dict[Tier, DiskTier]:
-    """A stage's tiers: its folder in each (``ROOT/MODEL/FIRST-END``, shared by the
-    stages of the same layers on the host) with its share of each tier's bytes."""
-    identity = model_identity(source.weights_dir, dtype)
-    folder = Path(hashlib.sha256(identity.encode()).hexdigest()[:16], f"{layers[0]}-{layers[1]}")
-    tiers: dict[Tier, DiskTier] = {}
-    if settings.host_bytes > 0:
-        tiers["host"] = DiskTier(Path(settings.host_dir) / folder, settings.host_bytes)
-    if settings.disk_bytes > 0:
-        tiers["disk"] = DiskTier(Path(settings.disk_dir) / folder, settings.disk_bytes)
-    return tiers
+def _faults(health: TierHealth) -> list[PoolFault]:
+    return [PoolFault(health.tier, op, reason, count) for op, reason, count in health.counts()]  # type: ignore[arg-type]
 
 
 def slice_template(source: ModelSource, dtype: str, layers: tuple[int, int], block_size: int) -> SliceMeta:

@@ -23,7 +23,8 @@ from kvasir.stage.engine import StageEngine
 from kvasir.stage.kv_segment import KvSegmentMap
 from kvasir.stage.outlets import DownstreamOutlet
 from kvasir.stage.pool_peers import PeerFetcher, SliceServer
-from kvasir.stage.pooling import MAX_QUEUED_BYTES, NoPool, Peers, PoolRole, open_tiers, slice_template
+from kvasir.stage.pool_tiers import open_tiers
+from kvasir.stage.pooling import MAX_QUEUED_BYTES, NoPool, Peers, PoolRole, slice_template
 from kvasir.stage.ports import PoolPart
 from kvasir.stage.roles import Kept, Regrouper, keep_head, keep_tail, pool_parts
 from kvasir.stage.shard_links import Pulse, connect_shards
@@ -112,14 +113,16 @@ def _pool(w: Wiring, kept: Kept) -> PoolPart:
     if settings.kv_pool is None or plan.kv_pool is None:
         return NoPool()
     layers = engine.spec.layers
-    tiers = open_tiers(settings.kv_pool, source, plan.model.dtype, layers)
+    opened = open_tiers(settings.kv_pool, source, plan.model.dtype, layers, w.log)
     template = slice_template(source, plan.model.dtype, layers, plan.kv.block_size)
     loaded = kept.pool_loaded if w.local == 0 else w.push(HeadMessage, w.ends.stage_in(w.head)).send
-    pool = StagePool(engine.cache, tiers, template, MAX_QUEUED_BYTES)
+    pool = StagePool(
+        engine.cache, opened.tiers, template, MAX_QUEUED_BYTES, secret=opened.secret, refused=opened.refused
+    )
     peers = None
     if settings.fabric is not None:  # a plan across hosts: serve this host's slices, read other hosts'
         server = SliceServer(
-            w.bind(zmq.ROUTER, w.ends.kvpool(settings.index)), [t.folder for t in tiers.values()], layers
+            w.bind(zmq.ROUTER, w.ends.kvpool(settings.index)), list(opened.tiers.values()), layers, pool.size
         )
         fetcher = PeerFetcher(lambda peer: w.sockets.connect(zmq.DEALER, w.ends.kvpool(peer)), layers)
         peers = Peers(server, fetcher, plan.kv_pool.load_timeout_s)

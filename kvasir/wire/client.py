@@ -18,7 +18,7 @@ from kvasir.wire.base import (
     Grammar,
 )
 from kvasir.wire.fleet import InstanceStats, MoveTarget, PlannerStats
-from kvasir.wire.stats import BatchSpan, DraftCounters, ShardStats, StageStats
+from kvasir.wire.stats import BatchSpan, DraftCounters, PoolFault, ShardStats, StageStats
 
 # Size limits of a client's submission, checked while decoding (msgspec reads a list's
 # length before its items, so an oversized list is refused without being walked). The
@@ -239,6 +239,16 @@ class PoolSource(msgspec.Struct, frozen=True, kw_only=True):
     gib_s: float
 
 
+class StageTier(msgspec.Struct, frozen=True, kw_only=True):
+    """A stage's tier of the pool that does not serve now."""
+
+    stage: int  # its global index
+    tier: str  # "host" (memory) or "disk"
+    path: str
+    state: str  # "paused" (after faults, tried again later) or "refused" (at start)
+    reason: str
+
+
 class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
     """The KV pool (kvasir/kvpool/): the bridge's index, and the stages' tiers since they started."""
 
@@ -254,6 +264,15 @@ class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
     remote_bytes: int = 0  # of load_bytes, read from other hosts' pools
     remote_gib_s: float = 0.0  # over the time those reads took
     sources: list[PoolSource] = []  # by tier and remote host
+    faults: list[PoolFault] = []  # storage faults, every stage's summed by tier, operation and reason
+    tiers: list[StageTier] = []  # the stages' tiers that do not serve now (paused or refused)
+
+    def faults_line(self) -> str | None:
+        """Storage faults and the tiers off, for ``kvasir stats``; None while there are none."""
+        counts = [f"{f.tier} {f.op} {f.reason} {f.count}" for f in self.faults]
+        down = [f"stage {t.stage}'s {t.tier} tier {t.state} ({t.path}: {t.reason})" for t in self.tiers]
+        parts = ([", ".join(counts)] if counts else []) + down
+        return "kv pool faults: " + "; ".join(parts) if parts else None
 
     def sources_line(self) -> str | None:
         """What was read back from where, for ``kvasir stats``; None before any read."""
@@ -291,9 +310,26 @@ class KvPoolStats(msgspec.Struct, frozen=True, kw_only=True):
             remote_bytes=(remote := sum(p.remote_bytes for p in pools)),
             remote_gib_s=gib_per_s(remote, sum(p.remote_s for p in pools)),
             sources=_sources(pools, host_of or {}),
+            faults=_faults(pools),
+            tiers=[
+                StageTier(stage=s.index, tier=t.tier, path=t.path, state=t.state, reason=t.reason)
+                for s in stages
+                if s.kv_pool is not None
+                for t in s.kv_pool.tiers
+            ],
             host_bytes=sum(p.host_bytes for p in pools),
             disk_bytes=sum(p.disk_bytes for p in pools),
         )
+
+
+def _faults(pools: list) -> list[PoolFault]:
+    """The stages' storage faults summed by tier, operation and reason."""
+    sums: dict[tuple[str, str, str], int] = {}
+    for pool in pools:
+        for fault in pool.faults:
+            kind = (fault.tier, fault.op, fault.reason)
+            sums[kind] = sums.get(kind, 0) + fault.count
+    return [PoolFault(tier, op, reason, count) for (tier, op, reason), count in sorted(sums.items())]  # type: ignore[arg-type]
 
 
 def _sources(pools: list, host_of: dict[int, str]) -> list[PoolSource]:

@@ -82,12 +82,14 @@ class DispatchSlot(msgspec.Struct, frozen=True, kw_only=True):
 
 class PoolTiers(msgspec.Struct, frozen=True, kw_only=True):
     """A stage's share of the KV pool's tiers on its host (kvasir/config/kvpool.py): each
-    tier's root folder and the bytes of it the stage's slices may take (0: no such tier)."""
+    tier's root folder and the bytes its folder of the stage's layers may take, with the
+    stages that share it (0: no such tier); the fleet's pool secret in a plan across hosts."""
 
     host_dir: str = ""  # the host memory tier (under /dev/shm)
     host_bytes: int = 0
     disk_dir: str = ""
     disk_bytes: int = 0
+    secret_file: str = ""  # cluster.keys/kvpool.secret ("": the secret kept beside the tier)
 
 
 class ShardWiring(msgspec.Struct, frozen=True, kw_only=True):

@@ -93,6 +93,25 @@ class PoolReads(Wire, frozen=True):
     peer: int = -1  # remote: the stage it read from
 
 
+class PoolFault(Wire, frozen=True):
+    """Storage faults of one kind on a tier (kvasir/kvpool/health.py): each cost a cache
+    hit (a slice not written, or not read and computed), never a request."""
+
+    tier: Literal["host", "disk"]
+    op: Literal["open", "write", "read"]
+    reason: str  # an errno's name (ENOSPC, EIO, EACCES...) or what was wrong with a file (short, size, mode...)
+    count: int
+
+
+class PoolTierState(Wire, frozen=True):
+    """A stage's tier that does not serve: paused after faults, or refused at start."""
+
+    tier: Literal["host", "disk"]
+    path: str
+    state: Literal["serving", "paused", "refused"]
+    reason: str  # the last fault
+
+
 class PoolCounters(Wire, frozen=True):
     """A stage's side of the KV pool since it started (kvasir/kvpool/stage_side.py)."""
 
@@ -108,6 +127,8 @@ class PoolCounters(Wire, frozen=True):
     host_bytes: int = 0  # bytes its slices take in the host memory tier now
     disk_bytes: int = 0  # and in the disk tier
     reads: tuple[PoolReads, ...] = ()  # what it read back, by tier and remote stage
+    faults: tuple[PoolFault, ...] = ()  # storage faults since it started, by tier, operation and reason
+    tiers: tuple[PoolTierState, ...] = ()  # its tiers that do not serve now (paused or refused)
 
 
 class HandoffCounters(Wire, frozen=True):

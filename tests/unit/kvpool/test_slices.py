@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvasir.kvpool.slices import SliceError, SliceMeta, decode_slice, encode_slice
+from tests.support.kvpool import SECRET
 
 META = SliceMeta(
     model="0123456789abcdef/float32",
@@ -33,9 +34,9 @@ def tensors(meta: SliceMeta = META, seed: int = 0) -> tuple[torch.Tensor, torch.
 def test_a_slice_reads_back_bit_for_bit(dtype):
     meta = msgspec.structs.replace(META, dtype=dtype)
     keys, values = tensors(meta)
-    read_keys, read_values = decode_slice(encode_slice(meta, keys, values), meta)
+    read_keys, read_values = decode_slice(encode_slice(meta, keys, values, SECRET), meta, SECRET)
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
-    assert len(encode_slice(meta, keys, values)) > meta.payload_bytes
+    assert len(encode_slice(meta, keys, values, SECRET)) > meta.payload_bytes
 
 
 @pytest.mark.parametrize(
@@ -50,26 +51,26 @@ def test_a_slice_reads_back_bit_for_bit(dtype):
     ids=lambda change: next(iter(change)),
 )
 def test_a_slice_made_with_anything_else_is_a_mismatch(change):
-    stored = encode_slice(META, *tensors())
+    stored = encode_slice(META, *tensors(), SECRET)
     with pytest.raises(SliceError, match=f"mismatch: made with another {next(iter(change))}") as refused:
-        decode_slice(stored, msgspec.structs.replace(META, **change))
+        decode_slice(stored, msgspec.structs.replace(META, **change), SECRET)
     assert refused.value.kind == "mismatch"
 
 
 def test_any_changed_or_missing_byte_is_corrupt():
-    stored = encode_slice(META, *tensors())
+    stored = encode_slice(META, *tensors(), SECRET)
     for at in (0, 10, 40, len(stored) // 2, len(stored) - 1):
         flipped = bytearray(stored)
         flipped[at] ^= 0x01
         with pytest.raises(SliceError) as refused:
-            decode_slice(bytes(flipped), META)
+            decode_slice(bytes(flipped), META, SECRET)
         assert refused.value.kind == "corrupt"
     for cut in (stored[:-1], stored[:20], b"", b"not a slice at all" * 4):
         with pytest.raises(SliceError, match="corrupt"):
-            decode_slice(cut, META)
+            decode_slice(cut, META, SECRET)
 
 
 def test_tensors_of_another_shape_are_not_stored():
     keys, values = tensors()
     with pytest.raises(ValueError, match="is not"):
-        encode_slice(META, keys[:, :2], values[:, :2])
+        encode_slice(META, keys[:, :2], values[:, :2], SECRET)

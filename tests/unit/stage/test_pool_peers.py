@@ -10,7 +10,6 @@ import pytest
 import torch
 import zmq
 
-from kvasir.kvpool.disk import DiskTier
 from kvasir.kvpool.slices import SliceMeta
 from kvasir.kvpool.stage_side import StagePool
 from kvasir.logs import setup_logging
@@ -22,6 +21,7 @@ from kvasir.transport.routes import RouteError
 from kvasir.wire.batch import BatchDescriptor, PoolLoad
 from kvasir.wire.bridge import BridgeMessage
 from kvasir.wire.head import PoolLoaded
+from tests.support.kvpool import SECRET, make_tier
 
 LAYERS = (0, 2)
 TEMPLATE = SliceMeta(model="m/float32", layers=LAYERS, block_size=4, kv_heads=2, head_dim=8, dtype="float32", key=b"")
@@ -46,12 +46,12 @@ def stored(pool: StagePool, count: int) -> None:
 def hosts(tmp_path):
     """(the serving host's pool, its server, the other host's fetcher, the context)."""
     context = zmq.Context()
-    there = StagePool(cache(1), {"host": DiskTier(tmp_path / "there", 1 << 20)}, TEMPLATE, 1 << 20)
+    there = StagePool(cache(1), {"host": make_tier(tmp_path / "there", 1 << 20)}, TEMPLATE, 1 << 20, secret=SECRET)
     there.spill([(k, KEYS[k]) for k in range(4)])  # blocks 0-3 hold keys 1-4
     stored(there, 4)
     router = context.socket(zmq.ROUTER)
     router.bind("inproc://kvpool-7")
-    server = SliceServer(router, [tmp_path / "there"], LAYERS)
+    server = SliceServer(router, list(there.tiers.values()), LAYERS, there.size)
 
     def connect(peer: int) -> zmq.Socket:
         if peer > 50:
@@ -72,7 +72,7 @@ def test_slices_come_in_order_up_to_the_first_the_other_host_lacks(hosts):
     there, server, fetcher, _ = hosts
     got = list(fetcher.fetch(7, KEYS, time.monotonic() + 5))  # keys 5 and 6 were never stored there
     assert len(got) == 4 and server.served == 4
-    assert got[2] == (there.tiers["host"].folder / f"{KEYS[2].hex()}.0-2.kv").read_bytes()
+    assert got[2] == (there.tiers["host"].folder.path / f"{KEYS[2].hex()}.0-2.kv").read_bytes()
     assert fetcher.fetched_bytes == sum(len(data) for data in got)
     other = PeerFetcher(fetcher.connect, (0, 3))
     assert list(other.fetch(7, KEYS, time.monotonic() + 5)) == []  # other layers: nothing is served
@@ -98,7 +98,7 @@ def test_a_fetch_gives_up_at_its_deadline_and_garbage_is_dropped(hosts):
 
 def test_a_load_takes_what_its_host_lacks_from_the_other_host(hosts, tmp_path):
     there, _, fetcher, context = hosts
-    here = StagePool(cache(2), {"host": DiskTier(tmp_path / "here", 1 << 20)}, TEMPLATE, 1 << 20)
+    here = StagePool(cache(2), {"host": make_tier(tmp_path / "here", 1 << 20)}, TEMPLATE, 1 << 20, secret=SECRET)
     here.spill([(0, KEYS[0])])  # this host has the first block only
     stored(here, 1)
     answers: list[PoolLoaded] = []
@@ -106,7 +106,7 @@ def test_a_load_takes_what_its_host_lacks_from_the_other_host(hosts, tmp_path):
     push.bind("inproc://bridge")
     role = PoolRole(
         here, 3, 1, answers.append, PushChannel[BridgeMessage](push), setup_logging("warning"),
-        peers=Peers(SliceServer(context.socket(zmq.ROUTER), [], LAYERS), fetcher, 5.0),
+        peers=Peers(SliceServer(context.socket(zmq.ROUTER), [], LAYERS, here.size), fetcher, 5.0),
     )  # fmt: skip
     load = PoolLoad(11, (4, 5, 6, 7), tuple(KEYS[:4]), peers=((3, 7),))
     role.before(BatchDescriptor(0, -1, 0, (), (), (), 0, load=(load,)))

@@ -10,7 +10,6 @@ import pytest
 import torch
 import zmq
 
-from kvasir.kvpool.disk import DiskTier
 from kvasir.kvpool.slices import SliceMeta
 from kvasir.kvpool.stage_side import StagePool
 from kvasir.logs import setup_logging
@@ -20,6 +19,7 @@ from kvasir.transport.channels import PullChannel, PushChannel
 from kvasir.wire.batch import BatchDescriptor, PoolLoad
 from kvasir.wire.bridge import BridgeMessage, PoolEvents
 from kvasir.wire.head import PoolLoaded
+from tests.support.kvpool import SECRET, make_tier
 
 TEMPLATE = SliceMeta(model="m/float32", layers=(0, 2), block_size=4, kv_heads=2, head_dim=8, dtype="float32", key=b"")
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
@@ -40,7 +40,7 @@ def role(tmp_path):
     push = context.socket(zmq.PUSH)
     push.connect("inproc://bridge")
     answers: list[PoolLoaded] = []
-    pool = StagePool(cache, {"disk": DiskTier(tmp_path, 1 << 20)}, TEMPLATE, 1 << 20)
+    pool = StagePool(cache, {"disk": make_tier(tmp_path, 1 << 20)}, TEMPLATE, 1 << 20, secret=SECRET)
     part = PoolRole(pool, 3, 1234, answers.append, PushChannel[BridgeMessage](push), setup_logging("warning"))
     yield part, answers, bridge
     part.close()
