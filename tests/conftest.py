@@ -75,9 +75,9 @@ def start_daemon(tmp_path, request):
     when the test failed, each one's log is printed (pytest shows it with the failure)."""
     started: list[Daemon] = []
 
-    def start(source, splits, name="rt", drain_timeout=30.0, **plan_values) -> Daemon:
+    def start(source, splits, name="rt", drain_timeout=30.0, wrap=(), **plan_values) -> Daemon:
         plan = write_plan(tmp_path / f"{name}.toml", source, splits, **plan_values)
-        daemon = Daemon(plan, tmp_path / name, stage_count(splits), drain_timeout)
+        daemon = Daemon(plan, tmp_path / name, stage_count(splits), drain_timeout, wrap)
         started.append(daemon)
         return daemon
 

@@ -87,6 +87,8 @@ def stats(as_json, wait_s, runtime_dir, remote) -> None:
         click.echo(daemon.kv_pool.describe())
         if (sources := daemon.kv_pool.sources_line()) is not None:
             click.echo(sources)
+        if (faults := daemon.kv_pool.faults_line()) is not None:
+            click.echo(faults)
     if (cache_line := daemon.prefix_cache_line()) is not None:
         click.echo(cache_line)
     if daemon.drafts is not None:

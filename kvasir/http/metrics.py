@@ -9,6 +9,7 @@ The values come from the bridge, not from this front process, so every front wor
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from itertools import accumulate
 
@@ -260,6 +261,22 @@ class _Snapshot:
         tiers.add_metric([*model, "host"], pool.host_bytes)
         tiers.add_metric([*model, "disk"], pool.disk_bytes)
         yield tiers
+        faults = CounterMetricFamily(
+            self._name("kv_pool_errors"),
+            "Storage faults of the pool's tiers (each cost a cache hit, never a request), by tier, operation and reason.",
+            labels=["model_name", "tier", "op", "reason"],
+        )
+        for fault in pool.faults:
+            faults.add_metric([*model, fault.tier, fault.op, fault.reason], fault.count)
+        yield faults
+        down = GaugeMetricFamily(
+            self._name("kv_pool_tiers_down"),
+            "Stages' pool tiers that do not serve now: paused after faults, or refused at start.",
+            labels=["model_name", "tier", "state"],
+        )
+        for key, count in sorted(Counter((t.tier, t.state) for t in pool.tiers).items()):
+            down.add_metric([*model, *key], count)
+        yield down
 
     def _kv_usage(self) -> float:
         """Blocks held at the heads over the blocks their instances have."""

@@ -113,14 +113,17 @@ def _stage_keys(kw, i: int, table: str = "stages") -> str:
 class Daemon:
     """One ``kvasird start`` process with its own runtime dir."""
 
-    def __init__(self, plan: Path, runtime_dir: Path, stages: int, drain_timeout: float = 30.0) -> None:
+    def __init__(
+        self, plan: Path, runtime_dir: Path, stages: int, drain_timeout: float = 30.0, wrap: tuple[str, ...] = ()
+    ) -> None:
         self.plan = plan
         self.runtime_dir = runtime_dir
         self.stages = stages
         self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(
+        self.process = subprocess.Popen(  # ``wrap``: a command that execs the rest (same pid), e.g. unshare
             [
+                *wrap,
                 str(BIN / "kvasird"),
                 "start",
                 "--plan",

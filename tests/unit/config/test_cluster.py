@@ -113,6 +113,16 @@ def test_missing_host_keys_are_named(cluster_plan, tmp_path):
     assert result.exit_code == 2 and "cluster.keys: host b: key file not found" in result.output
 
 
+def test_a_kv_pool_across_hosts_needs_the_fleets_pool_secret(cluster_plan, tmp_path):
+    path = cluster_plan()
+    path.write_text(path.read_text().replace("[kv]\n", "[kv_pool]\nhost_bytes = 1048576\n[kv]\n", 1))
+    (tmp_path / "keys" / "kvpool.secret").unlink()
+    result = CliRunner().invoke(kvasir, ["plan", "check", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "cluster.keys: [kv_pool] across hosts needs the fleet's pool secret" in result.output
+    assert "--pool-secret" in result.output
+
+
 def test_kvasird_refuses_a_secret_key_that_is_not_its_hosts(cluster_plan, tmp_path):
     path = cluster_plan()
     keys = tmp_path / "keys"

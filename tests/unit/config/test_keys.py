@@ -1,3 +1,4 @@
+import os
 import stat
 
 import pytest
@@ -5,7 +6,7 @@ import zmq
 from click.testing import CliRunner
 
 from kvasir.cli.main import kvasir
-from kvasir.config.keys import KeyFileError, allowed_keys, load_pair, load_public
+from kvasir.config.keys import POOL_SECRET, KeyFileError, allowed_keys, load_pair, load_public, read_pool_secret
 
 
 def mode(path) -> int:
@@ -46,7 +47,8 @@ def test_keys_generate_makes_each_hosts_pair_and_nothing_else(tmp_path):
     folder = tmp_path / "keys"
     result = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), "--host", "a", "--host", "b"])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in folder.iterdir()) == ["a.key", "a.key_secret", "b.key", "b.key_secret"]
+    assert sorted(p.name for p in folder.iterdir()) == ["a.key", "a.key_secret", "b.key", "b.key_secret", POOL_SECRET]
+    assert mode(folder / POOL_SECRET) == 0o600 and len(read_pool_secret(folder / POOL_SECRET)) == 32
     for name in ("a", "b"):
         public, secret = load_pair(folder / f"{name}.key_secret")
         assert zmq.curve_public(secret) == public == load_public(folder / f"{name}.key")
@@ -59,6 +61,22 @@ def test_keys_generate_makes_each_hosts_pair_and_nothing_else(tmp_path):
         refused = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), *args])
         assert refused.exit_code == 2 and expected in refused.output, refused.output
     assert not (folder / "c.key").exists()
+
+
+def test_the_fleets_pool_secret_is_made_once_and_checked_when_read(tmp_path):
+    folder = tmp_path / "keys"
+    made = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), "--pool-secret"])
+    assert made.exit_code == 0 and made.output.split() == [str(folder / POOL_SECRET)], made.output
+    secret = read_pool_secret(folder / POOL_SECRET)
+    again = CliRunner().invoke(kvasir, ["keys", "generate", str(folder), "--pool-secret", "--host", "a"])
+    assert again.exit_code == 0 and str(folder / POOL_SECRET) not in again.output  # kept
+    assert read_pool_secret(folder / POOL_SECRET) == secret
+    os.chmod(folder / POOL_SECRET, 0o644)
+    with pytest.raises(KeyFileError, match="mode 0600"):
+        read_pool_secret(folder / POOL_SECRET)
+    (folder / POOL_SECRET).unlink()
+    with pytest.raises(KeyFileError, match="kvasir keys generate .* --pool-secret"):
+        read_pool_secret(folder / POOL_SECRET)
 
 
 def test_a_secret_key_open_to_others_is_refused(tmp_path):

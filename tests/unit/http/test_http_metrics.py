@@ -164,8 +164,9 @@ DASHBOARD = Path(__file__).parents[3] / "grafana" / "kvasir.json"
 
 def test_the_grafana_dashboard_reads_only_series_that_exist():
     """grafana/kvasir.json: every series and label its queries name is one /metrics serves."""
-    from kvasir.wire.client import KvPoolStats
+    from kvasir.wire.client import KvPoolStats, StageTier
     from kvasir.wire.fleet import InstanceStats
+    from kvasir.wire.stats import PoolFault
 
     stats = one_request(
         shards=[ShardStats(0, 1, (0, 4), 300, 10.0, 2.0, 8.0, 0.0, 3, 30, (10, 10, 5, 5))],
@@ -182,6 +183,8 @@ def test_the_grafana_dashboard_reads_only_series_that_exist():
             load_gib_s=0.1,
             host_bytes=64,
             disk_bytes=64,
+            faults=[PoolFault("disk", "write", "ENOSPC", 3)],
+            tiers=[StageTier(stage=1, tier="disk", path="/d", state="paused", reason="write ENOSPC")],
         ),
     )
     served: dict[str, set[str]] = {}  # sample name -> its labels
@@ -210,7 +213,8 @@ def test_the_grafana_dashboard_reads_only_series_that_exist():
 
 
 def test_a_kv_pools_series_are_served_only_with_a_pool():
-    from kvasir.wire.client import KvPoolStats
+    from kvasir.wire.client import KvPoolStats, StageTier
+    from kvasir.wire.stats import PoolFault
 
     figures = dict(spilled=9, dropped=1, loaded=14, unusable=2, load_bytes=4096, load_gib_s=0.5)
     pool = KvPoolStats(indexed_blocks=7, pooled_tokens=28, host_bytes=100, disk_bytes=300, **figures)
@@ -223,6 +227,20 @@ def test_a_kv_pools_series_are_served_only_with_a_pool():
     assert samples[("kvasir:kv_pool_read_tokens_total", model)] == 28
     assert samples[("kvasir:kv_pool_unusable_slices_total", model)] == 2
     assert samples[("kvasir:kv_pool_bytes", (*model, ("tier", "disk")))] == 300
+    faulty = msgspec.structs.replace(
+        pool,
+        faults=[PoolFault("disk", "write", "ENOSPC", 3), PoolFault("host", "read", "EIO", 1)],
+        tiers=[StageTier(stage=s, tier="disk", path="/d", state="paused", reason="write ENOSPC") for s in (0, 1)],
+    )
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(render(one_request(kv_pool=faulty), "m").decode())
+        for s in f.samples
+    }
+    disk_full = (*model, ("op", "write"), ("reason", "ENOSPC"), ("tier", "disk"))
+    assert samples[("kvasir:kv_pool_errors_total", disk_full)] == 3
+    assert samples[("kvasir:kv_pool_errors_total", (*model, ("op", "read"), ("reason", "EIO"), ("tier", "host")))] == 1
+    assert samples[("kvasir:kv_pool_tiers_down", (*model, ("state", "paused"), ("tier", "disk")))] == 2
     plain = render(one_request(), "m").decode()
     assert "kv_pool" not in plain
 

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import torch
 
-from kvasir.kvpool.slices import SliceError, SliceMeta, decode_slice, encode_slice
+from kvasir.kvpool.slices import SliceError, SliceMeta, decode_slice, encode_slice, slice_bytes
 from tests.support.kvpool import SECRET
 
 META = SliceMeta(
@@ -74,3 +74,12 @@ def test_tensors_of_another_shape_are_not_stored():
     keys, values = tensors()
     with pytest.raises(ValueError, match="is not"):
         encode_slice(META, keys[:, :2], values[:, :2], SECRET)
+
+
+def test_the_size_is_checked_before_anything_is_hashed():
+    stored = encode_slice(META, *tensors(), SECRET)
+    assert len(stored) == slice_bytes(META)
+    with pytest.raises(SliceError, match=f"corrupt: {len(stored) + 1} bytes, not {len(stored)}"):
+        decode_slice(stored + b"x", META, SECRET)
+    with pytest.raises(SliceError, match="corrupt: the checksum does not match"):
+        decode_slice(stored, META, b"another secret")  # written by a hand without this fleet's secret

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvasir.kvpool.disk import file_name
-from kvasir.kvpool.slices import SliceMeta
+from kvasir.kvpool.slices import SliceMeta, encode_slice
 from kvasir.kvpool.stage_side import StagePool
 from kvasir.model.kv_cache import PagedKVCache
 from tests.support.kvpool import SECRET, make_tier
@@ -135,3 +135,18 @@ def test_a_clean_close_writes_down_the_prefixes_still_cached_and_nothing_twice(t
     again = StagePool(kv, {"disk": make_tier(tmp_path, 1 << 20)}, TEMPLATE, 1 << 20, secret=SECRET)
     assert again.load(0, b"c" * 16) == "disk" and torch.equal(kv.keys[:, 0:4], kv.keys[:, 12:16])
     again.close()
+
+
+def test_a_slice_planted_without_the_fleets_secret_is_never_used(tmp_path):
+    kv = cache()
+    tier = make_tier(tmp_path, 1 << 20)
+    pool = StagePool(kv, {"disk": tier}, TEMPLATE, 1 << 20, secret=SECRET)
+    key = b"p" * 16
+    meta = msgspec.structs.replace(TEMPLATE, key=key)
+    forged = encode_slice(meta, torch.ones(meta.shape), torch.ones(meta.shape), b"another secret")
+    assert len(forged) == pool.size(key)  # right in every way but the key of its checksum
+    assert tier.put((key, TEMPLATE.layers), forged)
+    untouched = kv.keys[:, 0:4].clone()
+    assert pool.load(0, key) is None and pool.counters.unusable == 1
+    assert torch.equal(kv.keys[:, 0:4], untouched) and not (tmp_path / file_name((key, TEMPLATE.layers))).exists()
+    pool.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvasir.units import GIB
 from kvasir.wire.client import KvPoolStats
-from kvasir.wire.stats import PoolCounters, PoolReads, StageStats
+from kvasir.wire.stats import PoolCounters, PoolFault, PoolReads, PoolTierState, StageStats
 
 
 def stage(index: int, *reads: PoolReads) -> StageStats:
@@ -27,3 +27,19 @@ def test_reads_are_summed_by_tier_and_by_remote_host():
     line = pool.sources_line()
     assert line is not None and line.startswith("kv pool read from: host memory 4 slices, 2.0 GiB at 1.00 GiB/s")
     assert KvPoolStats.of(0, []).sources_line() is None
+
+
+def test_storage_faults_are_summed_and_the_tiers_down_named():
+    full = PoolFault("disk", "write", "ENOSPC", 3)
+    refused = PoolTierState("host", "/dev/shm/x-kvpool", "refused", "open owner: owned by uid 65534")
+    stages = [
+        StageStats(0, (0, 1), 100, 1.0, 0.5, 0.5, 0.0, 1, 1, 1, kv_pool=PoolCounters(faults=(full,))),
+        StageStats(1, (1, 2), 101, 1.0, 0.5, 0.5, 0.0, 1, 1, 1, kv_pool=PoolCounters(faults=(full,), tiers=(refused,))),
+    ]
+    pool = KvPoolStats.of(0, stages)
+    assert pool.faults == [PoolFault("disk", "write", "ENOSPC", 6)]
+    assert pool.faults_line() == (
+        "kv pool faults: disk write ENOSPC 6; stage 1's host tier refused "
+        "(/dev/shm/x-kvpool: open owner: owned by uid 65534)"
+    )
+    assert KvPoolStats.of(0, [stage(0)]).faults_line() is None
