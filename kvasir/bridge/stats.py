@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvasir.wire.client import DaemonStats, KvPoolStats, PrefixCacheStats
+from kvasir.wire.client import DaemonStats, PrefixCacheStats
+from kvasir.wire.pool_stats import KvPoolStats
 from kvasir.wire.stats import DraftCounters
 
 

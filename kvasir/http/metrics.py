@@ -16,8 +16,9 @@ from itertools import accumulate
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvasir.wire.client import DaemonStats, Histogram, KvPoolStats
+from kvasir.wire.client import DaemonStats, Histogram
 from kvasir.wire.fleet import InstanceStats, PlannerStats
+from kvasir.wire.pool_stats import KvPoolStats
 from kvasir.wire.stats import DraftCounters, ShardStats, StageStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -9,7 +9,8 @@ import time
 
 from kvasir.client import AsyncClient
 from kvasir.sched.prefix import block_keys, namespace_root
-from kvasir.wire.client import Finished, KvPoolStats
+from kvasir.wire.client import Finished
+from kvasir.wire.pool_stats import KvPoolStats
 from tests.support.models import hf_greedy, random_prompts, reference_model
 
 VOCAB, BLOCK, BUDGET = 320, 4, 6

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvasir.wire.client import KvPoolStats
+from kvasir.wire.pool_stats import KvPoolStats
 from tests.integration.test_kv_pool import BLOCK, BUDGET, SPLITS, VOCAB, one, pooled
 from tests.support.daemon import kvasir_stats
 from tests.support.models import hf_greedy, random_prompts, reference_model

@@ -164,8 +164,8 @@ DASHBOARD = Path(__file__).parents[3] / "grafana" / "kvasir.json"
 
 def test_the_grafana_dashboard_reads_only_series_that_exist():
     """grafana/kvasir.json: every series and label its queries name is one /metrics serves."""
-    from kvasir.wire.client import KvPoolStats, StageTier
     from kvasir.wire.fleet import InstanceStats
+    from kvasir.wire.pool_stats import KvPoolStats, StageTier
     from kvasir.wire.stats import PoolFault
 
     stats = one_request(
@@ -213,7 +213,7 @@ def test_the_grafana_dashboard_reads_only_series_that_exist():
 
 
 def test_a_kv_pools_series_are_served_only_with_a_pool():
-    from kvasir.wire.client import KvPoolStats, StageTier
+    from kvasir.wire.pool_stats import KvPoolStats, StageTier
     from kvasir.wire.stats import PoolFault
 
     figures = dict(spilled=9, dropped=1, loaded=14, unusable=2, load_bytes=4096, load_gib_s=0.5)

@@ -1,10 +1,10 @@
-"""``kvasir stats``' KV pool figures (kvasir/wire/client.py KvPoolStats): the stages' reads
+"""``kvasir stats``' KV pool figures (kvasir/wire/pool_stats.py KvPoolStats): the stages' reads
 summed by where they came from, other hosts named."""
 
 from __future__ import annotations
 
 from kvasir.units import GIB
-from kvasir.wire.client import KvPoolStats
+from kvasir.wire.pool_stats import KvPoolStats
 from kvasir.wire.stats import PoolCounters, PoolFault, PoolReads, PoolTierState, StageStats
 
 
