@@ -156,8 +156,8 @@ class DiskTier:
             data = self.folder.read(name, size, touch=touch)
         except FileNotFoundError:
             return None
-        except Unfit as exc:
-            self.health.failed("read", exc.reason, f"{name}: {exc}")
+        except Unfit as exc:  # one file's fault (removed), not the tier's
+            self.health.failed("read", exc.reason, f"{name}: {exc}", tier_fault=False)
             self.folder.remove(name)
             return None
         except OSError as exc:

@@ -53,11 +53,16 @@ class TierHealth:
         with self._lock:
             return sorted((op, reason, n) for (op, reason), n in self.errors.items())
 
-    def failed(self, op: Op, reason: str, detail: str) -> None:
-        """One operation failed (counted); the tier pauses after PAUSE_AFTER in a row."""
+    def failed(self, op: Op, reason: str, detail: str, *, tier_fault: bool = True) -> None:
+        """One operation failed (counted); the tier pauses after PAUSE_AFTER in a row.
+        ``tier_fault`` False: the fault was one file's (not what the pool wrote), counted
+        and logged but no sign the tier itself fails."""
         with self._lock:
             self.errors[(op, reason)] = self.errors.get((op, reason), 0) + 1
             self.reason = f"{op} {reason}: {detail}"
+            if not tier_fault:
+                self.log.warning("kv pool file unfit", tier=self.tier, path=self.path, reason=reason, detail=detail)
+                return
             self._streak += 1
             if self.state == "refused":
                 return

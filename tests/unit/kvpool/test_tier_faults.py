@@ -128,3 +128,14 @@ def test_a_writers_start_leaves_a_live_sharers_partial_files_alone(tmp_path):
         path.write_bytes(b"half")
     make_tier(tmp_path / "tier", 1000)  # another writer starts on the same folder
     assert live.exists() and not dead.exists()
+
+
+def test_files_that_are_not_what_the_pool_wrote_are_removed_without_pausing_the_tier(tmp_path):
+    tier = make_tier(tmp_path / "tier", 1 << 20)
+    for n in range(2 * PAUSE_AFTER):
+        assert tier.put(where(n), b"a" * 10)
+        os.chmod(tmp_path / "tier" / file_name(where(n)), 0o644)  # open to others: not one the pool leaves so
+    assert all(tier.get(where(n), 10) is None for n in range(2 * PAUSE_AFTER))
+    assert tier.health.errors == {("read", "mode"): 2 * PAUSE_AFTER} and tier.health.state == "serving"
+    assert not list((tmp_path / "tier").glob("*.kv"))
+    assert tier.put(where(99), b"b" * 10) and tier.get(where(99), 10) == b"b" * 10
