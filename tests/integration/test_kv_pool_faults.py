@@ -42,6 +42,14 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def serving(start_daemon, model_path, tiers: str, **plan):
+    """A ready daemon whose 20 KV blocks hold one request of 48 tokens and a little more
+    (as tests/integration/test_kv_pool.py's), with the pool's ``tiers``; its stages' pids."""
+    kw = dict(block_size=BLOCK, num_blocks=20, max_seq_len=48, max_tokens=8, kv_pool=tiers)
+    daemon = start_daemon(model_path, SPLITS, **kw, **plan).wait_ready()
+    return daemon, daemon.child_pids()
+
+
 def run_workload(daemon, model_path) -> list[list[int]]:
     """A base prompt, three that evict its blocks (written down), the base again: each
     request's output checked against generate. The prompts."""
@@ -79,11 +87,7 @@ def private(root: Path) -> list[str]:
 
 def test_a_full_disk_under_disk_dir_costs_cache_hits_never_a_request(tiny_models, start_daemon, tmp_path, tmpfs):
     disk = tmpfs(tmp_path / "full", 40 * 1024)  # a few pages: the secret, two ledgers, a slice or two
-    tiers = f'disk_dir = "{disk / "kv"}"\ndisk_bytes = {4 << 20}'
-    daemon = start_daemon(
-        tiny_models["llama"], SPLITS, block_size=BLOCK, num_blocks=20, max_seq_len=48, max_tokens=8, kv_pool=tiers
-    ).wait_ready()
-    pids = daemon.child_pids()
+    daemon, pids = serving(start_daemon, tiny_models["llama"], f'disk_dir = "{disk / "kv"}"\ndisk_bytes = {4 << 20}')
     run_workload(daemon, tiny_models["llama"])
     pool = faults(daemon, "disk", "write")
     assert {(f.tier, f.op, f.reason) for f in pool.faults} >= {("disk", "write", "ENOSPC")}, pool
@@ -99,17 +103,7 @@ def test_a_full_dev_shm_under_the_memory_tier_costs_cache_hits_never_a_request(t
     wrap = ("unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh")
     if subprocess.run([*wrap, "true"]).returncode != 0:
         pytest.skip("cannot make a mount namespace here")
-    daemon = start_daemon(
-        tiny_models["llama"],
-        SPLITS,
-        block_size=BLOCK,
-        num_blocks=20,
-        max_seq_len=48,
-        max_tokens=8,
-        kv_pool=f"host_bytes = {SHM_SIZE}",
-        wrap=wrap,
-    ).wait_ready()
-    pids = daemon.child_pids()
+    daemon, pids = serving(start_daemon, tiny_models["llama"], f"host_bytes = {SHM_SIZE}", wrap=wrap)
     for seed in (41, 42, 43):  # enough slices to fill what the segments left
         model = reference_model(tiny_models["llama"])
         for prompt in random_prompts(VOCAB, [30, 33, 35, 31], seed=seed):
@@ -121,8 +115,7 @@ def test_a_full_dev_shm_under_the_memory_tier_costs_cache_hits_never_a_request(t
 
 def test_files_damaged_between_two_runs_are_misses(tiny_models, start_daemon, tmp_path):
     tiers = f'disk_dir = "{tmp_path / "kvdisk"}"\ndisk_bytes = {4 << 20}'
-    plan = dict(block_size=BLOCK, num_blocks=20, max_seq_len=48, max_tokens=8, kv_pool=tiers)
-    daemon = start_daemon(tiny_models["llama"], SPLITS, **plan).wait_ready()
+    daemon, _ = serving(start_daemon, tiny_models["llama"], tiers)
     run_workload(daemon, tiny_models["llama"])
     pooled(daemon, blocks=7)
     daemon.stop()
@@ -134,8 +127,7 @@ def test_files_damaged_between_two_runs_are_misses(tiny_models, start_daemon, tm
     files[3].mkdir()  # a directory in a slice's place
     files[4].write_bytes(b"short")  # another size than any slice
 
-    again = start_daemon(tiny_models["llama"], SPLITS, name="rt2", **plan).wait_ready()
-    pids = again.child_pids()
+    again, pids = serving(start_daemon, tiny_models["llama"], tiers, name="rt2")
     for prompt in run_workload(again, tiny_models["llama"]):  # every block of every prompt read back or computed
         assert one(again, prompt).token_ids == hf_greedy(reference_model(tiny_models["llama"]), prompt, BUDGET)
     no_restarts(again, pids)
@@ -149,10 +141,7 @@ def test_a_squatted_disk_dir_is_refused_by_name_and_the_daemon_serves_without_it
     os.chmod(squatted, 0o777)
     os.chown(squatted, NOBODY, NOBODY)  # another local user made it first
     tiers = f'host_bytes = {1 << 20}\ndisk_dir = "{squatted}"\ndisk_bytes = {4 << 20}'
-    daemon = start_daemon(
-        tiny_models["llama"], SPLITS, block_size=BLOCK, num_blocks=20, max_seq_len=48, max_tokens=8, kv_pool=tiers
-    ).wait_ready()
-    pids = daemon.child_pids()
+    daemon, pids = serving(start_daemon, tiny_models["llama"], tiers)
     run_workload(daemon, tiny_models["llama"])
     pool = pooled(daemon, tokens=28)
     assert [s.source for s in pool.sources] == ["host memory"]  # the memory tier serves
