@@ -13,6 +13,7 @@ from kvasir import __version__
 from kvasir.cli.common import RUNTIME_DIR, fail
 from kvasir.config.plan import default_plan_path
 from kvasir.errors import KvasirError
+from kvasir.exits import leave
 from kvasir.transport.channels import default_runtime_dir
 
 KEY = click.option(
@@ -110,7 +111,7 @@ def start(
         parent_pid=os.getppid() if stop_with_parent else None,
         cluster=cluster,
     )
-    sys.exit(run_launcher(launcher))
+    leave(run_launcher(launcher))
 
 
 @kvasird.command("join")
@@ -152,7 +153,7 @@ def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None,
         follower = Follower(plan, here, log, ServiceNotifier.from_environment())
     except KvasirError as exc:
         fail(exc)
-    sys.exit(run_follower(follower))
+    leave(run_follower(follower))
 
 
 def _ready_model(plan, source, log_level: str, role: str):
