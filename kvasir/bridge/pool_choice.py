@@ -10,7 +10,7 @@ fetched, the fetch is tried, which measures it.
 
 Reading from the instance's own host (memory, or disk in the page cache) is always
 taken: on every machine measured it is an order of magnitude faster than computing
-(BENCHMARKS.md, "The KV pool"). Policy only: the rates come from the stages' reports
+(docs/bench/kvpool.md). Policy only: the rates come from the stages' reports
 and the requests' first tokens.
 """
 

@@ -103,7 +103,7 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
 # region before it sleeps. GNU OpenMP's default (300,000) keeps it spinning for several
 # milliseconds after a stage's last product: it then takes a core from the next stage,
 # which is what a batch alone in the ring runs on (``solo_threads``, kvasir/model/pinning.py).
-# 3,000 still covers the gaps between one batch's products (BENCHMARKS.md).
+# 3,000 still covers the gaps between one batch's products (docs/bench/latency.md).
 OPENMP_SPIN = "3000"
 
 
@@ -113,7 +113,7 @@ def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
     already says what to do about them (``glibc.malloc.hugetlb=0`` turns it off).
 
     A stage reads every weight once per batch; with 4 KiB pages the CPU's prefetchers stop
-    at each page edge, with 2 MiB pages they stream on (BENCHMARKS.md: the fixed workload
+    at each page edge, with 2 MiB pages they stream on (docs/bench/targets.md: the fixed workload
     4-6 % faster on the development machine). glibc before 2.35 and kernels with THP off
     ignore the request.
 

@@ -95,7 +95,7 @@ class LayerRun:
     attention's and MLP's runs (kvasir/model/fused.py), or an MoE block's ``forward``.
     Made once a stage's weights are final (loaded, fused, packed); a module call and a
     module attribute lookup cost about a microsecond each, and a layer made some 25 a
-    token (BENCHMARKS.md: about 1 ms of a 12 ms decode step)."""
+    token (docs/bench/latency.md: about 1 ms of a 12 ms decode step)."""
 
     attention_norm: Norm
     attention: Callable[[torch.Tensor, Rope, Any], torch.Tensor]

@@ -4,7 +4,7 @@ A plain ``F.linear`` with few rows (a decode batch) repacks its weight on every 
 packed once at load time the same products read each weight once. Measured on the
 2-core development machine, one thread, weights cold in memory: a [16, 576] x [576,
 3072] product 0.96 -> 0.61 ms, the LM head [16, 576] x [576, 49152] 17.3 -> 12.3 ms, and
-at 45 rows 1.29 -> 1.09 ms and 22.0 -> 19.0 ms (BENCHMARKS.md). Where torch lacks oneDNN
+at 45 rows 1.29 -> 1.09 ms and 22.0 -> 19.0 ms (docs/bench/targets.md). Where torch lacks oneDNN
 the layers stay as they are.
 """
 

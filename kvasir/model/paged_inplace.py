@@ -8,7 +8,7 @@ torch's CPU flash kernel, which also returns each query's log-sum-exp; the parts
 row that reads several views (and of a prefill chunk, whose own new keys are attended
 straight from the layer's projections, causally) are merged exactly with those.
 
-Measured on the 2-core development machine (BENCHMARKS.md): 16 decode rows of 192
+Measured on the 2-core development machine (docs/bench/targets.md): 16 decode rows of 192
 tokens, one layer of the default model, 0.53 ms against 1.97 ms for gathering every
 row's slots into a padded copy and attending that.
 """

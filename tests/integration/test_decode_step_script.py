@@ -1,5 +1,5 @@
 """``scripts/decode-step``, the one-process measure of a lone request's decode step that
-BENCHMARKS.md quotes, runs as written, on the tree KVASIR_TREE names (the way two
+docs/bench/latency.md quotes, runs as written, on the tree KVASIR_TREE names (the way two
 commits are measured alternately; without it, this checkout's)."""
 
 from __future__ import annotations

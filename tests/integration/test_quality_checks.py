@@ -33,7 +33,7 @@ def prepared():
 
 def test_the_q4_file_served_as_stored_keeps_the_float32_copys_quality(prepared):
     # 36 greedy tokens here, not the check's 512: 80 % leaves room for a near tie or two on
-    # another CPU, and a wrong reading of the file agrees far less (BENCHMARKS.md: 97 %)
+    # another CPU, and a wrong reading of the file agrees far less (docs/bench/gguf.md: 97 %)
     code, report, err = quality(
         "--plan", str(PLANS / "smollm2-q4.toml"), "--reference", str(PLANS / "smollm2-2stage.toml"),
         *SMALL, "--min-agreement", "0.8",

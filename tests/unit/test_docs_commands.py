@@ -1,4 +1,4 @@
-"""Every ``kvasir`` and ``kvasird`` command the README, docs/ and BENCHMARKS.md show
+"""Every ``kvasir`` and ``kvasird`` command the README, docs/ (and its pages of benchmarks) and BENCHMARKS.md show
 parses as written: its subcommands and options exist and its values convert (a path
 that exists only on the machine that ran it is let pass). The e2e tests run the README's
 tour and the HTTP page's examples against the default model (test_default_model.py)."""
@@ -16,7 +16,7 @@ from kvasir.cli.kvasird import kvasird
 from kvasir.cli.main import kvasir
 
 ROOT = Path(__file__).parents[2]
-PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PROGRAMS = {"kvasir": kvasir, "kvasird": kvasird}
 COMMAND = re.compile(r"^(?:    |\+ )\s*(?:\.venv/bin/|\$BIN/)?(kvasird?) (.+)$")
 

@@ -42,7 +42,7 @@ class BenchGroup(click.Group):
 def bench() -> None:
     """Load a daemon and report throughput, latency percentiles, goodput under SLOs and each
     stage's busy/starved/blocked share, or measure this machine's limits. Each mode is a
-    subcommand with its own --help; BENCHMARKS.md shows each one's use.
+    subcommand with its own --help; BENCHMARKS.md and docs/bench/ show each one's use.
     """
 
 

@@ -26,7 +26,7 @@ from kvasir.model.quant.ggml import BLOCK, BLOCK_BYTES, Format, Nibbles
 from kvasir.model.quant.linear import QuantEmbedding, QuantLinear
 
 EMBEDDINGS = "model.embed_tokens.weight"
-FAST_DTYPE = "bfloat16"  # PyTorch's int4 CPU kernel is fast with these activations only (BENCHMARKS.md)
+FAST_DTYPE = "bfloat16"  # PyTorch's int4 CPU kernel is fast with these activations only (docs/bench/gguf.md)
 
 Served = Literal["as_stored", "dequantize"]
 
@@ -83,7 +83,7 @@ def check_weights(
     if served == "as_stored" and dtype != FAST_DTYPE:
         raise ModelSourceError(
             f'model.weights = "as_stored" needs model.dtype = "{FAST_DTYPE}": PyTorch\'s int4 CPU kernel '
-            f"runs 13 to 180 times slower with {dtype} activations than the dequantised weights (BENCHMARKS.md)"
+            f"runs 13 to 180 times slower with {dtype} activations than the dequantised weights (docs/bench/gguf.md)"
         )
     return served
 
