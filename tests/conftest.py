@@ -9,6 +9,8 @@ from kvasir.model.source import resolve_source
 from tests.support.daemon import Daemon, stage_count, write_plan
 from tests.support.models import MOE_FAMILIES, make_plan, save_looping_model, save_tiny_model, save_tiny_tokenizer
 
+pytest_plugins = ("pytester", "tests.support.timing")
+
 TESTS = Path(__file__).parent
 FOLDER_MARKS = {"unit": ("unit",), "integration": ("integration", "slow"), "gpu": ("gpu", "slow")}
 
