@@ -85,7 +85,36 @@ def start(
     A plan with [cluster] runs this as its leader: it waits for `kvasird join` on every
     other host that runs workers, then hands each its workers.
     """
+    from kvasir.daemon.children import start_zygote
+
+    log = _logging(log_level, "launcher")
+    zygote = start_zygote(log)  # imports a stage's modules while this process resolves the plan
+    try:
+        launcher = _launcher(
+            plan_path=plan_path,
+            runtime_dir=runtime_dir,
+            ready_timeout=ready_timeout,
+            drain_timeout=drain_timeout,
+            stop_with_parent=stop_with_parent,
+            key=key,
+            log_level=log_level,
+            log=log,
+            zygote=zygote,
+        )
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
     from kvasir.daemon.foreground import run_launcher
+
+    leave(run_launcher(launcher))
+
+
+def _launcher(*, plan_path, runtime_dir, ready_timeout, drain_timeout, stop_with_parent, key, log_level, log, zygote):
+    """The plan resolved and checked, the model ready, the launcher made (exit 2 for a bad
+    plan, 1 for a model that cannot be made ready). A plan with a GPU stage or shard
+    starts each as a fresh interpreter: its zygote is closed."""
+    from kvasir.daemon.children import on_cpu_only
     from kvasir.daemon.host import check_host
     from kvasir.daemon.launcher import Launcher, Timeouts
     from kvasir.daemon.notify import ServiceNotifier
@@ -99,8 +128,11 @@ def start(
         cluster = Cluster.of(plan, key)
     except KvasirError as exc:
         fail(exc)
-    log, plan, source = _ready_model(plan, source, log_level, "launcher")
-    launcher = Launcher(
+    plan, source = _ready_model(plan, source, log)
+    if zygote is not None and not on_cpu_only(plan):
+        zygote.close()
+        zygote = None
+    return Launcher(
         plan=plan,
         source=source,
         runtime_dir=Path(runtime_dir) if runtime_dir else default_runtime_dir(),
@@ -110,8 +142,8 @@ def start(
         notifier=ServiceNotifier.from_environment(),
         parent_pid=os.getppid() if stop_with_parent else None,
         cluster=cluster,
+        zygote=zygote,
     )
-    leave(run_launcher(launcher))
 
 
 @kvasird.command("join")
@@ -147,7 +179,8 @@ def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None,
             raise KvasirError(f"host {host} is the plan's leader: run `kvasird start --plan {plan_path}` there")
         check_host(plan, host)
         secret = key or str(Path(plan.cluster.keys or ".") / f"{host}.key_secret")
-        log, plan, source = _ready_model(plan, source, log_level, "follower")
+        log = _logging(log_level, "follower")
+        plan, source = _ready_model(plan, source, log)
         model = model_identity(source.weights_dir, plan.model.dtype)
         here = Local(host, Path(runtime_dir) if runtime_dir else default_runtime_dir(), secret, source.name, model)
         follower = Follower(plan, here, log, ServiceNotifier.from_environment())
@@ -156,12 +189,16 @@ def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None,
     leave(run_follower(follower))
 
 
-def _ready_model(plan, source, log_level: str, role: str):
-    """Logging, then the model converted (once, into the cache) and its weights present."""
+def _logging(log_level: str, role: str):
     from kvasir.logs import setup_logging
+
+    return setup_logging(log_level, role=role, pid=os.getpid())
+
+
+def _ready_model(plan, source, log):
+    """The model converted (once, into the cache) and its weights present."""
     from kvasir.model.convert import ConversionInterrupted, prepare
 
-    log = setup_logging(log_level, role=role, pid=os.getpid())
     try:
         source = prepare(source, log)
         source.require_weights()
@@ -171,4 +208,4 @@ def _ready_model(plan, source, log_level: str, role: str):
     except KvasirError as exc:
         fail(exc)
     plan = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, source=source.name))
-    return log, plan, source
+    return plan, source

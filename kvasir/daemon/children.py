@@ -16,6 +16,8 @@ import zmq
 
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
+from kvasir.daemon.forks import Zygote, become_subreaper
+from kvasir.logs import Logger
 from kvasir.transport.channels import PushChannel
 from kvasir.transport.fabric import Sockets
 from kvasir.wire.base import Role
@@ -129,9 +131,9 @@ def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def start_worker(settings: WorkerSettings, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-    """Start a worker as a fresh interpreter (never a fork after torch is imported), in
-    ``worker_env``, and hand it its settings as msgpack on stdin (and ``pass_fds``, open
-    under the same numbers)."""
+    """Start a worker as a fresh interpreter (a bridge, a front, a follower's worker, or a
+    stage or shard that no zygote forks), in ``worker_env``, and hand it its settings as
+    msgpack on stdin (and ``pass_fds``, open under the same numbers)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "kvasir.daemon.worker"],
         stdin=subprocess.PIPE,
@@ -144,10 +146,34 @@ def start_worker(settings: WorkerSettings, pass_fds: tuple[int, ...] = ()) -> su
     return process
 
 
-def spawn_child(settings: WorkerSettings, sockets: Sockets, pass_fds: tuple[int, ...] = ()) -> Child:
-    """Start a child here and connect to its command socket."""
+def start_zygote(log: Logger) -> Zygote | None:
+    """The launcher made a child subreaper and its zygote started, in ``worker_env``; None
+    where this system cannot reparent orphans to the launcher (every worker then starts as
+    a fresh interpreter)."""
+    if not become_subreaper():
+        log.warning("cannot become a child subreaper: stages and shards start as fresh interpreters")
+        return None
+    return Zygote(worker_env(os.environ), log)
+
+
+def on_cpu_only(plan: Plan) -> bool:
+    """Every stage and shard of ``plan`` on the CPU: the plans whose workers the zygote forks
+    (a GPU worker starts as a fresh interpreter, CUDA never near a fork)."""
+    return all(
+        stage.device == "cpu" and all(shard.device == "cpu" for shard in stage.experts) for stage in plan.all_stages
+    )
+
+
+def spawn_child(
+    settings: WorkerSettings, sockets: Sockets, pass_fds: tuple[int, ...] = (), zygote: Zygote | None = None
+) -> Child:
+    """Start a child here, a stage or shard forked from ``zygote`` where there is one, and
+    connect to its command socket."""
     child = ChildId.of(settings)
-    process = start_worker(settings, pass_fds)
+    forked = (
+        zygote.fork(settings) if zygote is not None and isinstance(settings, StageSettings | ShardSettings) else None
+    )
+    process: Process = forked if forked is not None else start_worker(settings, pass_fds)
     return Child(child, process, PushChannel[Command](sockets.connect(zmq.PUSH, sockets.ends.command(child.name))))
 
 

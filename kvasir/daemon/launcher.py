@@ -18,6 +18,7 @@ import zmq
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
 from kvasir.daemon.children import Child, ChildId, join_children
+from kvasir.daemon.forks import Zygote
 from kvasir.daemon.fronts import FrontError, Fronts
 from kvasir.daemon.instances import EVERY, Failure, OpenError, plan_instances
 from kvasir.daemon.layout import Layout, LayoutError, lay_out
@@ -83,6 +84,7 @@ class Launcher:
     notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
     parent_pid: int | None = None  # stop (drain) once this process is no longer the parent
     cluster: Cluster | None = None  # a plan across hosts (kvasir/daemon/remote.py)
+    zygote: Zygote | None = None  # forks the local stages and shards (kvasir/daemon/zygote.py)
 
     def __post_init__(self) -> None:
         cluster = self.cluster
@@ -98,6 +100,7 @@ class Launcher:
             self.stats_interval_s,
             self.log_level,
             self.log,
+            zygote=self.zygote,
         )
         sup = self.plan.supervise
         self.fronts = Fronts(
@@ -408,6 +411,8 @@ class Launcher:
     def cleanup(self) -> None:
         """Stop whatever still runs, remove sockets, shared memory and the lock."""
         self.ring.kill(self.children)  # and sweep their shared memory
+        if self.zygote is not None:
+            self.zygote.close()
         self.fronts.close()
         if self.hosts is not None:
             self.hosts.halt_all("the leader stops")

@@ -15,6 +15,7 @@ from kvasir.config.kvpool import folder_budgets
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
 from kvasir.daemon.children import Child, ChildId, spawn_child
+from kvasir.daemon.forks import Zygote
 from kvasir.daemon.layout import Layout
 from kvasir.daemon.remote import Cluster, HostLink
 from kvasir.logs import Logger
@@ -45,6 +46,7 @@ class Spawner:
     log_level: str
     log: Logger
     hosts: HostLink | None = None  # the followers, once the launcher bound their socket
+    zygote: Zygote | None = None  # forks the local stages and shards (kvasir/daemon/forks.py)
     prefix: str = field(default_factory=segment_prefix)  # the shared-memory names' start
 
     def start(self, layout: Layout, wanted: list[ChildId]) -> list[Child]:
@@ -52,7 +54,7 @@ class Spawner:
         settings = [self.settings(layout, child) for child in wanted]
         leader = self.cluster.keys.host if self.cluster is not None else None
         here = [s for s in settings if s.fabric is None or s.fabric.host == leader]
-        children = {child.id: child for child in (spawn_child(s, self.sockets) for s in here)}
+        children = {child.id: child for child in (spawn_child(s, self.sockets, zygote=self.zygote) for s in here)}
         if self.hosts is not None:
             children.update(self.hosts.start([s for s in settings if s not in here], layout, self.prefix))
         for spawned in children.values():

@@ -1,15 +1,18 @@
 """``python -m kvasir.daemon.worker``: a child process of the launcher.
 
-The launcher starts each child as a fresh interpreter (no fork after torch is
-imported) and writes its msgpack-encoded WorkerSettings to the child's stdin. A worker
-that returns or exits leaves at once (kvasir/exits.py): its parent sees it gone without
-waiting for the interpreter's teardown.
+The launcher starts a bridge or front as a fresh interpreter and writes its
+msgpack-encoded WorkerSettings to the child's stdin; stages and shards are forked from
+the zygote (kvasir/daemon/zygote.py), which calls ``serve_settings`` itself, or are
+started here too where no zygote serves. A worker that returns or exits leaves at once
+(kvasir/exits.py): its parent sees it gone without waiting for the interpreter's
+teardown.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+import traceback
+from typing import Any, NoReturn
 
 from kvasir.exits import exit_code, leave
 from kvasir.wire.control import BridgeSettings, FrontSettings, ShardSettings, StageSettings, WorkerSettings
@@ -17,17 +20,25 @@ from kvasir.wire.decoding import decode
 
 
 def main() -> None:
+    encoded = sys.stdin.buffer.read()
+    sys.stdin.close()
+    serve_settings(decode(encoded, WorkerSettings))  # type: ignore[arg-type]  # a union of tagged structs
+
+
+def serve_settings(settings: WorkerSettings) -> NoReturn:
+    """Run the worker ``settings`` describe, then leave with its exit status (1, with the
+    traceback printed, for an exception that escapes it)."""
     try:
-        run()
+        run(settings)
     except SystemExit as stop:
         leave(exit_code(stop))
+    except BaseException:
+        traceback.print_exc()
+        leave(1)
     leave(0)
 
 
-def run() -> None:
-    encoded = sys.stdin.buffer.read()
-    sys.stdin.close()
-    settings: Any = decode(encoded, WorkerSettings)  # type: ignore[arg-type]  # a union of tagged structs
+def run(settings: Any) -> None:
     match settings:
         case StageSettings():
             from kvasir.stage.process import run_stage

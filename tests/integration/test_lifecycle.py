@@ -80,11 +80,22 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+def bridge_of(launcher: int, stage_pids) -> int:
+    """The launcher's bridge: a fresh interpreter (stages and shards are forked from the zygote)."""
+    return next(
+        pid for pid in children_of(launcher) if pid not in stage_pids and "kvasir.daemon.worker" in cmdline(pid)
+    )
+
+
 def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="orphans").wait_ready()
     launcher = daemon.process.pid
     children = children_of(launcher)
-    assert len(children) == 3  # two stages and the bridge
+    assert len(children) == 4  # two stages, the bridge and the zygote
     daemon.process.send_signal(signal.SIGKILL)
     daemon.process.wait(10)
     deadline = time.monotonic() + 15
@@ -117,7 +128,7 @@ def test_stop_with_parent_drains_and_cleans_up_when_the_starter_is_killed(tiny_m
         wait_serving(starter, runtime, 2, 180, lambda: log.read_text(errors="replace"))
         launcher = int((runtime / "kvasird.lock").read_text())
         children = children_of(launcher)
-        assert len(children) == 3 and list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))
+        assert len(children) == 4 and list(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))
         starter.send_signal(signal.SIGKILL)
         starter.wait(10)
         deadline = time.monotonic() + 60

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import msgspec
-from test_lifecycle import children_of
+from test_lifecycle import bridge_of, children_of
 
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Accepted, ClientEvent, ErrorEvent, Finished
@@ -60,7 +60,7 @@ def test_memory_stays_bounded_under_a_submission_flood(tiny_models, start_daemon
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_waiting=64, max_per_client=32).wait_ready()
     stages = set(daemon.child_pids())
     children = children_of(daemon.process.pid)
-    bridge = next(pid for pid in children if pid not in stages)
+    bridge = bridge_of(daemon.process.pid, stages)
     watched = {"bridge": bridge, "head": min(stages, key=lambda pid: children.index(pid))}
     prompt = [257 + i % 60 for i in range(200)]  # ids above CPython's small-int cache: each costs memory
     asyncio.run(flood(daemon.runtime_dir, 2, 2_000, prompt))  # warm up: allocators, caches

@@ -163,10 +163,10 @@ def test_a_hung_stage_is_found_by_heartbeat_and_replaced(tiny_models, start_daem
 
 def test_the_bridge_is_restarted_with_the_ring(tiny_models, start_daemon):
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="bridge").wait_ready()
-    from test_lifecycle import children_of
+    from test_lifecycle import bridge_of
 
     stage_pids = set(daemon.child_pids())
-    bridge = next(pid for pid in children_of(daemon.process.pid) if pid not in stage_pids)
+    bridge = bridge_of(daemon.process.pid, stage_pids)
     events, struck, told, late = asyncio.run(load_then(daemon, 4, lambda: os.kill(bridge, signal.SIGKILL)))
     codes = terminal_codes(events)  # the client library tells its own requests: the bridge is gone
     assert "stage_failed" in codes and set(codes) <= {"finished", "stage_failed"}
@@ -199,11 +199,11 @@ def test_sigterm_while_the_ring_restarts_stops_cleanly(tiny_models, start_daemon
     """SIGTERM right after a failure is noticed (the signal lands while the launcher is
     still handling it): the daemon stops at once with exit 0, nothing to drain."""
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name=f"{victim}-term").wait_ready()
-    from test_lifecycle import children_of
+    from test_lifecycle import bridge_of
 
     launcher = daemon.process.pid
     stage_pids = daemon.child_pids()
-    bridge = next(pid for pid in children_of(launcher) if pid not in stage_pids)
+    bridge = bridge_of(launcher, stage_pids)
     os.kill(bridge if victim == "bridge" else stage_pids[-1], signal.SIGKILL)
     deadline = time.monotonic() + 30
     while "child failed" not in daemon.log() and time.monotonic() < deadline:

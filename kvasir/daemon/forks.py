@@ -1,0 +1,136 @@
+"""The launcher's side of the zygote (kvasir/daemon/zygote.py): start it, ask it for stage
+and shard workers, and supervise each as a child of the launcher's own.
+
+The launcher makes itself a child subreaper first, so a worker the zygote forks (twice)
+is reparented to the launcher at once: ``ForkedProcess`` waits for it, polls it and
+kills it as ``subprocess.Popen`` does its children, and the stages' own check that the
+launcher is their parent holds as before. A zygote that is gone or answers nonsense is
+logged once and the launcher starts fresh interpreters from then on: a restart costs
+seconds more, never the daemon.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+
+from kvasir.daemon.zygote import FRAME, PID, read_exactly
+from kvasir.logs import Logger
+from kvasir.wire.control import ShardSettings, StageSettings
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+POLL_S = 0.01
+FORK_WAIT_S = 300.0  # the zygote imports first: as long as kvasird start's default --ready-timeout
+
+
+def become_subreaper() -> bool:
+    """Make this process the parent of its descendants' orphans (Linux); False where it
+    cannot be."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+class ForkedProcess:
+    """A worker the zygote forked, reparented to this process: what the launcher uses of
+    a Popen (kvasir/daemon/children.py ``Process``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: it is gone, how is not known
+                self.returncode = 1
+                return self.returncode
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            time.sleep(POLL_S)
+        return code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Zygote:
+    """The launcher's zygote: started at once (it imports while the launcher resolves the
+    plan), asked for each local stage and shard."""
+
+    def __init__(self, env: dict[str, str], log: Logger) -> None:
+        self.log = log
+        to_zygote, self._inbound = os.pipe()
+        self._outbound, from_zygote = os.pipe()
+        self.process: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-m", "kvasir.daemon.zygote", str(to_zygote), str(from_zygote)],
+            stdin=subprocess.DEVNULL,
+            pass_fds=(to_zygote, from_zygote),
+            env=env,
+        )
+        os.close(to_zygote)
+        os.close(from_zygote)
+
+    def fork(self, settings: StageSettings | ShardSettings) -> ForkedProcess | None:
+        """A worker for ``settings`` forked from the zygote; None once the zygote is gone,
+        or does not answer within ``FORK_WAIT_S`` (its imports come first)."""
+        if self.process is None:
+            return None
+        encoded = msgspec.msgpack.encode(settings)
+        try:
+            answer = self._exchange(FRAME.pack(len(encoded)) + encoded, time.monotonic() + FORK_WAIT_S)
+        except OSError as exc:
+            answer = None
+            self.log.warning("the zygote's pipe failed", error=str(exc))
+        if answer is None:
+            self._lost()
+            return None
+        return ForkedProcess(PID.unpack(answer)[0])
+
+    def _exchange(self, frame: bytes, deadline: float) -> bytes | None:
+        """Write ``frame``, read the pid: None at end of file or past ``deadline``."""
+        view = memoryview(frame)
+        while view:
+            if not select.select([], [self._inbound], [], max(0.0, deadline - time.monotonic()))[1]:
+                return None
+            view = view[os.write(self._inbound, view[: select.PIPE_BUF]) :]
+        if not select.select([self._outbound], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            return None
+        return read_exactly(self._outbound, PID.size)  # written at once: a pipe keeps 4 bytes together
+
+    def _lost(self) -> None:
+        code = self.close()
+        self.log.warning("the zygote is gone: stages and shards start as fresh interpreters", code=code)
+
+    def close(self) -> int | None:
+        """End the zygote (it holds nothing but its imports: killed); how it ended."""
+        if self.process is None:
+            return None
+        process, self.process = self.process, None
+        for fd in (self._inbound, self._outbound):
+            os.close(fd)
+        code = process.poll()
+        if code is None:
+            process.kill()
+        return process.wait() if code is None else code

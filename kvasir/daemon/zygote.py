@@ -1,0 +1,150 @@
+"""``python -m kvasir.daemon.zygote IN OUT``: one interpreter that imports a stage's and a
+shard's modules once, then forks each stage and shard worker the launcher asks for.
+
+A fresh interpreter spends seconds importing torch and transformers before a stage can
+load its weights; every stage of a plan, and every restart, paid that again. The
+zygote pays it once, in parallel with the launcher's own start-up, and never runs a
+torch operation, starts a thread or touches a GPU: a worker forked from it starts as a
+fresh interpreter would after its imports (torch's thread pools, CUDA and the weights
+are all made after the fork, in the worker). It is started in ``worker_env`` (huge
+pages, OpenMP's spin), which glibc and libgomp read when they load.
+
+The launcher writes each worker's settings as a frame (4-byte big-endian length, then
+the msgpack WorkerSettings) to the file descriptor IN; the zygote forks twice, so that
+the worker is orphaned at once and becomes the launcher's child (the launcher is a
+child subreaper, kvasir/daemon/forks.py), and answers on OUT with the worker's pid (4
+bytes). End of file on IN (the launcher closed it, or died) ends the zygote.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import struct
+import sys
+import time
+from typing import Any, NoReturn
+
+from kvasir.exits import exit_code, leave
+from kvasir.wire.control import ShardSettings, StageSettings, WorkerSettings
+from kvasir.wire.decoding import decode
+
+FRAME = struct.Struct(">I")
+PID = struct.Struct(">i")
+PR_SET_NAME = 15  # linux/prctl.h
+MAX_SETTINGS_BYTES = 64 << 20  # a plan's settings are kilobytes; anything near this is not the launcher's
+
+
+def preload() -> None:
+    """Import what a stage and a shard import, and each served family's transformers
+    modules (a stage imports its family's when it builds the model)."""
+    import kvasir.shard.process  # noqa: F401
+    import kvasir.stage.process  # noqa: F401
+    from kvasir.model.families import FAMILIES
+
+    for model_type in FAMILIES:
+        try:
+            importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        except ImportError:  # a transformers without this family: its stage says so when it loads
+            pass
+
+
+def read_exactly(fd: int, size: int) -> bytes | None:
+    """``size`` bytes from ``fd``; None at end of file (also mid-frame)."""
+    parts = []
+    while size:
+        part = os.read(fd, size)
+        if not part:
+            return None
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
+
+
+def serve(inbound: int, outbound: int) -> None:
+    """Fork a worker for each frame until end of file."""
+    while (head := read_exactly(inbound, FRAME.size)) is not None:
+        (size,) = FRAME.unpack(head)
+        if size > MAX_SETTINGS_BYTES:
+            raise SystemExit(f"kvasir zygote: a frame of {size} bytes; settings are far smaller")
+        encoded = read_exactly(inbound, size)
+        if encoded is None:
+            return
+        settings: Any = decode(encoded, WorkerSettings)  # type: ignore[arg-type]  # a union of tagged structs
+        if not isinstance(settings, StageSettings | ShardSettings):
+            raise SystemExit(f"kvasir zygote: forks stages and shards only, not {type(settings).__name__}")
+        os.write(outbound, PID.pack(fork_worker(settings, (inbound, outbound))))
+
+
+def fork_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int]) -> int:
+    """Fork, fork again and let the middle process exit: the worker's pid."""
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.close(read_end)
+            worker = os.fork()
+            if worker == 0:
+                os.close(write_end)
+                orphaned(os.getppid())
+                become_worker(settings, pipes)
+            os.write(write_end, PID.pack(worker))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    answer = read_exactly(read_end, PID.size)
+    os.close(read_end)
+    os.waitpid(middle, 0)  # once it is gone the worker is the launcher's child
+    if answer is None:
+        raise SystemExit("kvasir zygote: the fork of a worker failed")
+    (pid,) = PID.unpack(answer)
+    return pid
+
+
+def orphaned(middle: int, timeout_s: float = 10.0) -> None:
+    """Wait (briefly: it exits at once) until the middle process is gone and this one is
+    the launcher's child, which its checks of its parent expect."""
+    deadline = time.monotonic() + timeout_s
+    while os.getppid() == middle and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def become_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int]) -> NoReturn:
+    """In the forked worker: the zygote's pipes closed, stdin empty, SIGINT as in a fresh
+    interpreter; then the worker's own code, and its exit."""
+    from kvasir.daemon.worker import serve_settings
+
+    for fd in pipes:
+        os.close(fd)
+    role = "stage" if isinstance(settings, StageSettings) else "shard"
+    name_process(f"{role}-{settings.index}")  # ps, top: the worker, not the zygote's command line
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    serve_settings(settings)
+
+
+def name_process(name: str) -> None:
+    """This process's name as the kernel shows it (``/proc/PID/comm``, 15 bytes at most)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the name stays
+        pass
+
+
+def main() -> None:
+    inbound, outbound = int(sys.argv[1]), int(sys.argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
+    preload()
+    try:
+        serve(inbound, outbound)
+    except SystemExit as stop:
+        leave(exit_code(stop))
+    leave(0)
+
+
+if __name__ == "__main__":
+    main()

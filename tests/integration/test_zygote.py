@@ -1,0 +1,57 @@
+"""Stages forked from the zygote (kvasir/daemon/zygote.py): each is the launcher's own
+child, named for what it is; a killed stage is forked again, and with the zygote gone the
+ring restarts from fresh interpreters, serving exactly as before."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from test_lifecycle import children_of, cmdline
+from test_supervision import one_greedy, wait_serving_again
+
+from tests.support.daemon import exited
+from tests.support.models import hf_greedy, reference_model
+
+
+def comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def zygote_of(launcher: int) -> int:
+    return next(
+        pid
+        for pid in children_of(launcher)
+        if "kvasir.daemon.zygote" in cmdline(pid) and comm(pid).startswith("python")
+    )
+
+
+def restarted(daemon, stage_pids: list[int], restarts: int) -> list[int]:
+    """Kill the tail stage; the new ring's stage pids once it serves again."""
+    os.kill(stage_pids[-1], signal.SIGKILL)
+    stats = wait_serving_again(daemon.runtime_dir, daemon.stages, restarts=restarts)
+    assert not {s.pid for s in stats.stages} & set(stage_pids)
+    return [s.pid for s in stats.stages]
+
+
+def test_stages_come_from_the_zygote_and_without_it_from_fresh_interpreters(tiny_models, start_daemon):
+    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="forked").wait_ready()
+    launcher, reference = daemon.process.pid, reference_model(tiny_models["llama"])
+    stages = daemon.child_pids()
+    assert set(stages) <= set(children_of(launcher)) and [comm(pid) for pid in stages] == ["stage-0", "stage-1"]
+    zygote = zygote_of(launcher)
+
+    stages = restarted(daemon, stages, 1)  # forked again
+    assert set(stages) <= set(children_of(launcher)) and [comm(pid) for pid in stages] == ["stage-0", "stage-1"]
+    assert one_greedy(daemon.runtime_dir, [1, 2, 3], 5) == hf_greedy(reference, [1, 2, 3], 5)
+
+    os.kill(zygote, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not exited(zygote) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stages = restarted(daemon, stages, 2)  # the zygote is gone: fresh interpreters
+    assert all("kvasir.daemon.worker" in cmdline(pid) for pid in stages), [cmdline(pid) for pid in stages]
+    assert "the zygote is gone" in daemon.log()
+    assert one_greedy(daemon.runtime_dir, [1, 2, 3], 5) == hf_greedy(reference, [1, 2, 3], 5)
