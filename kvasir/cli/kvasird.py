@@ -162,8 +162,25 @@ def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None,
     leader again. Runs until SIGTERM or SIGINT (exit 0);
     exit 2 for a plan or key that does not load here.
     """
-    from kvasir.daemon.follower import Follower, Local
+    from kvasir.daemon.children import start_zygote
     from kvasir.daemon.foreground import run_follower
+
+    log = _logging(log_level, "follower")
+    zygote = start_zygote(log)  # imports a stage's modules while this process resolves the plan
+    try:
+        follower = _follower(plan_path=plan_path, host=host, runtime_dir=runtime_dir, key=key, log=log, zygote=zygote)
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
+    leave(run_follower(follower))
+
+
+def _follower(*, plan_path, host, runtime_dir, key, log, zygote):
+    """The plan resolved and checked for this host, the model ready, the follower made
+    (exit 2 for a plan or key that does not load here)."""
+    from kvasir.daemon.children import on_cpu_only
+    from kvasir.daemon.follower import Follower, Local
     from kvasir.daemon.host import check_host
     from kvasir.daemon.notify import ServiceNotifier
     from kvasir.daemon.resolve import resolve_plan
@@ -179,14 +196,15 @@ def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None,
             raise KvasirError(f"host {host} is the plan's leader: run `kvasird start --plan {plan_path}` there")
         check_host(plan, host)
         secret = key or str(Path(plan.cluster.keys or ".") / f"{host}.key_secret")
-        log = _logging(log_level, "follower")
         plan, source = _ready_model(plan, source, log)
         model = model_identity(source.weights_dir, plan.model.dtype)
         here = Local(host, Path(runtime_dir) if runtime_dir else default_runtime_dir(), secret, source.name, model)
-        follower = Follower(plan, here, log, ServiceNotifier.from_environment())
+        if zygote is not None and not on_cpu_only(plan):
+            zygote.close()
+            zygote = None
+        return Follower(plan, here, log, ServiceNotifier.from_environment(), zygote=zygote)
     except KvasirError as exc:
         fail(exc)
-    leave(run_follower(follower))
 
 
 def _logging(log_level: str, role: str):

@@ -16,7 +16,7 @@ import zmq
 
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
-from kvasir.daemon.forks import Zygote, become_subreaper
+from kvasir.daemon.forks import ForkedProcess, Zygote, become_subreaper
 from kvasir.logs import Logger
 from kvasir.transport.channels import PushChannel
 from kvasir.transport.fabric import Sockets
@@ -164,16 +164,24 @@ def on_cpu_only(plan: Plan) -> bool:
     )
 
 
+def start_local(
+    settings: WorkerSettings, pass_fds: tuple[int, ...] = (), zygote: Zygote | None = None
+) -> subprocess.Popen | ForkedProcess:
+    """A worker on this host: a stage or shard forked from ``zygote`` where there is one,
+    any other (or any, once the zygote is gone) a fresh interpreter."""
+    forked = (
+        zygote.fork(settings) if zygote is not None and isinstance(settings, StageSettings | ShardSettings) else None
+    )
+    return forked if forked is not None else start_worker(settings, pass_fds)
+
+
 def spawn_child(
     settings: WorkerSettings, sockets: Sockets, pass_fds: tuple[int, ...] = (), zygote: Zygote | None = None
 ) -> Child:
     """Start a child here, a stage or shard forked from ``zygote`` where there is one, and
     connect to its command socket."""
     child = ChildId.of(settings)
-    forked = (
-        zygote.fork(settings) if zygote is not None and isinstance(settings, StageSettings | ShardSettings) else None
-    )
-    process: Process = forked if forked is not None else start_worker(settings, pass_fds)
+    process = start_local(settings, pass_fds, zygote)
     return Child(child, process, PushChannel[Command](sockets.connect(zmq.PUSH, sockets.ends.command(child.name))))
 
 

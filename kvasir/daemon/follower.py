@@ -25,7 +25,8 @@ import msgspec
 import zmq
 
 from kvasir.config.plan import Plan
-from kvasir.daemon.children import ChildId, start_worker
+from kvasir.daemon.children import ChildId, start_local
+from kvasir.daemon.forks import ForkedProcess, Zygote
 from kvasir.daemon.layout import Layout, make_segments
 from kvasir.daemon.notify import ServiceNotifier
 from kvasir.daemon.spawner import pool_tiers
@@ -112,6 +113,7 @@ class Follower:
     log: Logger
     notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
     state: FollowerState = "waiting"
+    zygote: Zygote | None = None  # forks this host's stages and shards (kvasir/daemon/zygote.py)
 
     def __post_init__(self) -> None:
         if self.plan.cluster is None or self.plan.cluster.keys is None:
@@ -121,7 +123,7 @@ class Follower:
         self.digest = plan_digest(self.plan, routes)
         self.timeout_s = self.plan.cluster.host_silence_s
         self.sockets = Sockets(zmq.Context(), Endpoints(self.here.runtime_dir, routes), Fabric.of(routes, keys))
-        self.workers: dict[str, subprocess.Popen] = {}
+        self.workers: dict[str, subprocess.Popen | ForkedProcess] = {}
         self.generations: dict[str, int] = {}  # each worker's Run
         self.layout = Layout()  # the shared memory made here, kept across runs
         self._made: set[str] = set()  # its names
@@ -229,7 +231,7 @@ class Follower:
             return
         for settings in workers:
             name = ChildId.of(settings).name
-            process = start_worker(settings)
+            process = start_local(settings, zygote=self.zygote)
             self.workers[name] = process
             self.generations[name] = run.generation
             self._send(Spawned(run.generation, name, process.pid))
@@ -257,8 +259,8 @@ class Follower:
             if process.poll() is None:
                 process.kill()
         for name, process in stopping.items():
-            process.wait()
-            self._send(Exited(self.generations.pop(name, 0), name, process.pid, process.returncode, reason))
+            code = process.wait()
+            self._send(Exited(self.generations.pop(name, 0), name, process.pid, code, reason))
         if self.state == "running" and not self.workers:
             self.state = "waiting"
             self.notifier.status(f"host {self.here.host}: waiting for the leader ({reason})")
@@ -275,6 +277,8 @@ class Follower:
 
     def cleanup(self) -> None:
         self._halt("kvasird join is stopping")
+        if self.zygote is not None:
+            self.zygote.close()
         self.layout.close()
         remove_pool_folder(self.here.prefix)  # the KV pool's host memory tier
         self.sockets.end()
