@@ -25,11 +25,13 @@ import signal
 import struct
 import sys
 import time
+import traceback
 from typing import Any, NoReturn
 
+from kvasir.daemon.worker import serve_settings
 from kvasir.exits import exit_code, leave
 from kvasir.wire.control import ShardSettings, StageSettings, WorkerSettings
-from kvasir.wire.decoding import decode
+from kvasir.wire.decoding import Malformed, decode
 
 FRAME = struct.Struct(">I")
 PID = struct.Struct(">i")
@@ -72,7 +74,10 @@ def serve(inbound: int, outbound: int) -> None:
         encoded = read_exactly(inbound, size)
         if encoded is None:
             return
-        settings: Any = decode(encoded, WorkerSettings)  # type: ignore[arg-type]  # a union of tagged structs
+        try:
+            settings: Any = decode(encoded, WorkerSettings)  # type: ignore[arg-type]  # a union of tagged structs
+        except Malformed as exc:
+            raise SystemExit(f"kvasir zygote: settings that do not decode: {exc}") from None
         if not isinstance(settings, StageSettings | ShardSettings):
             raise SystemExit(f"kvasir zygote: forks stages and shards only, not {type(settings).__name__}")
         os.write(outbound, PID.pack(fork_worker(settings, (inbound, outbound))))
@@ -88,7 +93,6 @@ def fork_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int])
             worker = os.fork()
             if worker == 0:
                 os.close(write_end)
-                orphaned(os.getppid())
                 become_worker(settings, pipes)
             os.write(write_end, PID.pack(worker))
         finally:
@@ -112,10 +116,20 @@ def orphaned(middle: int, timeout_s: float = 10.0) -> None:
 
 
 def become_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int]) -> NoReturn:
-    """In the forked worker: the zygote's pipes closed, stdin empty, SIGINT as in a fresh
-    interpreter; then the worker's own code, and its exit."""
-    from kvasir.daemon.worker import serve_settings
+    """In the forked worker: once the launcher's child, the zygote's pipes closed, stdin
+    empty, SIGINT as in a fresh interpreter; then the worker's own code, and its exit (1
+    if it fails before its code runs: never back into the zygote's frames)."""
+    try:
+        orphaned(os.getppid())
+        ready_worker(settings, pipes)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    serve_settings(settings)
 
+
+def ready_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int]) -> None:
+    """What a fresh interpreter has that a fork of the zygote must be given."""
     for fd in pipes:
         os.close(fd)
     role = "stage" if isinstance(settings, StageSettings) else "shard"
@@ -124,7 +138,6 @@ def become_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int
     os.dup2(devnull, 0)
     os.close(devnull)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    serve_settings(settings)
 
 
 def name_process(name: str) -> None:

@@ -1,0 +1,61 @@
+"""The launcher's side of the zygote (kvasir/daemon/forks.py) and the zygote's loop
+(kvasir/daemon/zygote.py); the zygote forking real stages is tests/integration/test_zygote.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import msgspec
+import pytest
+
+from kvasir.daemon.forks import ForkedProcess
+from kvasir.daemon.zygote import FRAME, MAX_SETTINGS_BYTES, serve
+from kvasir.wire.control import BridgeSettings, ModelFacts
+from tests.support.models import make_plan
+
+
+def child(*argv: str) -> ForkedProcess:
+    return ForkedProcess(os.posix_spawnp(argv[0], argv, dict(os.environ)))
+
+
+def test_a_forked_process_is_polled_waited_for_and_killed_as_popen_would_be():
+    done = child("true")
+    assert done.wait(30) == 0 and done.poll() == 0
+    failed = child("sh", "-c", "exit 3")
+    assert failed.wait(30) == 3
+    sleeper = child("sleep", "30")
+    assert sleeper.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(0.05)
+    sleeper.kill()
+    assert sleeper.wait(30) == -9 and sleeper.returncode == -9
+    sleeper.kill()  # gone already: nothing to do
+
+
+def served(frame: bytes) -> None:
+    """The zygote's loop (in this process: no fork is reached) given ``frame``, then end of file."""
+    inbound, writer = os.pipe()
+    reader, outbound = os.pipe()
+    os.write(writer, frame)
+    os.close(writer)
+    try:
+        serve(inbound, outbound)
+    finally:
+        for fd in (inbound, reader, outbound):
+            os.close(fd)
+
+
+def test_the_zygote_ends_at_end_of_file_and_refuses_what_is_not_a_stage_or_shard(tmp_path):
+    served(b"")  # the launcher closed its pipe: done
+    served(FRAME.pack(10) + b"short")  # cut off mid-frame: done
+    with pytest.raises(SystemExit, match="settings are far smaller"):
+        served(FRAME.pack(MAX_SETTINGS_BYTES + 1))
+    with pytest.raises(SystemExit, match="settings that do not decode"):
+        served(FRAME.pack(5) + b"\xc1\xc1\xc1\xc1\xc1")
+    plan = make_plan(tmp_path, [(0, 3), (3, 6)])
+    bridge = msgspec.msgpack.encode(
+        BridgeSettings(model=ModelFacts(100, None), plan=plan, runtime_dir="/x", launcher_pid=1)
+    )
+    with pytest.raises(SystemExit, match="not BridgeSettings"):
+        served(FRAME.pack(len(bridge)) + bridge)
