@@ -113,7 +113,8 @@ def start(
 def _launcher(*, plan_path, runtime_dir, ready_timeout, drain_timeout, stop_with_parent, key, log_level, log, zygote):
     """The plan resolved and checked, the model ready, the launcher made (exit 2 for a bad
     plan, 1 for a model that cannot be made ready). A plan with a GPU stage or shard
-    starts each as a fresh interpreter: its zygote is closed."""
+    starts each as a fresh interpreter: its zygote is closed; otherwise the zygote has
+    imported what a worker needs before the launcher starts."""
     from kvasir.daemon.children import on_cpu_only
     from kvasir.daemon.host import check_host
     from kvasir.daemon.launcher import Launcher, Timeouts
@@ -131,6 +132,8 @@ def _launcher(*, plan_path, runtime_dir, ready_timeout, drain_timeout, stop_with
     plan, source = _ready_model(plan, source, log)
     if zygote is not None and not on_cpu_only(plan):
         zygote.close()
+        zygote = None
+    if zygote is not None and not zygote.wait_ready():  # now, not in a fork while hosts wait on the loop
         zygote = None
     return Launcher(
         plan=plan,

@@ -21,13 +21,14 @@ import time
 
 import msgspec
 
-from kvasir.daemon.zygote import FRAME, PID, read_exactly
+from kvasir.daemon.zygote import FRAME, PID, READY, read_exactly
 from kvasir.logs import Logger
 from kvasir.wire.control import ShardSettings, StageSettings
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 POLL_S = 0.01
 FORK_WAIT_S = 300.0  # the zygote imports first: as long as kvasird start's default --ready-timeout
+ANSWER_WAIT_S = 30.0  # once it is ready a fork takes milliseconds
 
 
 def become_subreaper() -> bool:
@@ -91,15 +92,29 @@ class Zygote:
         )
         os.close(to_zygote)
         os.close(from_zygote)
+        self.ready = False
+
+    def wait_ready(self, timeout_s: float = FORK_WAIT_S) -> bool:
+        """Wait until the zygote has imported what a worker needs: True then, False (and
+        the zygote closed, with a warning) if it ends or does not finish in ``timeout_s``.
+        A follower waits here before it first speaks to its leader."""
+        if self.process is None or self.ready:
+            return self.ready
+        if select.select([self._outbound], [], [], timeout_s)[0]:
+            self.ready = read_exactly(self._outbound, len(READY)) == READY
+        if not self.ready:
+            self._lost()
+        return self.ready
 
     def fork(self, settings: StageSettings | ShardSettings) -> ForkedProcess | None:
         """A worker for ``settings`` forked from the zygote; None once the zygote is gone,
-        or does not answer within ``FORK_WAIT_S`` (its imports come first)."""
-        if self.process is None:
+        is not ready within ``FORK_WAIT_S`` (its imports) or does not answer within
+        ``ANSWER_WAIT_S``."""
+        if not self.wait_ready():
             return None
         encoded = msgspec.msgpack.encode(settings)
         try:
-            answer = self._exchange(FRAME.pack(len(encoded)) + encoded, time.monotonic() + FORK_WAIT_S)
+            answer = self._exchange(FRAME.pack(len(encoded)) + encoded, time.monotonic() + ANSWER_WAIT_S)
         except OSError as exc:
             answer = None
             self.log.warning("the zygote's pipe failed", error=str(exc))
@@ -121,6 +136,7 @@ class Zygote:
 
     def _lost(self) -> None:
         code = self.close()
+        self.ready = False
         self.log.warning("the zygote is gone: stages and shards start as fresh interpreters", code=code)
 
     def close(self) -> int | None:

@@ -13,7 +13,10 @@ The launcher writes each worker's settings as a frame (4-byte big-endian length,
 the msgpack WorkerSettings) to the file descriptor IN; the zygote forks twice, so that
 the worker is orphaned at once and becomes the launcher's child (the launcher is a
 child subreaper, kvasir/daemon/forks.py), and answers on OUT with the worker's pid (4
-bytes). End of file on IN (the launcher closed it, or died) ends the zygote.
+bytes). Before any pid it writes one byte, READY, once its imports are done: a launcher
+or a follower waits for it before it answers anyone, so a fork never stalls the loop
+that beats its heartbeats. End of file on IN (the launcher closed it, or died) ends the
+zygote.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from kvasir.wire.decoding import Malformed, decode
 
 FRAME = struct.Struct(">I")
 PID = struct.Struct(">i")
+READY = b"\x01"  # written once, after the imports
 PR_SET_NAME = 15  # linux/prctl.h
 MAX_SETTINGS_BYTES = 64 << 20  # a plan's settings are kilobytes; anything near this is not the launcher's
 
@@ -152,6 +156,7 @@ def main() -> None:
     inbound, outbound = int(sys.argv[1]), int(sys.argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
     preload()
+    os.write(outbound, READY)
     try:
         serve(inbound, outbound)
     except SystemExit as stop:

@@ -195,30 +195,34 @@ def openai_tool(model):
     return openai.pydantic_function_tool(model, name="describe_town", description="A town's name, region, people")
 
 
-def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
-    """plans/smollm2-http.toml as shipped (127.0.0.1:8000), the curl and openai lines of
-    docs/http.md and the README's tour as written, and the HTTP door's greedy tokens equal
-    Hugging Face's."""
+@pytest.fixture(scope="module")
+def http_daemon(tmp_path_factory):
+    """plans/smollm2-http.toml as shipped (127.0.0.1:8000), shared by the HTTP tests."""
+    daemon = Daemon(PLANS / "smollm2-http.toml", tmp_path_factory.mktemp("http") / "rt", 2)
+    try:
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_the_http_examples_run_as_written(http_daemon, expected):
+    """The curl and openai lines of docs/http.md and the README's HTTP tour as written
+    against plans/smollm2-http.toml, and the HTTP door's greedy tokens equal Hugging Face's."""
     import openai
 
     start = ".venv/bin/kvasird start --plan plans/smollm2-http.toml &"
-    daemon = Daemon(PLANS / "smollm2-http.toml", tmp_path / "rt", 2)
-    try:
-        daemon.wait_ready()
-        outputs = run_as_written(shown_block(ROOT / "docs" / "http.md", start), daemon.runtime_dir)
-        tour = run_as_written(shown_block(ROOT / "README.md", start), daemon.runtime_dir)
-        client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none", max_retries=0)
-        chat = client.chat.completions.create(
-            model="smollm2-135m",
-            messages=[{"role": "user", "content": CHATS[0]}],
-            max_tokens=NEW_TOKENS,
-            temperature=0,
-            extra_body={"return_token_ids": True},
-        )
-        parsed = asyncio.run(hundred_parsed())
-        streamed = streamed_tool_call(client)
-    finally:
-        assert daemon.stop() == 0
+    outputs = run_as_written(shown_block(ROOT / "docs" / "http.md", start), http_daemon.runtime_dir)
+    tour = run_as_written(shown_block(ROOT / "README.md", start), http_daemon.runtime_dir)
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": CHATS[0]}],
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    streamed = streamed_tool_call(client)
     chat_answer, stream, health, metrics, sdk_answer = outputs[1:]
     assert "Paris" in tour[1]  # the README's curl
     kind, parsed_city = tour[3].split(" ", 1)  # examples/structured.py: the SDK's parse() into its model
@@ -235,6 +239,12 @@ def test_the_http_examples_run_as_written(smollm2, expected, tmp_path):
     prompt_len, tokens, _ = expected[(CHATS[0], True)]
     assert chat.choices[0].token_ids == tokens[: len(chat.choices[0].token_ids)]  # type: ignore[attr-defined]
     assert chat.usage.prompt_tokens == prompt_len
+
+
+def test_a_hundred_sampled_schema_constrained_answers_all_validate(http_daemon):
+    """100 answers through the openai SDK's parse(), 32 at a time, sampled: every one
+    stops by itself and validates into its pydantic model."""
+    parsed = asyncio.run(hundred_parsed())
     assert [choice.finish_reason for choice in parsed] == ["stop"] * 100  # none cut short
     assert all(isinstance(choice.message.parsed, Town) for choice in parsed)  # 100 of 100 validate
 

@@ -16,6 +16,7 @@ from kvasir.transport import envelopes
 from kvasir.wire.client import ClientEvent, ErrorEvent, Finished
 from tests.support.daemon import settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
+from tests.support.procs import bridge_of
 from tests.support.wire import events
 
 enc = msgspec.msgpack.encode
@@ -51,13 +52,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def bridge_pid(daemon) -> int:
-    children = Path(f"/proc/{daemon.process.pid}/task/{daemon.process.pid}/children").read_text().split()
-    stages = set(daemon.child_pids())
-    (pid,) = [int(p) for p in children if int(p) not in stages]
-    return pid
 
 
 async def polite(runtime_dir: Path, prompts: list[list[int]], n: int) -> list:
@@ -129,7 +123,7 @@ def test_a_stats_flood_without_reading_is_bounded_and_starves_nobody(tiny_models
     ).wait_ready()
     prompts = random_prompts(320, [6] * 40, seed=3)
     asyncio.run(polite(daemon.runtime_dir, prompts, 20))  # timelines to send: hundreds of batch spans per stage
-    bridge = bridge_pid(daemon)
+    bridge = bridge_of(daemon.process.pid, daemon.child_pids())
     before = rss_kib(bridge)
     ctx = zmq.Context()
     stop = threading.Event()
@@ -162,7 +156,7 @@ def test_a_stats_flood_without_reading_is_bounded_and_starves_nobody(tiny_models
     offered = sent[0] * len(enc(stats)) // 1024  # KiB of replies: unbounded, the bridge would have held them all
     assert offered > 256 * 1024 and grown < min(200 * 1024, offered // 4), f"bridge grew by {grown} KiB of {offered}"
     assert stats.restarts == 0 and stats.clients_lost >= 1, stats
-    assert bridge_pid(daemon) == bridge  # never killed as hung
+    assert bridge_of(daemon.process.pid, daemon.child_pids()) == bridge  # never killed as hung
 
 
 def test_oversized_lists_and_texts_are_refused_before_any_walk(tiny_models, start_daemon):

@@ -13,6 +13,7 @@ from kvasir.client import AsyncClient
 from kvasir.wire.client import Cancelled, ErrorEvent, Finished, TokenOut
 from tests.support.daemon import BIN, alive, exited, wait_serving, write_plan
 from tests.support.models import hf_greedy, reference_model
+from tests.support.procs import children_of
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 
@@ -66,29 +67,6 @@ def test_sigterm_under_load_ends_every_request_once_and_leaves_nothing(tiny_mode
 async def one_request(runtime_dir):
     async with await AsyncClient.connect(runtime_dir) as client:
         return await (await client.submit(token_ids=[4, 8, 15], max_tokens=5, temperature=0)).result()
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-
-
-def bridge_of(launcher: int, stage_pids) -> int:
-    """The launcher's bridge: a fresh interpreter (stages and shards are forked from the zygote)."""
-    return next(
-        pid for pid in children_of(launcher) if pid not in stage_pids and "kvasir.daemon.worker" in cmdline(pid)
-    )
 
 
 def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):

@@ -6,10 +6,10 @@ import asyncio
 from pathlib import Path
 
 import msgspec
-from test_lifecycle import bridge_of, children_of
 
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Accepted, ClientEvent, ErrorEvent, Finished
+from tests.support.procs import bridge_of, children_of
 from tests.support.wire import events
 
 

@@ -18,6 +18,7 @@ from kvasir.client import AsyncClient, Client, NoDaemon
 from kvasir.wire.client import Cancelled, ErrorEvent, Finished
 from tests.support.daemon import BIN, alive
 from tests.support.models import hf_greedy, reference_model
+from tests.support.procs import bridge_of
 
 TERMINAL = (Finished, Cancelled, ErrorEvent)
 
@@ -163,7 +164,6 @@ def test_a_hung_stage_is_found_by_heartbeat_and_replaced(tiny_models, start_daem
 
 def test_the_bridge_is_restarted_with_the_ring(tiny_models, start_daemon):
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="bridge").wait_ready()
-    from test_lifecycle import bridge_of
 
     stage_pids = set(daemon.child_pids())
     bridge = bridge_of(daemon.process.pid, stage_pids)
@@ -199,7 +199,6 @@ def test_sigterm_while_the_ring_restarts_stops_cleanly(tiny_models, start_daemon
     """SIGTERM right after a failure is noticed (the signal lands while the launcher is
     still handling it): the daemon stops at once with exit 0, nothing to drain."""
     daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name=f"{victim}-term").wait_ready()
-    from test_lifecycle import bridge_of
 
     launcher = daemon.process.pid
     stage_pids = daemon.child_pids()

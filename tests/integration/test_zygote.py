@@ -9,11 +9,11 @@ import signal
 import time
 from pathlib import Path
 
-from test_lifecycle import children_of, cmdline
 from test_supervision import one_greedy, wait_serving_again
 
 from tests.support.daemon import exited
 from tests.support.models import hf_greedy, reference_model
+from tests.support.procs import children_of, cmdline
 
 
 def comm(pid: int) -> str:

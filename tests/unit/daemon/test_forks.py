@@ -8,10 +8,12 @@ import subprocess
 
 import msgspec
 import pytest
+import structlog
+from structlog.testing import capture_logs
 
-from kvasir.daemon.forks import ForkedProcess
+from kvasir.daemon.forks import ForkedProcess, Zygote
 from kvasir.daemon.zygote import FRAME, MAX_SETTINGS_BYTES, serve
-from kvasir.wire.control import BridgeSettings, ModelFacts
+from kvasir.wire.control import BridgeSettings, ModelFacts, StageSettings
 from tests.support.models import make_plan
 
 
@@ -59,3 +61,24 @@ def test_the_zygote_ends_at_end_of_file_and_refuses_what_is_not_a_stage_or_shard
     )
     with pytest.raises(SystemExit, match="not BridgeSettings"):
         served(FRAME.pack(len(bridge)) + bridge)
+
+
+def stage_settings(tmp_path) -> StageSettings:
+    plan = make_plan(tmp_path, [(0, 3), (3, 6)])
+    return StageSettings(index=0, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=[])
+
+
+def test_a_zygote_that_dies_or_is_not_ready_in_time_is_dropped_with_one_warning(tmp_path):
+    """Forks wait for the zygote's imports (its READY byte); one that ends first, or not
+    within the wait, is closed and said once, and every fork after it is a fresh start."""
+    with capture_logs() as logs:
+        dead = Zygote(dict(os.environ), structlog.get_logger())
+        assert dead.process is not None
+        dead.process.kill()
+        assert not dead.wait_ready(30) and dead.process is None
+        assert dead.fork(stage_settings(tmp_path)) is None and not dead.wait_ready()
+        slow = Zygote(dict(os.environ), structlog.get_logger())
+        assert not slow.wait_ready(0.0) and slow.process is None  # still importing torch
+    assert [entry["event"] for entry in logs] == [
+        "the zygote is gone: stages and shards start as fresh interpreters"
+    ] * 2
