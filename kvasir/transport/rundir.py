@@ -22,11 +22,16 @@ import re
 import stat
 from pathlib import Path
 
+import zmq
+
 from kvasir.errors import KvasirError
 
 OURS = re.compile(
     r"^(kvasird\.lock|(client|events|bridge-in|control|hosts|command-bridge|((stage|credits|kv|kvpool|shard|experts|command-stage|command-shard|command-front)-[0-9]+))\.sock)$"
 )
+
+SOCKET_PATH_MAX: int = getattr(zmq, "IPC_PATH_MAX_LEN", 107)  # a Unix socket's path, bytes (sun_path less its NUL)
+LONGEST_SOCKET = "command-shard-99.sock"  # a worker index of up to two digits
 
 
 class RuntimeDirError(KvasirError):
@@ -40,7 +45,9 @@ def is_ours(name: str) -> bool:
 
 def make_runtime_dir(path: Path) -> None:
     """The daemon's side: make ``path`` (0700) or check an existing one; RuntimeDirError
-    when it is a link, not a directory, another user's, or holds files not Kvasir's."""
+    when its sockets' paths would be too long, or it is a link, not a directory, another
+    user's, or holds files not Kvasir's."""
+    check_socket_room(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         path.mkdir(mode=0o700)
@@ -60,6 +67,18 @@ def make_runtime_dir(path: Path) -> None:
             "of its own (it removes stale sockets there)"
         )
     os.chmod(path, 0o700)
+
+
+def check_socket_room(path: Path) -> None:
+    """RuntimeDirError when a socket in ``path`` could not be bound: the kernel refuses a
+    Unix socket's path over SOCKET_PATH_MAX bytes, which a worker would meet only when it
+    binds, and fail."""
+    longest = len(os.fsencode(path.absolute() / LONGEST_SOCKET))
+    if longest > SOCKET_PATH_MAX:
+        raise RuntimeDirError(
+            f"runtime dir {path} is too long for its sockets: {path / LONGEST_SOCKET} would be {longest} bytes, "
+            f"and a Unix socket's path holds at most {SOCKET_PATH_MAX}; give kvasird a shorter --runtime-dir"
+        )
 
 
 def lock_runtime_dir(path: Path) -> int:

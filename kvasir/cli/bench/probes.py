@@ -35,11 +35,12 @@ def hop(device, link, as_json):
 
     Exit code: 0 done, 2 bad arguments.
     """
-    from kvasir.bench.hop import hop_report, print_hop
-
     if link == "tcp" and device != "cpu":
         raise click.UsageError("--link tcp measures a cpu edge: leave out --device")
-    report = hop_report(device=_hop_device(device), link=link)
+    checked = _hop_device(device)  # before the bench's imports: a bad argument is refused at once
+    from kvasir.bench.hop import hop_report, print_hop
+
+    report = hop_report(device=checked, link=link)
     click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
 
 
@@ -68,12 +69,12 @@ def _hop_device(device: str) -> str:
     """--device checked: "cpu", or a CUDA device that is here."""
     if device == "cpu":
         return device
+    if not re.fullmatch(r"cuda(:[0-9]+)?", device):
+        raise click.BadParameter(f"{device!r} is not 'cpu' or 'cuda:N'", param_hint="--device")
     import torch
 
     from kvasir.config.devices import cuda_ordinal
 
-    if not re.fullmatch(r"cuda(:[0-9]+)?", device):
-        raise click.BadParameter(f"{device!r} is not 'cpu' or 'cuda:N'", param_hint="--device")
     if not torch.cuda.is_available():
         raise click.BadParameter(f"{device}: CUDA is not available here", param_hint="--device")
     ordinal = cuda_ordinal(device) or 0  # the pattern above: cuda or cuda:N

@@ -15,7 +15,14 @@ import zmq
 
 from kvasir.client import Client, NoDaemon
 from kvasir.transport.channels import Endpoints
-from kvasir.transport.rundir import RuntimeDirError, check_client_dir, is_ours, make_runtime_dir
+from kvasir.transport.rundir import (
+    LONGEST_SOCKET,
+    SOCKET_PATH_MAX,
+    RuntimeDirError,
+    check_client_dir,
+    is_ours,
+    make_runtime_dir,
+)
 
 STRANGER = 12345  # a uid nobody on this machine has
 NOBODY = 65534
@@ -82,6 +89,28 @@ def test_the_daemon_makes_a_missing_dir_0700_and_tightens_its_own(tmp_path):
     (loose / "stage-0.sock").write_text("")
     make_runtime_dir(loose)
     assert mode(loose) == 0o700
+
+
+def padded_dir(tmp_path: Path, socket_path_bytes: int) -> Path:
+    """A folder under ``tmp_path`` whose longest socket's path is ``socket_path_bytes`` long."""
+    short = tmp_path / "d"
+    pad = socket_path_bytes - len(os.fsencode(short / LONGEST_SOCKET))
+    assert pad > 0, tmp_path
+    return tmp_path / ("d" + "x" * pad)
+
+
+def test_a_runtime_dir_too_long_for_its_sockets_is_refused_before_anything_is_made(tmp_path):
+    fits = padded_dir(tmp_path, SOCKET_PATH_MAX)
+    make_runtime_dir(fits)
+    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as sock:  # the kernel takes the longest socket
+        sock.bind(f"ipc://{fits / LONGEST_SOCKET}")
+    long = padded_dir(tmp_path, SOCKET_PATH_MAX + 1)
+    with pytest.raises(RuntimeDirError, match="too long for its sockets.*give kvasird a shorter --runtime-dir"):
+        make_runtime_dir(long)
+    assert not long.exists()
+    over = tmp_path / ("y" * (SOCKET_PATH_MAX + 1 - len(os.fsencode(tmp_path / "y"))) + "y")
+    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as sock, pytest.raises(zmq.ZMQError, match="longer than"):
+        sock.bind(f"ipc://{over}")  # one byte more, in a folder that is there: as a worker would have failed
 
 
 def test_the_daemon_refuses_links_files_and_folders_that_hold_others_files(tmp_path):
