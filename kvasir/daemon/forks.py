@@ -98,8 +98,10 @@ class Zygote:
         """Wait until the zygote has imported what a worker needs: True then, False (and
         the zygote closed, with a warning) if it ends or does not finish in ``timeout_s``.
         A follower waits here before it first speaks to its leader."""
-        if self.process is None or self.ready:
-            return self.ready
+        if self.process is None:  # closed, or lost: its pipes are gone
+            return False
+        if self.ready:
+            return True
         if select.select([self._outbound], [], [], timeout_s)[0]:
             self.ready = read_exactly(self._outbound, len(READY)) == READY
         if not self.ready:
