@@ -133,8 +133,8 @@ def _launcher(*, plan_path, runtime_dir, ready_timeout, drain_timeout, stop_with
     if zygote is not None and not on_cpu_only(plan):
         zygote.close()
         zygote = None
-    if zygote is not None and not zygote.wait_ready():  # now, not in a fork while hosts wait on the loop
-        zygote = None
+    if zygote is not None:
+        zygote.wait_ready()  # now, not in a fork while hosts wait on the loop (a lost one forks nothing)
     return Launcher(
         plan=plan,
         source=source,

@@ -138,7 +138,6 @@ class Zygote:
 
     def _lost(self) -> None:
         code = self.close()
-        self.ready = False
         self.log.warning("the zygote is gone: stages and shards start as fresh interpreters", code=code)
 
     def close(self) -> int | None:
