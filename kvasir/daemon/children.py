@@ -131,9 +131,9 @@ def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def start_worker(settings: WorkerSettings, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-    """Start a worker as a fresh interpreter (a bridge, a front, a follower's worker, or a
-    stage or shard that no zygote forks), in ``worker_env``, and hand it its settings as
-    msgpack on stdin (and ``pass_fds``, open under the same numbers)."""
+    """Start a worker as a fresh interpreter (where no zygote forks it), in ``worker_env``,
+    and hand it its settings as msgpack on stdin (and ``pass_fds``, open under the same
+    numbers)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "kvasir.daemon.worker"],
         stdin=subprocess.PIPE,
@@ -151,7 +151,7 @@ def start_zygote(log: Logger) -> Zygote | None:
     where this system cannot reparent orphans to the launcher (every worker then starts as
     a fresh interpreter)."""
     if not become_subreaper():
-        log.warning("cannot become a child subreaper: stages and shards start as fresh interpreters")
+        log.warning("cannot become a child subreaper: workers start as fresh interpreters")
         return None
     return Zygote(worker_env(os.environ), log)
 
@@ -167,19 +167,17 @@ def on_cpu_only(plan: Plan) -> bool:
 def start_local(
     settings: WorkerSettings, pass_fds: tuple[int, ...] = (), zygote: Zygote | None = None
 ) -> subprocess.Popen | ForkedProcess:
-    """A worker on this host: a stage or shard forked from ``zygote`` where there is one,
-    any other (or any, once the zygote is gone) a fresh interpreter."""
-    forked = (
-        zygote.fork(settings) if zygote is not None and isinstance(settings, StageSettings | ShardSettings) else None
-    )
+    """A worker on this host holding ``pass_fds``: forked from ``zygote`` where there is
+    one, a fresh interpreter where there is none (or it is gone)."""
+    forked = zygote.fork(settings, pass_fds) if zygote is not None else None
     return forked if forked is not None else start_worker(settings, pass_fds)
 
 
 def spawn_child(
     settings: WorkerSettings, sockets: Sockets, pass_fds: tuple[int, ...] = (), zygote: Zygote | None = None
 ) -> Child:
-    """Start a child here, a stage or shard forked from ``zygote`` where there is one, and
-    connect to its command socket."""
+    """Start a child here, forked from ``zygote`` where there is one, and connect to its
+    command socket."""
     child = ChildId.of(settings)
     process = start_local(settings, pass_fds, zygote)
     return Child(child, process, PushChannel[Command](sockets.connect(zmq.PUSH, sockets.ends.command(child.name))))

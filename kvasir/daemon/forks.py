@@ -1,5 +1,5 @@
-"""The launcher's side of the zygote (kvasir/daemon/zygote.py): start it, ask it for stage
-and shard workers, and supervise each as a child of the launcher's own.
+"""The launcher's side of the zygote (kvasir/daemon/zygote.py): start it, ask it for stage,
+shard and bridge workers, and supervise each as a child of the launcher's own.
 
 The launcher makes itself a child subreaper first, so a worker the zygote forks (twice)
 is reparented to the launcher at once: ``ForkedProcess`` waits for it, polls it and
@@ -15,6 +15,7 @@ import ctypes
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ import msgspec
 
 from kvasir.daemon.zygote import FRAME, PID, READY, read_exactly
 from kvasir.logs import Logger
-from kvasir.wire.control import ShardSettings, StageSettings
+from kvasir.wire.control import WorkerSettings
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 POLL_S = 0.01
@@ -82,7 +83,9 @@ class Zygote:
 
     def __init__(self, env: dict[str, str], log: Logger) -> None:
         self.log = log
-        to_zygote, self._inbound = os.pipe()
+        self._inbound, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # a front's fd goes along
+        self._inbound.setblocking(False)
+        to_zygote = theirs.detach()
         self._outbound, from_zygote = os.pipe()
         self.process: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, "-m", "kvasir.daemon.zygote", str(to_zygote), str(from_zygote)],
@@ -108,45 +111,50 @@ class Zygote:
             self._lost()
         return self.ready
 
-    def fork(self, settings: StageSettings | ShardSettings) -> ForkedProcess | None:
-        """A worker for ``settings`` forked from the zygote; None once the zygote is gone,
-        is not ready within ``FORK_WAIT_S`` (its imports) or does not answer within
-        ``ANSWER_WAIT_S``."""
+    def fork(self, settings: WorkerSettings, fds: tuple[int, ...] = ()) -> ForkedProcess | None:
+        """A worker for ``settings`` forked from the zygote, holding ``fds`` (a front's
+        listening socket); None once the zygote is gone, is not ready within
+        ``FORK_WAIT_S`` (its imports) or does not answer within ``ANSWER_WAIT_S``."""
         if not self.wait_ready():
             return None
         encoded = msgspec.msgpack.encode(settings)
         try:
-            answer = self._exchange(FRAME.pack(len(encoded)) + encoded, time.monotonic() + ANSWER_WAIT_S)
+            answer = self._exchange(FRAME.pack(len(encoded)) + encoded, fds, time.monotonic() + ANSWER_WAIT_S)
         except OSError as exc:
             answer = None
-            self.log.warning("the zygote's pipe failed", error=str(exc))
+            self.log.warning("the zygote's socket failed", error=str(exc))
         if answer is None:
             self._lost()
             return None
         return ForkedProcess(PID.unpack(answer)[0])
 
-    def _exchange(self, frame: bytes, deadline: float) -> bytes | None:
-        """Write ``frame``, read the pid: None at end of file or past ``deadline``."""
+    def _exchange(self, frame: bytes, fds: tuple[int, ...], deadline: float) -> bytes | None:
+        """Send ``frame`` (``fds`` with its first bytes), read the pid: None at end of file
+        or past ``deadline``."""
         view = memoryview(frame)
         while view:
             if not select.select([], [self._inbound], [], max(0.0, deadline - time.monotonic()))[1]:
                 return None
-            view = view[os.write(self._inbound, view[: select.PIPE_BUF]) :]
+            try:
+                sent = socket.send_fds(self._inbound, [view], list(fds)) if fds else self._inbound.send(view)
+            except BlockingIOError:
+                continue
+            view, fds = view[sent:], ()
         if not select.select([self._outbound], [], [], max(0.0, deadline - time.monotonic()))[0]:
             return None
         return read_exactly(self._outbound, PID.size)  # written at once: a pipe keeps 4 bytes together
 
     def _lost(self) -> None:
         code = self.close()
-        self.log.warning("the zygote is gone: stages and shards start as fresh interpreters", code=code)
+        self.log.warning("the zygote is gone: workers start as fresh interpreters", code=code)
 
     def close(self) -> int | None:
         """End the zygote (it holds nothing but its imports: killed); how it ended."""
         if self.process is None:
             return None
         process, self.process = self.process, None
-        for fd in (self._inbound, self._outbound):
-            os.close(fd)
+        self._inbound.close()
+        os.close(self._outbound)
         code = process.poll()
         if code is None:
             process.kill()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from kvasir.config.http import HttpSpec, parse_listen
 from kvasir.daemon.children import Child, ending, join_children, spawn_child
+from kvasir.daemon.forks import Zygote
 from kvasir.daemon.supervision import Heartbeats, RestartPolicy
 from kvasir.errors import KvasirError
 from kvasir.transport.fabric import Sockets
@@ -36,8 +37,11 @@ class Fronts:
         heartbeat_timeout_s: float,
         restart_window_s: float,
         log,
+        *,
+        zygote: Zygote | None = None,  # forks each front where there is one (kvasir/daemon/forks.py)
     ) -> None:
         self.spec = spec
+        self.zygote = zygote
         self.sockets = sockets
         self.settings = settings
         self.log = log
@@ -147,7 +151,7 @@ class Fronts:
         if self.listener is None:
             raise FrontError("the HTTP address is not bound")
         fd = self.listener.fileno()
-        child = spawn_child(self.settings(index, fd), self.sockets, pass_fds=(fd,))
+        child = spawn_child(self.settings(index, fd), self.sockets, pass_fds=(fd,), zygote=self.zygote)
         self.running[index] = child
         self.log.info("spawned", child=child.name, pid=child.process.pid)
 

@@ -84,7 +84,7 @@ class Launcher:
     notifier: ServiceNotifier = field(default_factory=lambda: ServiceNotifier(None))
     parent_pid: int | None = None  # stop (drain) once this process is no longer the parent
     cluster: Cluster | None = None  # a plan across hosts (kvasir/daemon/remote.py)
-    zygote: Zygote | None = None  # forks the local stages and shards (kvasir/daemon/zygote.py)
+    zygote: Zygote | None = None  # forks the local workers (kvasir/daemon/zygote.py)
 
     def __post_init__(self) -> None:
         cluster = self.cluster
@@ -104,7 +104,13 @@ class Launcher:
         )
         sup = self.plan.supervise
         self.fronts = Fronts(
-            self.plan.http, self.sockets, self.spawner.front, sup.heartbeat_timeout_s, sup.restart_window_s, self.log
+            self.plan.http,
+            self.sockets,
+            self.spawner.front,
+            sup.heartbeat_timeout_s,
+            sup.restart_window_s,
+            self.log,
+            zygote=self.zygote,
         )
         self.layout = Layout()  # edges and KV segments, made by prepare()
         self.exchange = HandleExchange({})  # CUDA IPC edges' handles, paired at each start

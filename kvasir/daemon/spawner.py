@@ -46,7 +46,7 @@ class Spawner:
     log_level: str
     log: Logger
     hosts: HostLink | None = None  # the followers, once the launcher bound their socket
-    zygote: Zygote | None = None  # forks the local stages and shards (kvasir/daemon/forks.py)
+    zygote: Zygote | None = None  # forks the local workers (kvasir/daemon/forks.py)
     prefix: str = field(default_factory=segment_prefix)  # the shared-memory names' start
 
     def start(self, layout: Layout, wanted: list[ChildId]) -> list[Child]:

@@ -1,9 +1,9 @@
 """``python -m kvasir.daemon.worker``: a child process of the launcher.
 
-The launcher starts a bridge or front as a fresh interpreter and writes its
-msgpack-encoded WorkerSettings to the child's stdin; stages and shards are forked from
-the zygote (kvasir/daemon/zygote.py), which calls ``serve_settings`` itself, or are
-started here too where no zygote serves. A worker that returns or exits leaves at once
+The launcher starts a front as a fresh interpreter and writes its msgpack-encoded
+WorkerSettings to the child's stdin; stages, shards and the bridge are forked from the
+zygote (kvasir/daemon/zygote.py), which calls ``serve_settings`` itself, or are started
+here too where no zygote serves. A worker that returns or exits leaves at once
 (kvasir/exits.py): its parent sees it gone without waiting for the interpreter's
 teardown.
 """

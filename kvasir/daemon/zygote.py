@@ -1,8 +1,11 @@
 """``python -m kvasir.daemon.zygote IN OUT``: one interpreter that imports a stage's and a
-shard's modules once, then forks each stage and shard worker the launcher asks for.
+shard's modules once, then forks each stage, shard, bridge and HTTP front the launcher
+asks for.
 
 A fresh interpreter spends seconds importing torch and transformers before a stage can
-load its weights; every stage of a plan, and every restart, paid that again. The
+load its weights, and a bridge or front before it can load the model's tokenizer
+(transformers' tokenizers import torch); every worker, and every restart, paid that
+again (a default plan's bridge and front were ready 7 s after their stages). The
 zygote pays it once, in parallel with the launcher's own start-up, and never runs a
 torch operation, starts a thread or touches a GPU: a worker forked from it starts as a
 fresh interpreter would after its imports (torch's thread pools, CUDA and the weights
@@ -10,7 +13,9 @@ are all made after the fork, in the worker). It is started in ``worker_env`` (hu
 pages, OpenMP's spin), which glibc and libgomp read when they load.
 
 The launcher writes each worker's settings as a frame (4-byte big-endian length, then
-the msgpack WorkerSettings) to the file descriptor IN; the zygote forks twice, so that
+the msgpack WorkerSettings) to IN, a Unix stream socket: a front's frame carries its
+listening socket with its first bytes (SCM_RIGHTS), and the fork holds that descriptor
+as its ``listen_fd``; any other frame carries none. The zygote forks twice, so that
 the worker is orphaned at once and becomes the launcher's child (the launcher is a
 child subreaper, kvasir/daemon/forks.py), and answers on OUT with the worker's pid (4
 bytes). Before any pid it writes one byte, READY, once its imports are done: a launcher
@@ -25,15 +30,18 @@ import ctypes
 import importlib
 import os
 import signal
+import socket
 import struct
 import sys
 import time
 import traceback
 from typing import Any, NoReturn
 
+import msgspec
+
 from kvasir.daemon.worker import serve_settings
 from kvasir.exits import exit_code, leave
-from kvasir.wire.control import ShardSettings, StageSettings, WorkerSettings
+from kvasir.wire.control import FrontSettings, ShardSettings, StageSettings, WorkerSettings
 from kvasir.wire.decoding import Malformed, decode
 
 FRAME = struct.Struct(">I")
@@ -70,24 +78,59 @@ def read_exactly(fd: int, size: int) -> bytes | None:
 
 
 def serve(inbound: int, outbound: int) -> None:
-    """Fork a worker for each frame until end of file."""
-    while (head := read_exactly(inbound, FRAME.size)) is not None:
-        (size,) = FRAME.unpack(head)
-        if size > MAX_SETTINGS_BYTES:
-            raise SystemExit(f"kvasir zygote: a frame of {size} bytes; settings are far smaller")
-        encoded = read_exactly(inbound, size)
-        if encoded is None:
-            return
-        try:
-            settings: Any = decode(encoded, WorkerSettings)  # type: ignore[arg-type]  # a union of tagged structs
-        except Malformed as exc:
-            raise SystemExit(f"kvasir zygote: settings that do not decode: {exc}") from None
-        if not isinstance(settings, StageSettings | ShardSettings):
-            raise SystemExit(f"kvasir zygote: forks stages and shards only, not {type(settings).__name__}")
-        os.write(outbound, PID.pack(fork_worker(settings, (inbound, outbound))))
+    """Fork a worker for each frame until end of file. ``inbound`` is a Unix stream socket:
+    a front's frame brings its listening socket (SCM_RIGHTS, with the frame's first bytes)."""
+    channel = socket.socket(fileno=inbound)
+    try:
+        while (head := read_head(channel)) is not None:
+            frame, fds = head
+            try:
+                settings = read_settings(inbound, frame, fds)
+                if settings is None:
+                    return
+                os.write(outbound, PID.pack(fork_worker(settings, (inbound, outbound))))
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the worker has its own copy
+    finally:
+        channel.detach()  # the fd is the caller's
 
 
-def fork_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int]) -> int:
+def read_head(channel: socket.socket) -> tuple[bytes, list[int]] | None:
+    """A frame's 4-byte length and the file descriptors sent with it; None at end of file."""
+    data, fds, flags, _ = socket.recv_fds(channel, FRAME.size, 1)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise SystemExit("kvasir zygote: more file descriptors than a front's one socket")
+    rest = read_exactly(channel.fileno(), FRAME.size - len(data)) if data else None
+    if rest is None:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return data + rest, fds
+
+
+def read_settings(inbound: int, head: bytes, fds: list[int]) -> WorkerSettings | None:
+    """The settings of the frame ``head`` begins, a front's listening socket ``fds[0]`` in
+    them; None at end of file (also mid-frame)."""
+    (size,) = FRAME.unpack(head)
+    if size > MAX_SETTINGS_BYTES:
+        raise SystemExit(f"kvasir zygote: a frame of {size} bytes; settings are far smaller")
+    encoded = read_exactly(inbound, size)
+    if encoded is None:
+        return None
+    try:
+        settings: Any = decode(encoded, WorkerSettings)  # type: ignore[arg-type]  # a union of tagged structs
+    except Malformed as exc:
+        raise SystemExit(f"kvasir zygote: settings that do not decode: {exc}") from None
+    wanted = 1 if isinstance(settings, FrontSettings) else 0
+    if len(fds) != wanted:
+        raise SystemExit(f"kvasir zygote: {type(settings).__name__} with {len(fds)} file descriptors, not {wanted}")
+    return msgspec.structs.replace(settings, listen_fd=fds[0]) if fds else settings
+
+
+def fork_worker(settings: WorkerSettings, pipes: tuple[int, int]) -> int:
     """Fork, fork again and let the middle process exit: the worker's pid."""
     read_end, write_end = os.pipe()
     middle = os.fork()
@@ -119,7 +162,7 @@ def orphaned(middle: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def become_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int]) -> NoReturn:
+def become_worker(settings: WorkerSettings, pipes: tuple[int, int]) -> NoReturn:
     """In the forked worker: once the launcher's child, the zygote's pipes closed, stdin
     empty, SIGINT as in a fresh interpreter; then the worker's own code, and its exit (1
     if it fails before its code runs: never back into the zygote's frames)."""
@@ -132,16 +175,26 @@ def become_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int
     serve_settings(settings)
 
 
-def ready_worker(settings: StageSettings | ShardSettings, pipes: tuple[int, int]) -> None:
+def ready_worker(settings: WorkerSettings, pipes: tuple[int, int]) -> None:
     """What a fresh interpreter has that a fork of the zygote must be given."""
     for fd in pipes:
         os.close(fd)
-    role = "stage" if isinstance(settings, StageSettings) else "shard"
-    name_process(f"{role}-{settings.index}")  # ps, top: the worker, not the zygote's command line
+    name_process(worker_name(settings))  # ps, top: the worker, not the zygote's command line
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def worker_name(settings: WorkerSettings) -> str:
+    match settings:
+        case StageSettings(index=index):
+            return f"stage-{index}"
+        case ShardSettings(index=index):
+            return f"shard-{index}"
+        case FrontSettings(index=index):
+            return f"front-{index}"
+    return "bridge"
 
 
 def name_process(name: str) -> None:

@@ -1,23 +1,19 @@
-"""Stages forked from the zygote (kvasir/daemon/zygote.py): each is the launcher's own
-child, named for what it is; a killed stage is forked again, and with the zygote gone the
-ring restarts from fresh interpreters, serving exactly as before."""
+"""Workers forked from the zygote (kvasir/daemon/zygote.py): the stages, the bridge and the
+HTTP front are each the launcher's own child, named for what it is; a killed stage is
+forked again, and with the zygote gone the ring restarts from fresh interpreters, serving
+exactly as before."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from pathlib import Path
 
 from test_supervision import one_greedy, wait_serving_again
 
-from tests.support.daemon import exited
+from tests.support.daemon import exited, free_port
 from tests.support.models import hf_greedy, reference_model
-from tests.support.procs import children_of, cmdline
-
-
-def comm(pid: int) -> str:
-    return Path(f"/proc/{pid}/comm").read_text().strip()
+from tests.support.procs import children_of, cmdline, comm
 
 
 def zygote_of(launcher: int) -> int:
@@ -36,12 +32,20 @@ def restarted(daemon, stage_pids: list[int], restarts: int) -> list[int]:
     return [s.pid for s in stats.stages]
 
 
-def test_stages_come_from_the_zygote_and_without_it_from_fresh_interpreters(tiny_models, start_daemon):
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="forked").wait_ready()
-    launcher, reference = daemon.process.pid, reference_model(tiny_models["llama"])
+def workers_of(launcher: int, zygote: int) -> list[str]:
+    """The names of the launcher's children but its zygote (a fork keeps the zygote's command line)."""
+    return sorted(comm(pid) for pid in children_of(launcher) if pid != zygote)
+
+
+def test_workers_come_from_the_zygote_and_without_it_from_fresh_interpreters(tiny_models, start_daemon):
+    model = tiny_models["llama-tokenizer"]  # the bridge and the front load its tokenizer
+    front = {"listen": f"127.0.0.1:{free_port()}"}
+    daemon = start_daemon(model, [(0, 3), (3, 6)], name="forked", http=front).wait_ready()
+    launcher, reference = daemon.process.pid, reference_model(model)
     stages = daemon.child_pids()
     assert set(stages) <= set(children_of(launcher)) and [comm(pid) for pid in stages] == ["stage-0", "stage-1"]
     zygote = zygote_of(launcher)
+    assert workers_of(launcher, zygote) == ["bridge", "front-0", "stage-0", "stage-1"]  # each forked, named for it
 
     stages = restarted(daemon, stages, 1)  # forked again
     assert set(stages) <= set(children_of(launcher)) and [comm(pid) for pid in stages] == ["stage-0", "stage-1"]
@@ -51,7 +55,8 @@ def test_stages_come_from_the_zygote_and_without_it_from_fresh_interpreters(tiny
     deadline = time.monotonic() + 30
     while not exited(zygote) and time.monotonic() < deadline:
         time.sleep(0.05)
-    stages = restarted(daemon, stages, 2)  # the zygote is gone: fresh interpreters
+    stages = restarted(daemon, stages, 2)  # the zygote is gone: fresh interpreters (the bridge too)
     assert all("kvasir.daemon.worker" in cmdline(pid) for pid in stages), [cmdline(pid) for pid in stages]
+    assert workers_of(launcher, zygote) == ["bridge", "front-0", "python", "python"]  # the bridge and front served on
     assert "the zygote is gone" in daemon.log()
     assert one_greedy(daemon.runtime_dir, [1, 2, 3], 5) == hf_greedy(reference, [1, 2, 3], 5)

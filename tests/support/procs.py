@@ -21,8 +21,16 @@ def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
+def comm(pid: int) -> str:
+    """The process's name (a worker forked from the zygote is named for what it is)."""
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 def bridge_of(launcher: int, stage_pids) -> int:
-    """The launcher's bridge: a fresh interpreter (stages and shards are forked from the zygote)."""
+    """The launcher's bridge: forked from the zygote and named so, or (the zygote gone) the
+    fresh interpreter that is no stage."""
     return next(
-        pid for pid in children_of(launcher) if pid not in stage_pids and "kvasir.daemon.worker" in cmdline(pid)
+        pid
+        for pid in children_of(launcher)
+        if pid not in stage_pids and (comm(pid) == "bridge" or "kvasir.daemon.worker" in cmdline(pid))
     )

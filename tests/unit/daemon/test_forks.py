@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 
 import msgspec
@@ -13,7 +14,7 @@ from structlog.testing import capture_logs
 
 from kvasir.daemon.forks import ForkedProcess, Zygote
 from kvasir.daemon.zygote import FRAME, MAX_SETTINGS_BYTES, serve
-from kvasir.wire.control import BridgeSettings, ModelFacts, StageSettings
+from kvasir.wire.control import BridgeSettings, FrontSettings, ModelFacts, StageSettings
 from tests.support.models import make_plan
 
 
@@ -35,32 +36,44 @@ def test_a_forked_process_is_polled_waited_for_and_killed_as_popen_would_be():
     sleeper.kill()  # gone already: nothing to do
 
 
-def served(frame: bytes) -> None:
-    """The zygote's loop (in this process: no fork is reached) given ``frame``, then end of file."""
-    inbound, writer = os.pipe()
+def served(frame: bytes, fds: tuple[int, ...] = ()) -> None:
+    """The zygote's loop (in this process: no fork is reached) given ``frame`` (``fds`` with
+    its first bytes), then end of file."""
+    inbound, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     reader, outbound = os.pipe()
-    os.write(writer, frame)
-    os.close(writer)
+    if frame:
+        socket.send_fds(writer, [frame], list(fds))
+    writer.close()
     try:
-        serve(inbound, outbound)
+        serve(inbound.fileno(), outbound)
     finally:
-        for fd in (inbound, reader, outbound):
+        inbound.close()
+        for fd in (reader, outbound):
             os.close(fd)
 
 
-def test_the_zygote_ends_at_end_of_file_and_refuses_what_is_not_a_stage_or_shard(tmp_path):
-    served(b"")  # the launcher closed its pipe: done
+def test_the_zygote_ends_at_end_of_file_and_refuses_frames_the_launcher_never_sends(tmp_path):
+    served(b"")  # the launcher closed its socket: done
     served(FRAME.pack(10) + b"short")  # cut off mid-frame: done
     with pytest.raises(SystemExit, match="settings are far smaller"):
         served(FRAME.pack(MAX_SETTINGS_BYTES + 1))
     with pytest.raises(SystemExit, match="settings that do not decode"):
         served(FRAME.pack(5) + b"\xc1\xc1\xc1\xc1\xc1")
     plan = make_plan(tmp_path, [(0, 3), (3, 6)])
-    bridge = msgspec.msgpack.encode(
-        BridgeSettings(model=ModelFacts(100, None), plan=plan, runtime_dir="/x", launcher_pid=1)
+    model = ModelFacts(100, None)
+    front = msgspec.msgpack.encode(
+        FrontSettings(index=0, model=model, plan=plan, runtime_dir="/x", launcher_pid=1, listen_fd=9)
     )
-    with pytest.raises(SystemExit, match="not BridgeSettings"):
-        served(FRAME.pack(len(bridge)) + bridge)
+    bridge = msgspec.msgpack.encode(BridgeSettings(model=model, plan=plan, runtime_dir="/x", launcher_pid=1))
+    with pytest.raises(SystemExit, match="FrontSettings with 0 file descriptors, not 1"):
+        served(FRAME.pack(len(front)) + front)  # a front without its listening socket
+    open_fds = len(os.listdir("/proc/self/fd"))
+    with open(os.devnull, "rb") as one, open(os.devnull, "rb") as two:
+        with pytest.raises(SystemExit, match="BridgeSettings with 1 file descriptors, not 0"):
+            served(FRAME.pack(len(bridge)) + bridge, (one.fileno(),))
+        with pytest.raises(SystemExit, match="more file descriptors than a front's one socket"):
+            served(FRAME.pack(len(front)) + front, (one.fileno(), two.fileno()))
+    assert len(os.listdir("/proc/self/fd")) == open_fds, "every descriptor the zygote was sent is closed"
 
 
 def stage_settings(tmp_path) -> StageSettings:
@@ -79,6 +92,4 @@ def test_a_zygote_that_dies_or_is_not_ready_in_time_is_dropped_with_one_warning(
         assert dead.fork(stage_settings(tmp_path)) is None and not dead.wait_ready()
         slow = Zygote(dict(os.environ), structlog.get_logger())
         assert not slow.wait_ready(0.0) and slow.process is None  # still importing torch
-    assert [entry["event"] for entry in logs] == [
-        "the zygote is gone: stages and shards start as fresh interpreters"
-    ] * 2
+    assert [entry["event"] for entry in logs] == ["the zygote is gone: workers start as fresh interpreters"] * 2
