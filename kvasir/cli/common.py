@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,6 +19,28 @@ RUNTIME_DIR = click.option(
     default=None,
     help="The daemon's runtime dir (default: $KVASIR_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kvasir, else /tmp/kvasir-$UID).",
 )
+
+
+MAX_SECONDS = 86_400.0  # a day: a longer wait is a mistake, not a plan
+
+
+class Seconds(click.ParamType):
+    """A finite number of seconds up to a day; above zero unless ``zero_ok``."""
+
+    name = "seconds"
+
+    def __init__(self, zero_ok: bool = False) -> None:
+        self.zero_ok = zero_ok
+
+    def convert(self, value, param, ctx) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        low = "0 <=" if self.zero_ok else "0 <"
+        if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not self.zero_ok) or seconds > MAX_SECONDS:
+            self.fail(f"{value!r} is not within {low} SECONDS <= {MAX_SECONDS:.0f}", param, ctx)
+        return seconds
 
 
 def wait_timeout(what: str):

@@ -10,7 +10,7 @@ import click
 import msgspec
 
 from kvasir import __version__
-from kvasir.cli.common import RUNTIME_DIR, fail
+from kvasir.cli.common import RUNTIME_DIR, Seconds, fail
 from kvasir.config.plan import default_plan_path
 from kvasir.errors import KvasirError
 from kvasir.exits import leave
@@ -42,14 +42,14 @@ def kvasird() -> None:
 @RUNTIME_DIR
 @click.option(
     "--ready-timeout",
-    type=float,
+    type=Seconds(),
     default=300.0,
     show_default=True,
     help="Seconds to wait for every stage to load and report ready.",
 )
 @click.option(
     "--drain-timeout",
-    type=float,
+    type=Seconds(zero_ok=True),
     default=30.0,
     show_default=True,
     help="On SIGTERM/SIGINT, seconds to let running requests finish.",

@@ -227,12 +227,12 @@ def test_plan_this_machine_cannot_run_exits_2(tmp_path, tiny_models):
 def test_ready_timeout_stops_every_child_and_exits_nonzero(tmp_path, tiny_models):
     plan = write_plan(tmp_path / "p.toml", tiny_models["llama"], [(0, 3), (3, 6)])
     runtime = tmp_path / "rt"
-    proc = subprocess.run(
-        [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime), "--ready-timeout", "0.2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    start = [str(BIN / "kvasird"), "start", "--plan", str(plan), "--runtime-dir", str(runtime), "--ready-timeout"]
+    for wrong in ("0", "-1", "nan", "inf", "1e9", "soon"):  # refused before anything starts
+        refused = subprocess.run([*start, wrong], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "--ready-timeout" in refused.stderr, (wrong, refused.stderr)
+    # a millisecond: forked from the zygote, the tiny model's workers are ready in well under 0.2 s
+    proc = subprocess.run([*start, "0.001"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "not ready after" in proc.stderr
     assert list(runtime.iterdir()) == []
