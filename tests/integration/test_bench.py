@@ -240,16 +240,17 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
     assert rates == [20 * 2**i for i in range(len(rates))] and len(rates) == 9  # never fails: 8 doublings
     assert report["goodput"] == rates[-1]
     assert all(point["attainment"] == 1.0 and point["summary"]["requests"] == 6 for point in report["sweep"])
-    hop = subprocess.run([str(BIN / "kvasir"), "bench", "hop", "--json"], capture_output=True, text=True, timeout=300)
+    quick = ("--iterations", "40", "--json")  # the figures themselves: docs/bench/ring.md
+    hop = subprocess.run([str(BIN / "kvasir"), "bench", "hop", *quick], capture_output=True, text=True, timeout=300)
     assert hop.returncode == 0, hop.stderr
     report = json.loads(hop.stdout)
     sizes = report["sizes"]
-    assert (report["kind"], report["device"]) == ("shm", "cpu")
+    assert (report["kind"], report["device"], report["iterations"]) == ("shm", "cpu", 40)
     assert [s["tokens"] for s in sizes] == [1, 16, 128, 512]
     assert all(s["hop_us"] > 0 and s["zmq_rtt_us"] > 0 and s["memcpy_gibps"] > 0 for s in sizes)
     assert not list(Path("/dev/shm").glob("kvasir-*-hop"))
     tcp = subprocess.run(
-        [str(BIN / "kvasir"), "bench", "hop", "--link", "tcp", "--json"],
+        [str(BIN / "kvasir"), "bench", "hop", "--link", "tcp", *quick],
         capture_output=True,
         text=True,
         timeout=300,

@@ -28,9 +28,16 @@ JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON obje
     help="'tcp' measures the edge between two hosts (boundary as a frame after its descriptor, CURVE) over "
     "loopback TCP; cpu only.",
 )
+@click.option(
+    "--iterations",
+    type=click.IntRange(1, 100_000),
+    default=400,
+    show_default=True,
+    help="Measured hand-offs (and round trips, and copies) per size, after 20 warm-up ones; the medians.",
+)
 @JSON
 @reporting
-def hop(device, link, as_json):
+def hop(device, link, iterations, as_json):
     """Measure one stage-to-stage hand-off next to memcpy and ZMQ round trips, at 1 to 512 tokens.
 
     Exit code: 0 done, 2 bad arguments.
@@ -40,7 +47,7 @@ def hop(device, link, as_json):
     checked = _hop_device(device)  # before the bench's imports: a bad argument is refused at once
     from kvasir.bench.hop import hop_report, print_hop
 
-    report = hop_report(device=checked, link=link)
+    report = hop_report(iterations, device=checked, link=link)
     click.echo(json.dumps(report)) if as_json else print_hop(report, click.echo)
 
 
