@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvasir.model.source import resolve_source
-from tests.support.daemon import Daemon, stage_count, write_plan
+from tests.support.daemon import Daemon, serving_daemon, stage_count, write_plan
 from tests.support.models import MOE_FAMILIES, make_plan, save_looping_model, save_tiny_model, save_tiny_tokenizer
 
 pytest_plugins = ("pytester", "tests.support.timing")
@@ -52,14 +52,10 @@ def shared_daemon(tiny_models, tmp_path_factory):
     """One daemon (the Llama with a tokenizer, two stages, max_tokens 64) for the tests that
     only read from it: each leaves it idle, and none restarts, floods or reconfigures it.
     A test that needs a fresh daemon or other limits starts its own (start_daemon)."""
-    root = tmp_path_factory.mktemp("shared")
-    splits = [(0, 3), (3, 6)]
-    plan = write_plan(root / "shared.toml", tiny_models["llama-tokenizer"], splits, max_tokens=64)
-    daemon = Daemon(plan, root / "rt", stage_count(splits))
-    try:
-        yield daemon.wait_ready()
-    finally:
-        assert daemon.stop() == 0, daemon.log()[-5_000:]
+    with serving_daemon(
+        tmp_path_factory.mktemp("shared"), tiny_models["llama-tokenizer"], [(0, 3), (3, 6)], max_tokens=64
+    ) as daemon:
+        yield daemon
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Fixtures of the tests whose hosts are network namespaces (tests/support/cluster.py)."""
+"""Fixtures of the integration tests: the HTTP front's shared daemon, and the tests whose
+hosts are network namespaces (tests/support/cluster.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ import pytest
 
 from kvasir.bench.netns import Network
 from tests.support.cluster import HostedDaemon
+from tests.support.http import http_serving
+
+
+@pytest.fixture(scope="session")
+def http_daemon(tiny_models, tmp_path_factory):
+    """The Llama with a tokenizer behind two front processes and a bearer key, for the
+    HTTP tests that leave it serving (each counts from what its metrics already hold)."""
+    with http_serving(tmp_path_factory.mktemp("http"), tiny_models["llama-tokenizer"]) as daemon:
+        yield daemon
 
 
 @pytest.fixture

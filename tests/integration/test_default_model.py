@@ -196,7 +196,7 @@ def openai_tool(model):
 
 
 @pytest.fixture(scope="module")
-def http_daemon(tmp_path_factory):
+def smollm2_http(tmp_path_factory):
     """plans/smollm2-http.toml as shipped (127.0.0.1:8000), shared by the HTTP tests."""
     daemon = Daemon(PLANS / "smollm2-http.toml", tmp_path_factory.mktemp("http") / "rt", 2)
     try:
@@ -206,14 +206,14 @@ def http_daemon(tmp_path_factory):
         assert daemon.stop() == 0
 
 
-def test_the_http_examples_run_as_written(http_daemon, expected):
+def test_the_http_examples_run_as_written(smollm2_http, expected):
     """The curl and openai lines of docs/http.md and the README's HTTP tour as written
     against plans/smollm2-http.toml, and the HTTP door's greedy tokens equal Hugging Face's."""
     import openai
 
     start = ".venv/bin/kvasird start --plan plans/smollm2-http.toml &"
-    outputs = run_as_written(shown_block(ROOT / "docs" / "http.md", start), http_daemon.runtime_dir)
-    tour = run_as_written(shown_block(ROOT / "README.md", start), http_daemon.runtime_dir)
+    outputs = run_as_written(shown_block(ROOT / "docs" / "http.md", start), smollm2_http.runtime_dir)
+    tour = run_as_written(shown_block(ROOT / "README.md", start), smollm2_http.runtime_dir)
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none", max_retries=0)
     chat = client.chat.completions.create(
         model="smollm2-135m",
@@ -241,7 +241,7 @@ def test_the_http_examples_run_as_written(http_daemon, expected):
     assert chat.usage.prompt_tokens == prompt_len
 
 
-def test_a_hundred_sampled_schema_constrained_answers_all_validate(http_daemon):
+def test_a_hundred_sampled_schema_constrained_answers_all_validate(smollm2_http):
     """100 answers through the openai SDK's parse(), 32 at a time, sampled: every one
     stops by itself and validates into its pydantic model."""
     parsed = asyncio.run(hundred_parsed())

@@ -58,13 +58,6 @@ def ring_plan(network: Network, model) -> str:
     return MODEL.format(model=model) + hosts_table(network) + stages
 
 
-def test_a_ring_across_three_hosts_matches_generate(network, hosted, tiny_models):
-    daemon = hosted(ring_plan(network, tiny_models["llama"]), 3).wait_ready()
-    served_as_generate(daemon, tiny_models["llama"], [1, 5, 12, 30, 64, 3, 20, 47], 11, lambda i: 3 + (i * 5) % 14)
-    stats = daemon.stats()
-    assert [(s.index, s.host) for s in stats.stages] == [(0, "a"), (1, "b"), (2, "c")]
-
-
 def two_host_plan(network: Network, model, heartbeat_s: float = 3.0, silence_s: float | None = None) -> str:
     """Stages 0 and 1 on the leader a, stage 2 on b (host c runs nothing)."""
     stages = '[[stages]]\nlayers = [0, 2]\n[[stages]]\nlayers = [2, 4]\n[[stages]]\nlayers = [4, 6]\nhost = "b"\n'
@@ -130,11 +123,16 @@ def test_a_link_down_under_load_fails_every_request_once_and_the_ring_returns_wh
     assert one_greedy(daemon.runtime_dir, [4, 8, 15, 16], 10) == hf_greedy(reference, [4, 8, 15, 16], 10)
 
 
-def test_a_dead_leader_leaves_nothing_running_on_the_followers_which_serve_the_next_leader(
+def test_a_ring_across_three_hosts_matches_generate_and_its_followers_outlive_a_dead_leader(
     network, hosted, tiny_models
 ):
+    """One stage on each host equals generate; then the leader dies: the followers stop
+    its workers (the leader is silent), keep waiting, and serve the next leader."""
     daemon = hosted(ring_plan(network, tiny_models["llama"]), 3).wait_ready()
-    workers = [s.pid for s in daemon.stats().stages if s.host != "a"]
+    served_as_generate(daemon, tiny_models["llama"], [1, 5, 12, 30, 64, 3, 20, 47], 11, lambda i: 3 + (i * 5) % 14)
+    stats = daemon.stats()
+    assert [(s.index, s.host) for s in stats.stages] == [(0, "a"), (1, "b"), (2, "c")]
+    workers = [s.pid for s in stats.stages if s.host != "a"]
     daemon.kill_host("a")
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:

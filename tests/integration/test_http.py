@@ -14,37 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvasir.wire.client import Finished
-from tests.support.daemon import Daemon, free_port, serving, write_plan
-
-KEY = "sk-kvasir-test-key"
-OTHER_KEY = "sk-kvasir-other-tenant"
-SPLITS = [(0, 3), (3, 6)]
-
-
-@pytest.fixture(scope="module")
-def http_daemon(tiny_models, tmp_path_factory):
-    """The Llama with a tokenizer behind two front processes and a bearer key."""
-    root = tmp_path_factory.mktemp("http")
-    (root / "keys").write_text(f"# the test's keys\n{KEY}\n{OTHER_KEY}\n")
-    (root / "keys").chmod(0o600)  # a file of secrets: its owner's only
-    port = free_port()
-    http = {
-        "listen": f"127.0.0.1:{port}",
-        "api_keys": "keys",
-        "workers": 2,
-        "model_name": "tiny-llama",
-        "allow_ignore_eos": True,
-        "reasoning": "think",  # a chat's <think> block is its reasoning_content (test_http_features.py)
-    }
-    plan = write_plan(  # the model's whole context: a prompt that lists tools is long in its small vocabulary
-        root / "plan.toml", tiny_models["llama-tokenizer"], SPLITS, max_tokens=64, max_seq_len=1024, http=http
-    )
-    with serving(plan, root / "rt", SPLITS, port) as daemon:
-        yield daemon
-
-
-def sdk(daemon, key: str = KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key=key, max_retries=0, timeout=60)
+from tests.support.daemon import Daemon, free_port, write_plan
+from tests.support.http import KEY, OTHER_KEY, SPLITS, sdk
 
 
 def test_greedy_output_through_http_equals_the_zeromq_clients(http_daemon):

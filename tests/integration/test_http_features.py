@@ -1,6 +1,7 @@
 """What applications send through the HTTP front beyond plain generation: structured
 output through the openai SDK, and vLLM's /tokenize, /detokenize and /version (the
-daemon of tests/integration/test_http.py: the Llama with a tokenizer, two fronts, keys)."""
+run's shared daemon, tests/integration/conftest.py: the Llama with a tokenizer, two fronts,
+keys)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Literal
 import openai
 import pydantic
 import pytest
-from test_http import curl, http_daemon, sdk
+from test_http import curl
 
-__all__ = ["http_daemon"]  # the fixture, imported for this module's tests
+from tests.support.http import sdk
 
 
 class Pet(pydantic.BaseModel):

@@ -8,8 +8,11 @@ import json
 import subprocess
 import time
 
+import pytest
+
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Finished, PrefixCacheStats
+from tests.support.daemon import serving_daemon
 from tests.support.models import hf_greedy, random_prompts, reference_model
 
 VOCAB, BLOCK = 320, 4
@@ -28,14 +31,31 @@ def one(runtime_dir, prompt: list[int], budget: int = 8) -> Finished:
     return asyncio.run(finish(runtime_dir, [prompt], budget))[0]
 
 
+SMALL = dict(max_rows=6, max_tokens=8, block_size=BLOCK)  # 4-token blocks, 8-token batches: prompts are chunked
+
+
 def small(start_daemon, model, splits, **kv):
     """A ready daemon with 4-token blocks and 8-token batches (prompts are chunked)."""
-    return start_daemon(model, splits, max_rows=6, max_tokens=8, block_size=BLOCK, **kv).wait_ready()
+    return start_daemon(model, splits, **SMALL, **kv).wait_ready()
 
 
-def test_shared_prefixes_of_every_shape_are_reused_exactly(tiny_models, start_daemon):
-    daemon = small(start_daemon, tiny_models["llama"], [(0, 3), (3, 6)], num_blocks=64, max_seq_len=64)
+@pytest.fixture(scope="module")
+def llama_cache(tiny_models, tmp_path_factory):
+    """The Llama's two stages with 64 blocks, for the tests that only add to its cache (each
+    counts from what it finds there)."""
+    splits = [(0, 3), (3, 6)]
+    with serving_daemon(
+        tmp_path_factory.mktemp("cache"), tiny_models["llama"], splits, **SMALL, num_blocks=64, max_seq_len=64
+    ) as daemon:
+        yield daemon
+
+
+def test_shared_prefixes_of_every_shape_are_reused_exactly(tiny_models, llama_cache):
+    daemon = llama_cache
     model = reference_model(tiny_models["llama"])
+    with daemon.client() as client:
+        before = client.stats().prefix_cache
+    assert before is not None
     base, x, y, z = random_prompts(VOCAB, [22, 5, 12, 3], seed=11)
     first = one(daemon.runtime_dir, base)
     assert first.usage.cached_tokens == 0 and first.token_ids == hf_greedy(model, base, 8)
@@ -50,9 +70,10 @@ def test_shared_prefixes_of_every_shape_are_reused_exactly(tiny_models, start_da
         assert end.usage.cached_tokens == cached, (len(prompt), end.usage)
         assert end.usage.prompt_tokens == len(prompt)
         assert end.token_ids == hf_greedy(model, prompt, 8)
-    cache = reported(daemon, queries=5)  # kvasir stats: the head's counts, summed
-    assert (cache.hit_tokens, cache.prompt_tokens) == (68, sum(len(p) for p, _ in cases) + len(base))
-    assert cache.cached_blocks > 0 and cache.evicted == 0
+    cache = reported(daemon, queries=before.queries + 5)  # kvasir stats: the head's counts, summed
+    hits, prompted = cache.hit_tokens - before.hit_tokens, cache.prompt_tokens - before.prompt_tokens
+    assert (hits, prompted) == (68, sum(len(p) for p, _ in cases) + len(base))
+    assert cache.cached_blocks > 0 and cache.evicted == before.evicted
 
 
 def reported(daemon, queries: int, timeout_s: float = 30.0) -> PrefixCacheStats:
@@ -96,11 +117,11 @@ def test_with_the_cache_off_nothing_is_reused(tiny_models, start_daemon):
     assert ends[0].token_ids == ends[1].token_ids
 
 
-def test_multi_turn_conversations_resend_their_history_and_reuse_it(tiny_models, start_daemon):
+def test_multi_turn_conversations_resend_their_history_and_reuse_it(tiny_models, llama_cache):
     from kvasir.bench.runner import run_load
     from kvasir.bench.workload import LengthSpec, synthetic_jobs
 
-    daemon = small(start_daemon, tiny_models["llama"], [(0, 3), (3, 6)], num_blocks=64, max_seq_len=64)
+    daemon = llama_cache
     model = reference_model(tiny_models["llama"])
     jobs = synthetic_jobs(6, LengthSpec(5, 5, turns=3), LengthSpec(4, 4), VOCAB, seed=3)
     assert [job.turn for job in jobs] == [0, 1, 2, 0, 1, 2]

@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import subprocess
+from typing import NamedTuple
 
 import pytest
 from test_http import metrics, own_front, value
@@ -17,7 +18,7 @@ from test_ring import check_events
 
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Finished
-from tests.support.daemon import kvasir_stats, settled
+from tests.support.daemon import kvasir_stats, serving_daemon, settled
 from tests.support.models import hf_greedy, random_prompts, reference_model
 
 SPEC = 'method = "ngram"\nnum_tokens = 4\nngram_min = 1'
@@ -38,14 +39,46 @@ async def greedy(runtime_dir, prompts, budget, **options):
         return [check_events([event async for event in stream])[1] for stream in streams]
 
 
+@pytest.fixture(scope="module")
+def colocated(tiny_models, tmp_path_factory):
+    """The colocated plan with prompt lookup, for the tests that count from what its stats
+    already hold."""
+    with serving_daemon(
+        tmp_path_factory.mktemp("spec"),
+        tiny_models["llama-loop"],
+        [(0, 3), (3, 6)],
+        speculative=SPEC,
+        max_rows=6,
+        num_blocks=200,
+    ) as daemon:
+        yield daemon
+
+
+class Counts(NamedTuple):
+    drafted: int
+    accepted: int
+    tokens: int
+    rows: int
+
+
+def counts(runtime_dir) -> Counts:
+    """The daemon's draft counts once every stage has reported (zeros before any draft)."""
+    totals = settled(runtime_dir).drafts
+    return Counts(0, 0, 0, 0) if totals is None else Counts(totals.drafted, totals.accepted, totals.tokens, totals.rows)
+
+
 @pytest.mark.parametrize("kind", PLANS)
-def test_greedy_output_with_drafts_equals_hf_generate(tiny_models, start_daemon, kind):
+def test_greedy_output_with_drafts_equals_hf_generate(tiny_models, start_daemon, request, kind):
     family, splits, experts, draft = PLANS[kind]
     extra = {"experts": experts} if experts else {}
     spec = SPEC if draft is None else f'method = "draft"\nnum_tokens = 3\ndraft_model = "{tiny_models[draft]}"'
-    daemon = start_daemon(
-        tiny_models[family], splits, name=f"spec-{kind}", speculative=spec, max_rows=6, num_blocks=200, **extra
-    ).wait_ready()
+    if kind == "colocated":
+        daemon = request.getfixturevalue("colocated")
+    else:
+        daemon = start_daemon(
+            tiny_models[family], splits, name=f"spec-{kind}", speculative=spec, max_rows=6, num_blocks=200, **extra
+        ).wait_ready()
+    before = counts(daemon.runtime_dir)
     prompts = [p + p[:3] for p in random_prompts(320, [3, 9, 20, 41, 6, 14], seed=8)]
     finals = asyncio.run(greedy(daemon.runtime_dir, prompts, 24))
     model = reference_model(tiny_models[family])
@@ -54,8 +87,9 @@ def test_greedy_output_with_drafts_equals_hf_generate(tiny_models, start_daemon,
         assert final.token_ids == hf_greedy(model, prompt, 24)[: len(final.token_ids)]
     drafted = [final.drafts for final in finals if final.drafts is not None]
     assert drafted and all(d.tokens_per_pass >= 1 and 0 <= d.acceptance <= 1 for d in drafted)
-    totals = settled(daemon.runtime_dir).drafts  # every stage's report after the last request
-    assert totals is not None and totals.drafted == sum(d.drafted for d in drafted)
+    after = counts(daemon.runtime_dir)  # every stage's report after the last request
+    totals = Counts(*(a - b for a, b in zip(after, before)))
+    assert totals.drafted == sum(d.drafted for d in drafted)
     assert totals.accepted == sum(d.accepted for d in drafted)
     if family == "llama-loop":  # its drafts are mostly confirmed: fewer passes than tokens
         assert totals.accepted > totals.drafted / 2 and totals.tokens > 1.5 * totals.rows
@@ -63,19 +97,20 @@ def test_greedy_output_with_drafts_equals_hf_generate(tiny_models, start_daemon,
         assert totals.accepted == totals.drafted
 
 
-def test_a_request_can_turn_drafting_off_and_stats_show_the_counts(tiny_models, start_daemon):
-    daemon = start_daemon(tiny_models["llama-loop"], [(0, 3), (3, 6)], speculative=SPEC).wait_ready()
+def test_a_request_can_turn_drafting_off_and_stats_show_the_counts(colocated):
+    daemon = colocated
+    before = counts(daemon.runtime_dir)
     prompt = random_prompts(320, [10], seed=9)
     on = asyncio.run(greedy(daemon.runtime_dir, prompt, 30))[0]
     off = asyncio.run(greedy(daemon.runtime_dir, prompt, 30, speculative=False))[0]
     assert on.token_ids == off.token_ids
     assert off.drafts is None and on.drafts is not None and on.drafts.accepted > 0
     assert on.drafts.passes < len(on.token_ids)
-    settled(daemon.runtime_dir)
+    assert counts(daemon.runtime_dir).accepted - before.accepted == on.drafts.accepted
     shown = kvasir_stats(daemon.runtime_dir).stdout
     assert re.search(r"speculative decoding: \d+ of \d+ drafts confirmed \(\d+%\), [\d.]+ tokens per pass", shown)
     body = json.loads(kvasir_stats(daemon.runtime_dir, "--json").stdout)
-    assert body["drafts"]["accepted"] == on.drafts.accepted
+    assert body["drafts"]["accepted"] - before.accepted == on.drafts.accepted
 
 
 def test_http_requests_draft_under_a_grammar_and_prometheus_counts_them(tiny_models, start_daemon):

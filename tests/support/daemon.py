@@ -169,6 +169,18 @@ def serving(plan: Path, runtime_dir: Path, splits, port: int) -> Iterator[Daemon
         assert daemon.stop() == 0, daemon.log()[-5_000:]
 
 
+@contextmanager
+def serving_daemon(root: Path, source, splits, **plan_values) -> Iterator[Daemon]:
+    """A ready daemon on a plan written into ``root`` (``write_plan``'s values), for the
+    tests of a module or of the run that share it; stopped cleanly (exit 0) after them."""
+    plan = write_plan(root / "plan.toml", source, splits, **plan_values)
+    daemon = Daemon(plan, root / "rt", stage_count(splits))
+    try:
+        yield daemon.wait_ready()
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-5_000:]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
