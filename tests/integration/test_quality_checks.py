@@ -13,7 +13,7 @@ import pytest
 from tests.support.daemon import BIN
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
-SMALL = ("--chars", "8000", "--prompts", "3", "--prompt-len", "32", "--new-tokens", "12")
+SMALL = ("--chars", "4000", "--n-ctx", "256", "--prompts", "3", "--prompt-len", "32", "--new-tokens", "12")
 
 
 def quality(*args: str) -> tuple[int, dict, str]:
@@ -41,7 +41,7 @@ def test_the_q4_file_served_as_stored_keeps_the_float32_copys_quality(prepared):
     assert report, err
     assert report["served"] == {"dtype": "bfloat16", "weights": "as_stored"}
     assert report["reference"]["served"] == {"dtype": "float32", "weights": "dequantize"}
-    assert report["chunks"] >= 3 and report["ours"]["scored_tokens"] == report["chunks"] * 255
+    assert report["chunks"] >= 3 and report["ours"]["scored_tokens"] == report["chunks"] * 127  # second halves
     assert 3 < report["reference"]["ppl"] < 60, "a real model reads the language reference well"
     assert report["agreement"]["positions"] == 3 * 12
     assert report["checks"]["passed"], report["checks"]
