@@ -1,5 +1,5 @@
-"""The launcher's side of the zygote (kvasir/daemon/zygote.py): start it, ask it for stage,
-shard and bridge workers, and supervise each as a child of the launcher's own.
+"""The launcher's side of the zygote (kvasir/daemon/zygote.py): start it, ask it for each
+worker (stage, shard, bridge, HTTP front), and supervise each as a child of the launcher's own.
 
 The launcher makes itself a child subreaper first, so a worker the zygote forks (twice)
 is reparented to the launcher at once: ``ForkedProcess`` waits for it, polls it and
@@ -79,7 +79,7 @@ class ForkedProcess:
 
 class Zygote:
     """The launcher's zygote: started at once (it imports while the launcher resolves the
-    plan), asked for each local stage and shard."""
+    plan), asked for each local worker."""
 
     def __init__(self, env: dict[str, str], log: Logger) -> None:
         self.log = log
@@ -101,7 +101,7 @@ class Zygote:
         """Wait until the zygote has imported what a worker needs: True then, False (and
         the zygote closed, with a warning) if it ends or does not finish in ``timeout_s``.
         A follower waits here before it first speaks to its leader."""
-        if self.process is None:  # closed, or lost: its pipes are gone
+        if self.process is None:  # closed, or lost: its socket and pipe are gone
             return False
         if self.ready:
             return True
