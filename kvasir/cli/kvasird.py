@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -12,6 +13,7 @@ import msgspec
 from kvasir import __version__
 from kvasir.cli.common import RUNTIME_DIR, Seconds, fail
 from kvasir.config.plan import default_plan_path
+from kvasir.daemon.environment import exec_in_worker_env
 from kvasir.errors import KvasirError
 from kvasir.exits import leave
 from kvasir.transport.channels import default_runtime_dir
@@ -85,37 +87,26 @@ def start(
     A plan with [cluster] runs this as its leader: it waits for `kvasird join` on every
     other host that runs workers, then hands each its workers.
     """
-    from kvasir.daemon.children import start_zygote
-
+    exec_in_worker_env(lambda text: click.echo(f"warning: {text}", err=True))
     log = _logging(log_level, "launcher")
-    zygote = start_zygote(log)  # imports a stage's modules while this process resolves the plan
-    try:
-        launcher = _launcher(
-            plan_path=plan_path,
-            runtime_dir=runtime_dir,
-            ready_timeout=ready_timeout,
-            drain_timeout=drain_timeout,
-            stop_with_parent=stop_with_parent,
-            key=key,
-            log_level=log_level,
-            log=log,
-            zygote=zygote,
-        )
-    except BaseException:
-        if zygote is not None:
-            zygote.close()
-        raise
+    launcher = _launcher(
+        plan_path=plan_path,
+        runtime_dir=runtime_dir,
+        ready_timeout=ready_timeout,
+        drain_timeout=drain_timeout,
+        stop_with_parent=stop_with_parent,
+        key=key,
+        log_level=log_level,
+        log=log,
+    )
     from kvasir.daemon.foreground import run_launcher
 
     leave(run_launcher(launcher))
 
 
-def _launcher(*, plan_path, runtime_dir, ready_timeout, drain_timeout, stop_with_parent, key, log_level, log, zygote):
-    """The plan resolved and checked, the model ready, the launcher made (exit 2 for a bad
-    plan, 1 for a model that cannot be made ready). A plan with a GPU stage or shard
-    starts each as a fresh interpreter: its zygote is closed; otherwise the zygote has
-    imported what a worker needs before the launcher starts."""
-    from kvasir.daemon.children import on_cpu_only
+def _launcher(*, plan_path, runtime_dir, ready_timeout, drain_timeout, stop_with_parent, key, log_level, log):
+    """The plan resolved and checked, the zygote forked, the model ready, the launcher made
+    (exit 2 for a bad plan, 1 for a model that cannot be made ready)."""
     from kvasir.daemon.host import check_host
     from kvasir.daemon.launcher import Launcher, Timeouts
     from kvasir.daemon.notify import ServiceNotifier
@@ -129,24 +120,21 @@ def _launcher(*, plan_path, runtime_dir, ready_timeout, drain_timeout, stop_with
         cluster = Cluster.of(plan, key)
     except KvasirError as exc:
         fail(exc)
-    plan, source = _ready_model(plan, source, log)
-    if zygote is not None and not on_cpu_only(plan):
-        zygote.close()
-        zygote = None
-    if zygote is not None:
-        zygote.wait_ready()  # now, not in a fork while hosts wait on the loop (a lost one forks nothing)
-    return Launcher(
-        plan=plan,
-        source=source,
-        runtime_dir=Path(runtime_dir) if runtime_dir else default_runtime_dir(),
-        log=log,
-        timeouts=Timeouts(ready_s=ready_timeout, drain_s=drain_timeout),
-        log_level=log_level,
-        notifier=ServiceNotifier.from_environment(),
-        parent_pid=os.getppid() if stop_with_parent else None,
-        cluster=cluster,
-        zygote=zygote,
-    )
+    zygote = _zygote(plan, log)
+    with _closed_if_failed(zygote):
+        plan, source = _ready_model(plan, source, log)
+        return Launcher(
+            plan=plan,
+            source=source,
+            runtime_dir=Path(runtime_dir) if runtime_dir else default_runtime_dir(),
+            log=log,
+            timeouts=Timeouts(ready_s=ready_timeout, drain_s=drain_timeout),
+            log_level=log_level,
+            notifier=ServiceNotifier.from_environment(),
+            parent_pid=os.getppid() if stop_with_parent else None,
+            cluster=cluster,
+            zygote=zygote,
+        )
 
 
 @kvasird.command("join")
@@ -165,24 +153,17 @@ def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None,
     leader again. Runs until SIGTERM or SIGINT (exit 0);
     exit 2 for a plan or key that does not load here.
     """
-    from kvasir.daemon.children import start_zygote
     from kvasir.daemon.foreground import run_follower
 
+    exec_in_worker_env(lambda text: click.echo(f"warning: {text}", err=True))
     log = _logging(log_level, "follower")
-    zygote = start_zygote(log)  # imports a stage's modules while this process resolves the plan
-    try:
-        follower = _follower(plan_path=plan_path, host=host, runtime_dir=runtime_dir, key=key, log=log, zygote=zygote)
-    except BaseException:
-        if zygote is not None:
-            zygote.close()
-        raise
+    follower = _follower(plan_path=plan_path, host=host, runtime_dir=runtime_dir, key=key, log=log)
     leave(run_follower(follower))
 
 
-def _follower(*, plan_path, host, runtime_dir, key, log, zygote):
-    """The plan resolved and checked for this host, the model ready, the follower made
-    (exit 2 for a plan or key that does not load here)."""
-    from kvasir.daemon.children import on_cpu_only
+def _follower(*, plan_path, host, runtime_dir, key, log):
+    """The plan resolved and checked for this host, the zygote forked, the model ready, the
+    follower made (exit 2 for a plan or key that does not load here)."""
     from kvasir.daemon.follower import Follower, Local
     from kvasir.daemon.host import check_host
     from kvasir.daemon.notify import ServiceNotifier
@@ -199,15 +180,35 @@ def _follower(*, plan_path, host, runtime_dir, key, log, zygote):
             raise KvasirError(f"host {host} is the plan's leader: run `kvasird start --plan {plan_path}` there")
         check_host(plan, host)
         secret = key or str(Path(plan.cluster.keys or ".") / f"{host}.key_secret")
+    except KvasirError as exc:
+        fail(exc)
+    zygote = _zygote(plan, log)
+    with _closed_if_failed(zygote):
         plan, source = _ready_model(plan, source, log)
         model = model_identity(source.weights_dir, plan.model.dtype)
         here = Local(host, Path(runtime_dir) if runtime_dir else default_runtime_dir(), secret, source.name, model)
-        if zygote is not None and not on_cpu_only(plan):
-            zygote.close()
-            zygote = None
         return Follower(plan, here, log, ServiceNotifier.from_environment(), zygote=zygote)
-    except KvasirError as exc:
-        fail(exc)
+
+
+def _zygote(plan, log):
+    """The zygote forked from this process, before the model is made ready (a conversion
+    runs torch, whose threads a fork would not keep), for a plan on the CPU only: a plan
+    with a GPU stage or shard starts each worker as a fresh interpreter, CUDA never near a
+    fork."""
+    from kvasir.daemon.children import on_cpu_only, start_zygote
+
+    return start_zygote(log) if on_cpu_only(plan) else None
+
+
+@contextmanager
+def _closed_if_failed(zygote):
+    """Close ``zygote`` (None: there is none) if the block fails, exits included."""
+    try:
+        yield
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
 
 
 def _logging(log_level: str, role: str):

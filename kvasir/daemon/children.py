@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,7 +15,8 @@ import zmq
 
 from kvasir.config.plan import Plan
 from kvasir.config.sections import Pool
-from kvasir.daemon.forks import ForkedProcess, Zygote, become_subreaper
+from kvasir.daemon.environment import worker_env
+from kvasir.daemon.forks import ForkedProcess, Zygote, become_subreaper, fork_zygote
 from kvasir.logs import Logger
 from kvasir.transport.channels import PushChannel
 from kvasir.transport.fabric import Sockets
@@ -100,36 +100,6 @@ def ending(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
-HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
-# How long (busy-wait iterations) an OpenMP worker thread waits for torch's next parallel
-# region before it sleeps. GNU OpenMP's default (300,000) keeps it spinning for several
-# milliseconds after a stage's last product: it then takes a core from the next stage,
-# which is what a batch alone in the ring runs on (``solo_threads``, kvasir/model/pinning.py).
-# 3,000 still covers the gaps between one batch's products (docs/bench/latency.md).
-OPENMP_SPIN = "3000"
-
-
-def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """A worker's environment: ``environ`` with glibc's allocator asked to back its large
-    blocks (weights, KV cache) with transparent huge pages, unless ``GLIBC_TUNABLES``
-    already says what to do about them (``glibc.malloc.hugetlb=0`` turns it off).
-
-    A stage reads every weight once per batch; with 4 KiB pages the CPU's prefetchers stop
-    at each page edge, with 2 MiB pages they stream on (docs/bench/targets.md: the fixed workload
-    4-6 % faster on the development machine). glibc before 2.35 and kernels with THP off
-    ignore the request.
-
-    OpenMP's worker threads wait ``OPENMP_SPIN`` busy iterations, unless
-    ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` already says how they wait."""
-    env = dict(environ)
-    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
-        env["GOMP_SPINCOUNT"] = OPENMP_SPIN
-    tunables = [part for part in env.get("GLIBC_TUNABLES", "").split(":") if part]
-    if not any(part.split("=", 1)[0] == HUGE_PAGES_TUNABLE for part in tunables):
-        env["GLIBC_TUNABLES"] = ":".join([*tunables, f"{HUGE_PAGES_TUNABLE}=1"])
-    return env
-
-
 def start_worker(settings: WorkerSettings, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start a worker as a fresh interpreter (where no zygote forks it), in ``worker_env``,
     and hand it its settings as msgpack on stdin (and ``pass_fds``, open under the same
@@ -147,13 +117,13 @@ def start_worker(settings: WorkerSettings, pass_fds: tuple[int, ...] = ()) -> su
 
 
 def start_zygote(log: Logger) -> Zygote | None:
-    """The launcher made a child subreaper and its zygote started, in ``worker_env``; None
-    where this system cannot reparent orphans to the launcher (every worker then starts as
-    a fresh interpreter)."""
+    """The launcher made a child subreaper and its zygote forked from it (its imports first,
+    kvasir/daemon/forks.py); None where this system cannot reparent orphans to the launcher
+    or a thread runs here already (every worker then starts as a fresh interpreter)."""
     if not become_subreaper():
         log.warning("cannot become a child subreaper: workers start as fresh interpreters")
         return None
-    return Zygote(worker_env(os.environ), log)
+    return fork_zygote(log)
 
 
 def on_cpu_only(plan: Plan) -> bool:

@@ -149,8 +149,6 @@ class Follower:
         self.state = "stopping"
 
     def run(self) -> None:
-        if self.zygote is not None:
-            self.zygote.wait_ready()  # before the leader hears of this host (a lost one forks nothing)
         self.notifier.ready(f"host {self.here.host}: waiting for the leader")
         self.log.info("following", host=self.here.host, leader=self.sockets.ends.hosts)
         next_alive = 0.0

@@ -1,5 +1,6 @@
-"""The launcher's side of the zygote (kvasir/daemon/zygote.py): start it, ask it for each
-worker (stage, shard, bridge, HTTP front), and supervise each as a child of the launcher's own.
+"""The launcher's side of the zygote (kvasir/daemon/zygote.py): fork it once the launcher's
+imports are done, ask it for each worker (stage, shard, bridge, HTTP front), and supervise
+each as a child of the launcher's own.
 
 The launcher makes itself a child subreaper first, so a worker the zygote forks (twice)
 is reparented to the launcher at once: ``ForkedProcess`` waits for it, polls it and
@@ -17,19 +18,18 @@ import select
 import signal
 import socket
 import subprocess
-import sys
+import threading
 import time
 
 import msgspec
 
-from kvasir.daemon.zygote import FRAME, PID, READY, read_exactly
+from kvasir.daemon.zygote import FRAME, PID, preload, read_exactly, run
 from kvasir.logs import Logger
 from kvasir.wire.control import WorkerSettings
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 POLL_S = 0.01
-FORK_WAIT_S = 300.0  # the zygote imports first: as long as kvasird start's default --ready-timeout
-ANSWER_WAIT_S = 30.0  # once it is ready a fork takes milliseconds
+ANSWER_WAIT_S = 30.0  # a fork takes milliseconds
 
 
 def become_subreaper() -> bool:
@@ -78,44 +78,21 @@ class ForkedProcess:
 
 
 class Zygote:
-    """The launcher's zygote: started at once (it imports while the launcher resolves the
-    plan), asked for each local worker."""
+    """The launcher's zygote (kvasir/daemon/zygote.py), forked from it once its imports are
+    done (``fork_zygote``), asked for each local worker."""
 
-    def __init__(self, env: dict[str, str], log: Logger) -> None:
+    def __init__(self, process: ForkedProcess, inbound: socket.socket, outbound: int, log: Logger) -> None:
         self.log = log
-        self._inbound, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # a front's fd goes along
+        self.process: ForkedProcess | None = process
+        self._inbound = inbound  # the launcher's end of the zygote's socket
         self._inbound.setblocking(False)
-        to_zygote = theirs.detach()
-        self._outbound, from_zygote = os.pipe()
-        self.process: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "kvasir.daemon.zygote", str(to_zygote), str(from_zygote)],
-            stdin=subprocess.DEVNULL,
-            pass_fds=(to_zygote, from_zygote),
-            env=env,
-        )
-        os.close(to_zygote)
-        os.close(from_zygote)
-        self.ready = False
-
-    def wait_ready(self, timeout_s: float = FORK_WAIT_S) -> bool:
-        """Wait until the zygote has imported what a worker needs: True then, False (and
-        the zygote closed, with a warning) if it ends or does not finish in ``timeout_s``.
-        A follower waits here before it first speaks to its leader."""
-        if self.process is None:  # closed, or lost: its socket and pipe are gone
-            return False
-        if self.ready:
-            return True
-        if select.select([self._outbound], [], [], timeout_s)[0]:
-            self.ready = read_exactly(self._outbound, len(READY)) == READY
-        if not self.ready:
-            self._lost()
-        return self.ready
+        self._outbound = outbound  # the read end of the pipe it answers on
 
     def fork(self, settings: WorkerSettings, fds: tuple[int, ...] = ()) -> ForkedProcess | None:
         """A worker for ``settings`` forked from the zygote, holding ``fds`` (a front's
-        listening socket); None once the zygote is gone, is not ready within
-        ``FORK_WAIT_S`` (its imports) or does not answer within ``ANSWER_WAIT_S``."""
-        if not self.wait_ready():
+        listening socket); None once the zygote is gone or does not answer within
+        ``ANSWER_WAIT_S``."""
+        if self.process is None:  # closed, or lost: its socket and pipe are gone
             return None
         encoded = msgspec.msgpack.encode(settings)
         try:
@@ -159,3 +136,31 @@ class Zygote:
         if code is None:
             process.kill()
         return process.wait() if code is None else code
+
+
+def fork_zygote(log: Logger) -> Zygote | None:
+    """Import what a worker needs (``preload``) and fork the zygote from this process; None
+    (with a warning) where a thread already runs here: a fork keeps only the thread that
+    forks, and a worker must start as a fresh interpreter would."""
+    if threading.active_count() > 1:
+        log.warning("a thread runs before the zygote is forked: workers start as fresh interpreters")
+        return None
+    preload()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # a front's fd goes along
+    answers, answer_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # out of processes or memory: the daemon starts all the same
+        for end in (ours, theirs):
+            end.close()
+        for fd in (answers, answer_end):
+            os.close(fd)
+        log.warning("cannot fork the zygote: workers start as fresh interpreters", error=str(exc))
+        return None
+    if pid == 0:  # the zygote: never back into the launcher's frames
+        ours.close()
+        os.close(answers)
+        run(theirs.detach(), answer_end)
+    theirs.close()
+    os.close(answer_end)
+    return Zygote(ForkedProcess(pid), ours, answers, log)

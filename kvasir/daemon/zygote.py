@@ -1,26 +1,28 @@
-"""``python -m kvasir.daemon.zygote IN OUT``: one interpreter that imports a stage's and a
-shard's modules once, then forks each stage, shard, bridge and HTTP front the launcher
-asks for.
+"""The zygote: a fork of ``kvasird start`` (or ``join``) made once the launcher has imported
+a stage's and a shard's modules, which forks each stage, shard, bridge and HTTP front the
+launcher asks for.
 
 A fresh interpreter spends seconds importing torch and transformers before a stage can
 load its weights, and a bridge or front before it can load the model's tokenizer
 (transformers' tokenizers import torch); every worker, and every restart, paid that
 again (a default plan's bridge and front were ready 7 s after their stages). The
-zygote pays it once, in parallel with the launcher's own start-up, and never runs a
-torch operation, starts a thread or touches a GPU: a worker forked from it starts as a
-fresh interpreter would after its imports (torch's thread pools, CUDA and the weights
-are all made after the fork, in the worker). It is started in ``worker_env`` (huge
-pages, OpenMP's spin), which glibc and libgomp read when they load.
+launcher imports them anyway (it resolves the plan with transformers' config and sizes
+its rings with torch): it imports the rest (``preload``) and forks the zygote before it
+runs a torch operation or starts a thread (kvasir/daemon/forks.py), so the daemon pays
+the imports once, not once in the launcher and again in a zygote of its own. The zygote
+never runs a torch operation, starts a thread or touches a GPU: a worker forked from it
+starts as a fresh interpreter would after its imports (torch's thread pools, CUDA and
+the weights are all made after the fork, in the worker). ``kvasird`` runs in
+``worker_env`` (huge pages, OpenMP's spin; kvasir/daemon/environment.py), which glibc and
+libgomp read when they load, so every fork has them.
 
 The launcher writes each worker's settings as a frame (4-byte big-endian length, then
-the msgpack WorkerSettings) to IN, a Unix stream socket: a front's frame carries its
-listening socket with its first bytes (SCM_RIGHTS), and the fork holds that descriptor
-as its ``listen_fd``; any other frame carries none. The zygote forks twice, so that
-the worker is orphaned at once and becomes the launcher's child (the launcher is a
-child subreaper, kvasir/daemon/forks.py), and answers on OUT with the worker's pid (4
-bytes). Before any pid it writes one byte, READY, once its imports are done: a launcher
-or a follower waits for it before it answers anyone, so a fork never stalls the loop
-that beats its heartbeats. End of file on IN (the launcher closed it, or died) ends the
+the msgpack WorkerSettings) to the zygote's Unix stream socket: a front's frame carries
+its listening socket with its first bytes (SCM_RIGHTS), and the fork holds that
+descriptor as its ``listen_fd``; any other frame carries none. The zygote forks twice,
+so that the worker is orphaned at once and becomes the launcher's child (the launcher
+is a child subreaper, kvasir/daemon/forks.py), and answers on a pipe with the worker's
+pid (4 bytes). End of file on its socket (the launcher closed it, or died) ends the
 zygote.
 """
 
@@ -32,7 +34,6 @@ import os
 import signal
 import socket
 import struct
-import sys
 import time
 import traceback
 from typing import Any, NoReturn
@@ -46,7 +47,6 @@ from kvasir.wire.decoding import Malformed, decode
 
 FRAME = struct.Struct(">I")
 PID = struct.Struct(">i")
-READY = b"\x01"  # written once, after the imports
 PR_SET_NAME = 15  # linux/prctl.h
 MAX_SETTINGS_BYTES = 64 << 20  # a plan's settings are kilobytes; anything near this is not the launcher's
 
@@ -205,17 +205,29 @@ def name_process(name: str) -> None:
         pass
 
 
-def main() -> None:
-    inbound, outbound = int(sys.argv[1]), int(sys.argv[2])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
-    preload()
-    os.write(outbound, READY)
+def keep_only(fds: tuple[int, ...]) -> None:
+    """Close every descriptor this fork inherited but the standard streams and ``fds`` (the
+    launcher's lock, sockets and files are its own)."""
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2 and int(name) not in fds:
+            try:
+                os.close(int(name))
+            except OSError:  # the listing's own descriptor, closed already
+                pass
+
+
+def run(inbound: int, outbound: int) -> NoReturn:
+    """In the forked zygote: named so, Ctrl-C left to the launcher, then forks until end
+    of file on ``inbound``; its exit, never a return into the launcher's frames."""
+    code = 1
     try:
+        keep_only((inbound, outbound))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
+        name_process("zygote")
         serve(inbound, outbound)
+        code = 0
     except SystemExit as stop:
-        leave(exit_code(stop))
-    leave(0)
-
-
-if __name__ == "__main__":
-    main()
+        code = exit_code(stop)
+    except BaseException:
+        traceback.print_exc()
+    leave(code)

@@ -8,20 +8,31 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 from test_supervision import one_greedy, wait_serving_again
 
+from kvasir.daemon.environment import worker_env
 from tests.support.daemon import exited, free_port
 from tests.support.models import hf_greedy, reference_model
 from tests.support.procs import children_of, cmdline, comm
 
 
 def zygote_of(launcher: int) -> int:
-    return next(
-        pid
-        for pid in children_of(launcher)
-        if "kvasir.daemon.zygote" in cmdline(pid) and comm(pid).startswith("python")
-    )
+    """The launcher's zygote: forked from it, named so, its command line the launcher's."""
+    zygote = next(pid for pid in children_of(launcher) if comm(pid) == "zygote")
+    assert cmdline(zygote) == cmdline(launcher)
+    assert len(os.listdir(f"/proc/{zygote}/fd")) == 5, "the standard streams, its socket and its pipe: no more"
+    return zygote
+
+
+SETTINGS = ("GLIBC_TUNABLES", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment ``pid`` started with."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
 
 
 def restarted(daemon, stage_pids: list[int], restarts: int) -> list[int]:
@@ -33,7 +44,7 @@ def restarted(daemon, stage_pids: list[int], restarts: int) -> list[int]:
 
 
 def workers_of(launcher: int, zygote: int) -> list[str]:
-    """The names of the launcher's children but its zygote (a fork keeps the zygote's command line)."""
+    """The names of the launcher's children but its zygote."""
     return sorted(comm(pid) for pid in children_of(launcher) if pid != zygote)
 
 
@@ -46,6 +57,9 @@ def test_workers_come_from_the_zygote_and_without_it_from_fresh_interpreters(tin
     assert set(stages) <= set(children_of(launcher)) and [comm(pid) for pid in stages] == ["stage-0", "stage-1"]
     zygote = zygote_of(launcher)
     assert workers_of(launcher, zygote) == ["bridge", "front-0", "stage-0", "stage-1"]  # each forked, named for it
+    wanted = worker_env(os.environ)  # kvasird ran itself again in it, so its forks have it from their start
+    for pid in (launcher, zygote, *stages):
+        assert {key: environ(pid).get(key) for key in SETTINGS} == {key: wanted.get(key) for key in SETTINGS}
 
     stages = restarted(daemon, stages, 1)  # forked again
     assert set(stages) <= set(children_of(launcher)) and [comm(pid) for pid in stages] == ["stage-0", "stage-1"]

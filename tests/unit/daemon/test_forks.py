@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 
 import msgspec
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from kvasir.daemon.forks import ForkedProcess, Zygote
+from kvasir.daemon.forks import ForkedProcess, Zygote, fork_zygote
 from kvasir.daemon.zygote import FRAME, MAX_SETTINGS_BYTES, serve
 from kvasir.wire.control import BridgeSettings, FrontSettings, ModelFacts, StageSettings
 from tests.support.models import make_plan
@@ -81,15 +82,37 @@ def stage_settings(tmp_path) -> StageSettings:
     return StageSettings(index=0, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=[])
 
 
-def test_a_zygote_that_dies_or_is_not_ready_in_time_is_dropped_with_one_warning(tmp_path):
-    """Forks wait for the zygote's imports (its READY byte); one that ends first, or not
-    within the wait, is closed and said once, and every fork after it is a fresh start."""
+def test_a_zygote_that_is_gone_is_dropped_with_one_warning(tmp_path):
+    """A zygote that died (its socket and pipe closed with it) answers no fork: it is
+    closed and said once, and every fork after it is a fresh start (None here)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    answers, answer_end = os.pipe()
+    process = child("true")
+    assert process.wait(30) == 0
+    theirs.close()
+    os.close(answer_end)
     with capture_logs() as logs:
-        dead = Zygote(dict(os.environ), structlog.get_logger())
-        assert dead.process is not None
-        dead.process.kill()
-        assert not dead.wait_ready(30) and dead.process is None
-        assert dead.fork(stage_settings(tmp_path)) is None and not dead.wait_ready()
-        slow = Zygote(dict(os.environ), structlog.get_logger())
-        assert not slow.wait_ready(0.0) and slow.process is None  # still importing torch
-    assert [entry["event"] for entry in logs] == ["the zygote is gone: workers start as fresh interpreters"] * 2
+        dead = Zygote(process, ours, answers, structlog.get_logger())
+        assert dead.fork(stage_settings(tmp_path)) is None and dead.process is None
+        assert dead.fork(stage_settings(tmp_path)) is None
+    assert [entry["event"] for entry in logs if "gone" in entry["event"]] == [
+        "the zygote is gone: workers start as fresh interpreters"
+    ]
+    assert dead.close() is None  # closed once, when it was lost
+
+
+def test_no_zygote_is_forked_while_a_thread_runs():
+    """A fork keeps only the thread that forks: with another running, every worker starts
+    as a fresh interpreter."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        with capture_logs() as logs:
+            assert fork_zygote(structlog.get_logger()) is None
+    finally:
+        stop.set()
+        thread.join()
+    assert [entry["event"] for entry in logs] == [
+        "a thread runs before the zygote is forked: workers start as fresh interpreters"
+    ]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvasir.daemon.children import OPENMP_SPIN, worker_env
+from kvasir.daemon.environment import OPENMP_SPIN, worker_env
 
 
 def test_adds_the_huge_page_tunable_and_keeps_everything_else():
@@ -73,3 +73,38 @@ def test_a_workers_tensors_land_in_huge_pages(monkeypatch):
     assert _huge_kib(worker_env(os.environ)) >= 128 * 1024  # at least half the tensor
     if _thp_mode() == "madvise":  # without the request, nothing asks for them
         assert _huge_kib(dict(os.environ)) == 0
+
+
+_SHOW = (
+    "import os\n"
+    "from kvasir.daemon.environment import exec_in_worker_env\n"
+    "exec_in_worker_env(print)\n"
+    "print(os.getpid(), os.environ.get('GOMP_SPINCOUNT'), os.environ.get('GLIBC_TUNABLES'))\n"
+)
+
+
+def _bare_env() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key not in ("GLIBC_TUNABLES", "GOMP_SPINCOUNT")}
+
+
+def _shown(argv: list[str], env: dict[str, str]) -> list[str]:
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0
+    fields = out.split()
+    assert len(fields) == 3, out  # the line is printed once: by the process run again, not before
+    assert int(fields[0]) == process.pid  # the same process, run again
+    return fields[1:]
+
+
+def test_kvasird_runs_itself_again_in_the_workers_environment(tmp_path):
+    """Started without the settings (as a console script, and as ``python -c``), the same
+    process runs again with them, once; started with them, it goes straight on."""
+    script = tmp_path / "kvasird-like"
+    script.write_text(f"#!{sys.executable}\n{_SHOW}")
+    script.chmod(0o700)
+    wanted = worker_env(_bare_env())
+    for argv in ([str(script)], [sys.executable, "-c", _SHOW]):
+        assert _shown(argv, _bare_env()) == [wanted["GOMP_SPINCOUNT"], wanted["GLIBC_TUNABLES"]]
+    own = {**_bare_env(), "GOMP_SPINCOUNT": "7", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert _shown([str(script)], own) == ["7", "glibc.malloc.hugetlb=0"]
