@@ -27,6 +27,15 @@ KEY = click.option(
 LOG_LEVEL = click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 
 
+def main() -> None:
+    """The ``kvasird`` program. ``start`` and ``join`` first run themselves again in the
+    workers' environment (kvasir/daemon/environment.py): here, in the program, never in a
+    process that calls the commands in-process (click's test runner, a test suite)."""
+    if sys.argv[1:2] in (["start"], ["join"]):
+        exec_in_worker_env(lambda text: click.echo(f"warning: {text}", err=True))
+    kvasird()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvasird")
 def kvasird() -> None:
@@ -87,7 +96,6 @@ def start(
     A plan with [cluster] runs this as its leader: it waits for `kvasird join` on every
     other host that runs workers, then hands each its workers.
     """
-    exec_in_worker_env(lambda text: click.echo(f"warning: {text}", err=True))
     log = _logging(log_level, "launcher")
     launcher = _launcher(
         plan_path=plan_path,
@@ -155,7 +163,6 @@ def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None,
     """
     from kvasir.daemon.foreground import run_follower
 
-    exec_in_worker_env(lambda text: click.echo(f"warning: {text}", err=True))
     log = _logging(log_level, "follower")
     follower = _follower(plan_path=plan_path, host=host, runtime_dir=runtime_dir, key=key, log=log)
     leave(run_follower(follower))
@@ -187,7 +194,10 @@ def _follower(*, plan_path, host, runtime_dir, key, log):
         plan, source = _ready_model(plan, source, log)
         model = model_identity(source.weights_dir, plan.model.dtype)
         here = Local(host, Path(runtime_dir) if runtime_dir else default_runtime_dir(), secret, source.name, model)
-        return Follower(plan, here, log, ServiceNotifier.from_environment(), zygote=zygote)
+        try:
+            return Follower(plan, here, log, ServiceNotifier.from_environment(), zygote=zygote)
+        except KvasirError as exc:  # its keys do not load
+            fail(exc)
 
 
 def _zygote(plan, log):

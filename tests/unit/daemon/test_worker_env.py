@@ -108,3 +108,18 @@ def test_kvasird_runs_itself_again_in_the_workers_environment(tmp_path):
         assert _shown(argv, _bare_env()) == [wanted["GOMP_SPINCOUNT"], wanted["GLIBC_TUNABLES"]]
     own = {**_bare_env(), "GOMP_SPINCOUNT": "7", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
     assert _shown([str(script)], own) == ["7", "glibc.malloc.hugetlb=0"]
+
+
+def test_the_commands_called_in_process_never_run_the_caller_again(tmp_path):
+    """Only the ``kvasird`` program runs itself again: click's runner calling ``start`` in
+    a test process (tests/unit/config/test_cluster.py does) leaves that process as it is."""
+    called = (
+        "import os\n"
+        "from click.testing import CliRunner\n"
+        "from kvasir.cli.kvasird import kvasird\n"
+        f"result = CliRunner().invoke(kvasird, ['start', '--plan', {str(tmp_path / 'absent.toml')!r}])\n"
+        "print(os.getpid(), result.exit_code, os.environ.get('GOMP_SPINCOUNT'))\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", called], env=_bare_env(), stdout=subprocess.PIPE, text=True)
+    out, _ = process.communicate(timeout=120)
+    assert out.split() == [str(process.pid), "2", "None"]
