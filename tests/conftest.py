@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvasir.model.source import resolve_source
 from tests.support.daemon import Daemon, serving_daemon, stage_count, write_plan
@@ -12,6 +13,9 @@ from tests.support.models import MOE_FAMILIES, make_plan, save_looping_model, sa
 pytest_plugins = ("pytester", "tests.support.timing")
 
 TESTS = Path(__file__).parent
+# scripts/test runs the suite in two processes on two cores: each one's torch (Hugging Face
+# generate on tiny models, the loader) on one thread, or four threads spin for two cores
+torch.set_num_threads(1)
 FOLDER_MARKS = {"unit": ("unit",), "integration": ("integration", "slow"), "gpu": ("gpu", "slow")}
 
 

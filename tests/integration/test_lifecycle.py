@@ -76,7 +76,7 @@ def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):
     assert len(children) == 4  # two stages, the bridge and the zygote
     daemon.process.send_signal(signal.SIGKILL)
     daemon.process.wait(10)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # each notices within a second; a loaded machine may take longer
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in children), "children outlived their launcher"

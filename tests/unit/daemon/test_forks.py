@@ -82,7 +82,17 @@ def stage_settings(tmp_path) -> StageSettings:
     return StageSettings(index=0, plan=plan, runtime_dir=str(tmp_path), launcher_pid=1, edges=[])
 
 
-def test_a_zygote_that_is_gone_is_dropped_with_one_warning(tmp_path):
+@pytest.fixture
+def logs():
+    """What the code under test logs, whatever level an earlier test in this process set
+    (kvasir.logs.setup_logging filters below its level)."""
+    structlog.reset_defaults()
+    with capture_logs() as entries:
+        yield entries
+    structlog.reset_defaults()
+
+
+def test_a_zygote_that_is_gone_is_dropped_with_one_warning(tmp_path, logs):
     """A zygote that died (its socket and pipe closed with it) answers no fork: it is
     closed and said once, and every fork after it is a fresh start (None here)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -91,25 +101,23 @@ def test_a_zygote_that_is_gone_is_dropped_with_one_warning(tmp_path):
     assert process.wait(30) == 0
     theirs.close()
     os.close(answer_end)
-    with capture_logs() as logs:
-        dead = Zygote(process, ours, answers, structlog.get_logger())
-        assert dead.fork(stage_settings(tmp_path)) is None and dead.process is None
-        assert dead.fork(stage_settings(tmp_path)) is None
+    dead = Zygote(process, ours, answers, structlog.get_logger())
+    assert dead.fork(stage_settings(tmp_path)) is None and dead.process is None
+    assert dead.fork(stage_settings(tmp_path)) is None
     assert [entry["event"] for entry in logs if "gone" in entry["event"]] == [
         "the zygote is gone: workers start as fresh interpreters"
     ]
     assert dead.close() is None  # closed once, when it was lost
 
 
-def test_no_zygote_is_forked_while_a_thread_runs():
+def test_no_zygote_is_forked_while_a_thread_runs(logs):
     """A fork keeps only the thread that forks: with another running, every worker starts
     as a fresh interpreter."""
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)
     thread.start()
     try:
-        with capture_logs() as logs:
-            assert fork_zygote(structlog.get_logger()) is None
+        assert fork_zygote(structlog.get_logger()) is None
     finally:
         stop.set()
         thread.join()
