@@ -7,12 +7,14 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import pydantic
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvasir.client import AsyncClient
+from kvasir.config.plan import default_plan_path, load_plan
 from kvasir.model.convert import prepare
 from kvasir.model.source import resolve_source
 from kvasir.wire.client import Finished
@@ -62,17 +64,6 @@ async def ask_all(runtime_dir):
 STAGES = {"smollm2-3stage.toml": 3, "smollm2-disagg.toml": 4}
 
 
-@pytest.fixture(scope="module")
-def default_daemon(tmp_path_factory):
-    """The default plan's daemon, shared by the tests that only ask it things."""
-    daemon = Daemon(PLANS / "smollm2-2stage.toml", tmp_path_factory.mktemp("default") / "rt", 2)
-    try:
-        daemon.wait_ready()
-        yield daemon
-    finally:
-        assert daemon.stop() == 0
-
-
 def check_against_hf(results: dict, expected: dict, disaggregated: bool) -> None:
     for key, final in results.items():
         prompt_len, tokens, text = expected[key]
@@ -83,8 +74,11 @@ def check_against_hf(results: dict, expected: dict, disaggregated: bool) -> None
     assert "Paris" in expected[(CHATS[0], True)][2]
 
 
-def test_the_default_plan_matches_hf_generate(default_daemon, expected):
-    check_against_hf(asyncio.run(ask_all(default_daemon.runtime_dir)), expected, disaggregated=False)
+def test_the_default_plan_matches_hf_generate(smollm2_http, expected):
+    """The default plan, served with the HTTP front (plans/smollm2-http.toml, which is the
+    default plan and its [http] section: one daemon of the default model for the module)."""
+    assert msgspec.structs.replace(load_plan(PLANS / "smollm2-http.toml"), http=None) == load_plan(default_plan_path())
+    check_against_hf(asyncio.run(ask_all(smollm2_http.runtime_dir)), expected, disaggregated=False)
 
 
 @pytest.mark.parametrize("plan", list(STAGES))
@@ -129,10 +123,10 @@ def run_as_written(lines: list[str], runtime_dir: Path) -> list[str]:
     return outputs
 
 
-def test_the_readmes_tour_runs_as_written(default_daemon, tmp_path):
-    """The README's five-minute tour: the default plan, a question, stats, a bench load,
-    and the plan check it shows."""
-    outputs = run_as_written(shown_block(ROOT / "README.md", ".venv/bin/kvasird start &"), default_daemon.runtime_dir)
+def test_the_readmes_tour_runs_as_written(smollm2_http, tmp_path):
+    """The README's five-minute tour: the default plan (here with its HTTP front as well),
+    a question, stats, a bench load, and the plan check it shows."""
+    outputs = run_as_written(shown_block(ROOT / "README.md", ".venv/bin/kvasird start &"), smollm2_http.runtime_dir)
     _, answer, load, stats = outputs
     assert "Paris" in answer and "requests 16 ok, 0 failed" in load and "stage" in stats
     check = run_as_written([".venv/bin/kvasir plan check plans/smollm2-disagg.toml"], tmp_path)[0]
@@ -197,7 +191,8 @@ def openai_tool(model):
 
 @pytest.fixture(scope="module")
 def smollm2_http(tmp_path_factory):
-    """plans/smollm2-http.toml as shipped (127.0.0.1:8000), shared by the HTTP tests."""
+    """plans/smollm2-http.toml as shipped (127.0.0.1:8000), shared by the tests that only
+    ask it things (the default plan's, the tour's and the HTTP tests)."""
     daemon = Daemon(PLANS / "smollm2-http.toml", tmp_path_factory.mktemp("http") / "rt", 2)
     try:
         daemon.wait_ready()

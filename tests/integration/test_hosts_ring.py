@@ -86,7 +86,7 @@ def test_a_follower_killed_under_load_fails_every_request_once_and_the_ring_retu
     # every timeout at 30 s: what tells the clients is b's connections dropping (its kernel
     # resets them) and b not coming back within a second
     plan = two_host_plan(network, tiny_models["llama"], heartbeat_s=30.0, silence_s=30.0)
-    daemon = hosted(plan, 3).wait_ready()
+    daemon = hosted(plan, 3, later=("c",)).wait_ready()  # c runs nothing: the leader needs no join there
     check_host_failure(daemon, lambda: daemon.kill_host("b"), tiny_models["llama"])
     stats = daemon.stats()
     assert stats.state == "restarting" and stats.hosts_missing == ["b"]
@@ -111,7 +111,7 @@ def test_a_link_down_under_load_fails_every_request_once_and_the_ring_returns_wh
 ):
     # the workers' hang timeout at 30 s: what notices is cluster.host_silence_s
     plan = two_host_plan(network, tiny_models["llama"], heartbeat_s=30.0, silence_s=2.0)
-    daemon = hosted(plan, 3).wait_ready()
+    daemon = hosted(plan, 3, later=("c",)).wait_ready()
     [worker] = check_host_failure(daemon, lambda: network.link_down("b"), tiny_models["llama"])
     stats = daemon.stats()
     assert stats.hosts_missing == ["b"] and "no word from its kvasird join" in stats.last_failure, stats.last_failure

@@ -81,7 +81,8 @@ async def drain_under_load(daemon, host: str, on: str, count: int) -> tuple[Drai
 def test_a_standby_host_joins_and_drains_under_load_with_nothing_lost(network, hosted, tiny_models):
     model = tiny_models["llama"]
     hosts = hosts_table(network, silence_s=2.0, standby=("c",))
-    daemon = hosted(MODEL.format(model=model) + hosts + FLEET, 2, later=("c",)).wait_ready()
+    # b runs nothing: no kvasird join there (the leader does not wait for one)
+    daemon = hosted(MODEL.format(model=model) + hosts + FLEET, 2, later=("b", "c")).wait_ready()
     assert states(daemon) == {"x": ("serving", 0), "y": ("parked", 0)}  # serving without c
     listed = json.loads(kvasir(daemon, "hosts", "--json").stdout)
     assert [(h["host"], h["state"]) for h in listed] == [("a", "serving"), ("c", "parked")]
