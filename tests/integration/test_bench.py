@@ -6,7 +6,9 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.support.daemon import BIN, write_plan
+import pytest
+
+from tests.support.daemon import BIN, serving_daemon, write_plan
 
 
 def bench(runtime_dir, mode, *args):
@@ -90,11 +92,20 @@ def test_multi_turn_conversations_resend_their_history_and_report_the_hits(share
         assert bad.returncode == 2 and "--turns" in bad.stderr, (wrong, bad.stderr)
 
 
-def test_submit_only_counts_every_reply_and_respects_the_queue_bound(tiny_models, start_daemon):
+@pytest.fixture(scope="module")
+def llama_2000(tiny_models, tmp_path_factory):
+    """The Llama's two stages taking up to 2000 requests, for the submission test and then
+    the failover's (which counts the restarts it makes)."""
+    with serving_daemon(
+        tmp_path_factory.mktemp("bench"), tiny_models["llama"], [(0, 3), (3, 6)], max_waiting=2000
+    ) as daemon:
+        yield daemon
+
+
+def test_submit_only_counts_every_reply_and_respects_the_queue_bound(llama_2000):
     # 6000 submissions, up to 2000 in the daemon: several thousand events queue for one
     # client, more than ZMQ's default queue of 1000 (which a ROUTER would silently drop)
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], max_waiting=2000).wait_ready()
-    run = bench(daemon.runtime_dir, "submit", "--requests", "6000", "--json")
+    run = bench(llama_2000.runtime_dir, "submit", "--requests", "6000", "--json")
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)["submit_only"]
     assert result["submitted"] == 6000 and result["lost"] == 0
@@ -276,8 +287,12 @@ def test_rate_sweep_with_its_own_daemon_and_hop(tiny_models, tmp_path):
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
 
 
-def test_failover_kills_each_stage_in_turn_and_times_the_recovery(tiny_models, start_daemon):
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="failover").wait_ready()
+def test_failover_kills_each_stage_in_turn_and_times_the_recovery(llama_2000):
+    from kvasir.client import Client
+
+    daemon = llama_2000
+    with Client(daemon.runtime_dir) as client:
+        restarts = client.stats().restarts
     before = set(daemon.child_pids())
     run = bench(
         daemon.runtime_dir,
@@ -300,11 +315,9 @@ def test_failover_kills_each_stage_in_turn_and_times_the_recovery(tiny_models, s
         assert r["outcomes"].get("stage_failed", 0) > 0
         assert 0 < r["told_s"] < r["serving_again_s"]
     assert report["serving_again_s"]["max"] == max(r["serving_again_s"] for r in report["rounds"])
-    from kvasir.client import Client
-
     with Client(daemon.runtime_dir) as client:
         stats = client.stats()
-    assert stats.restarts == 2 and not {s.pid for s in stats.stages} & before
+    assert stats.restarts == restarts + 2 and not {s.pid for s in stats.stages} & before
     from kvasir.bench.failover import print_failover
 
     lines = []

@@ -6,9 +6,11 @@ import asyncio
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from kvasir.client import AsyncClient
 from kvasir.wire.client import Accepted, ClientEvent, ErrorEvent, Finished
+from tests.support.daemon import serving_daemon
 from tests.support.procs import bridge_of, children_of
 from tests.support.wire import events
 
@@ -102,7 +104,18 @@ def submit_raw(sock, count: int, max_tokens: int) -> None:
         )
 
 
-def wait_idle(runtime_dir: Path, timeout_s: float = 60.0):
+def counts(runtime_dir: Path) -> tuple[int, int]:
+    """The daemon's requests and output tokens so far."""
+    from kvasir.client import Client
+
+    with Client(runtime_dir) as client:
+        stats = client.stats()
+    return stats.requests, stats.tokens_out
+
+
+def wait_idle(runtime_dir: Path, requests: int, timeout_s: float = 60.0) -> tuple[int, int]:
+    """Once the daemon has taken ``requests`` (a total) and holds none: its requests and
+    output tokens."""
     import time
 
     from kvasir.client import Client
@@ -111,14 +124,25 @@ def wait_idle(runtime_dir: Path, timeout_s: float = 60.0):
     with Client(runtime_dir) as client:
         while time.monotonic() < deadline:
             stats = client.stats()
-            if stats.requests > 0 and stats.in_flight == 0:
-                return stats
+            if stats.requests >= requests and stats.in_flight == 0:
+                return stats.requests, stats.tokens_out
             time.sleep(0.1)
     raise AssertionError("requests of a client that is gone kept running")
 
 
-def test_a_client_that_disconnects_loses_its_requests(tiny_models, start_daemon):
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="gone").wait_ready()
+@pytest.fixture(scope="module")
+def lossy(tiny_models, tmp_path_factory):
+    """The Llama's two stages with a client's queue of 50 events, for the tests of clients
+    that leave or stop reading (each counts from what the daemon has done before it)."""
+    with serving_daemon(
+        tmp_path_factory.mktemp("lossy"), tiny_models["llama"], [(0, 3), (3, 6)], max_client_queue=50
+    ) as daemon:
+        yield daemon
+
+
+def test_a_client_that_disconnects_loses_its_requests(lossy):
+    daemon = lossy
+    requests, tokens = counts(daemon.runtime_dir)
     ctx, sock = raw_dealer(daemon.runtime_dir)
     submit_raw(sock, 8, 240)
     decoder = msgspec.msgpack.Decoder(ClientEvent)
@@ -127,17 +151,18 @@ def test_a_client_that_disconnects_loses_its_requests(tiny_models, start_daemon)
         accepted += sum(isinstance(event, Accepted) for event in events(decoder, sock.recv()))
     sock.close()
     ctx.term()
-    stats = wait_idle(daemon.runtime_dir)
-    assert stats.tokens_out < 8 * 240 // 2  # cancelled, not run to the end for nobody
+    after, tokens_after = wait_idle(daemon.runtime_dir, requests + 8)
+    assert after == requests + 8 and tokens_after - tokens < 8 * 240 // 2  # cancelled, not run to the end for nobody
     assert "client lost" in daemon.log() and "disconnected" in daemon.log()
 
 
-def test_a_client_that_stops_reading_loses_its_requests_and_others_are_served(tiny_models, start_daemon):
-    daemon = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="deaf", max_client_queue=50).wait_ready()
+def test_a_client_that_stops_reading_loses_its_requests_and_others_are_served(lossy):
+    daemon = lossy
+    requests, tokens = counts(daemon.runtime_dir)
     ctx, sock = raw_dealer(daemon.runtime_dir)
     submit_raw(sock, 60, 200)  # 12,000 events that it never reads: more than the socket buffers hold
-    stats = wait_idle(daemon.runtime_dir)
-    assert stats.requests == 60 and stats.tokens_out < 60 * 200
+    after, tokens_after = wait_idle(daemon.runtime_dir, requests + 60)
+    assert after == requests + 60 and tokens_after - tokens < 60 * 200
     assert "stopped reading its events" in daemon.log()
     others = asyncio.run(flood(daemon.runtime_dir, 1, 3, [5, 6, 7]))
     assert others == {"Finished": 3}
