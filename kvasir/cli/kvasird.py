@@ -12,7 +12,7 @@ import msgspec
 
 from kvasir import __version__
 from kvasir.cli.common import RUNTIME_DIR, Seconds, fail
-from kvasir.config.plan import default_plan_path
+from kvasir.config.plan import default_plan_path, load_plan
 from kvasir.daemon.environment import exec_in_worker_env
 from kvasir.errors import KvasirError
 from kvasir.exits import leave
@@ -96,6 +96,7 @@ def start(
     A plan with [cluster] runs this as its leader: it waits for `kvasird join` on every
     other host that runs workers, then hands each its workers.
     """
+    _parsed_first(plan_path or str(default_plan_path()))
     log = _logging(log_level, "launcher")
     launcher = _launcher(
         plan_path=plan_path,
@@ -110,6 +111,15 @@ def start(
     from kvasir.daemon.foreground import run_launcher
 
     leave(run_launcher(launcher))
+
+
+def _parsed_first(path: str) -> None:
+    """Exit 2 on a plan that does not parse or check by itself, before the imports that
+    reading its model needs (torch, transformers: seconds): a bad plan fails at once."""
+    try:
+        load_plan(path)
+    except KvasirError as exc:
+        fail(exc)
 
 
 def _launcher(*, plan_path, runtime_dir, ready_timeout, drain_timeout, stop_with_parent, key, log_level, log):
@@ -161,6 +171,7 @@ def join(*, plan_path: str, host: str, runtime_dir: str | None, key: str | None,
     leader again. Runs until SIGTERM or SIGINT (exit 0);
     exit 2 for a plan or key that does not load here.
     """
+    _parsed_first(plan_path)
     from kvasir.daemon.foreground import run_follower
 
     log = _logging(log_level, "follower")
