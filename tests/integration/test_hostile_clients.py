@@ -160,9 +160,8 @@ def test_a_stats_flood_without_reading_is_bounded_and_starves_nobody(tiny_models
     assert bridge_of(daemon.process.pid, daemon.child_pids()) == bridge  # never killed as hung
 
 
-def test_oversized_lists_and_texts_are_refused_before_any_walk(tiny_models, start_daemon):
-    source = tiny_models["llama-tokenizer"]
-    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64, max_waiting=100).wait_ready()
+def test_oversized_lists_and_texts_are_refused_before_any_walk(shared_daemon):
+    daemon = shared_daemon  # every request here is refused: it is left as it was
     cases = {
         "stop list of 2,000,000": (submit(1, [5, 6], 4, stop_token_ids=[0] * 2_000_000), "invalid_request", "<= 256"),
         "prompt of 2,000,000 ids": (submit(2, [5] * 2_000_000, 4), "invalid_request", "<= 1048576"),
@@ -201,12 +200,11 @@ def test_oversized_lists_and_texts_are_refused_before_any_walk(tiny_models, star
 NESTED = b"\x91" * 1000 + b"\xc0"  # about 1 KB of [[[...]]]: msgspec raises RecursionError on it
 
 
-def test_deeply_nested_messages_get_an_error_and_the_bridge_keeps_serving(tiny_models, start_daemon):
+def test_deeply_nested_messages_get_an_error_and_the_bridge_keeps_serving(tiny_models, shared_daemon):
     """Three ~1 KB bodies that make msgspec recurse past its limit: as a batch, as a
     field of a submission, as a batch member. The bridge used to lose its client reader
     to the first (and nothing noticed: every client hung); each now gets an error."""
-    source = tiny_models["llama"]
-    daemon = start_daemon(source, [(0, 3), (3, 6)], max_seq_len=64).wait_ready()
+    source, daemon = tiny_models["llama-tokenizer"], shared_daemon
     nested_field = b"\x83\xa4type\xa6submit\xa3key\x07\xa9token_ids" + NESTED
     nested_member = envelopes.join([submit(8, [5, 6], 2), b"\x81\xa4type" + NESTED])
     ctx = zmq.Context()

@@ -86,10 +86,13 @@ def test_children_exit_when_the_launcher_is_killed(tiny_models, start_daemon):
     leftovers = sorted(Path("/dev/shm").glob(f"kvasir-{launcher}-*"))  # a killed launcher cannot clean up
     assert [p.name.rsplit("-", 1)[1] for p in leftovers] == ["edge0"]
 
-    # the next kvasird (here on the same runtime dir, as systemd's restart would) removes them
+    # the next kvasird (here on the same runtime dir, as systemd's restart would) removes
+    # them; in a suite run two at a time another test's kvasird, starting meanwhile, may
+    # be the next one (each sweeps every stale segment of this user: tests/unit/ring/test_slots.py)
     again = start_daemon(tiny_models["llama"], [(0, 3), (3, 6)], name="orphans").wait_ready()
     assert not any(p.exists() for p in leftovers)
-    assert "removed stale shared memory" in again.log() and leftovers[0].name in again.log()
+    if "removed stale shared memory" in again.log():
+        assert leftovers[0].name in again.log()
     assert list(Path("/dev/shm").glob(f"kvasir-{again.process.pid}-*-edge0"))
 
 
