@@ -5,12 +5,11 @@ that load one) or, in the bridge, where a model folder has a tokenizer."""
 import subprocess
 import sys
 
+LOADED = "','.join(m for m in ('torch', 'transformers') if m in sys.modules)"  # the model libraries imported
+
 
 def test_commands_and_client_import_no_model_libraries():
-    probe = (
-        "import sys, kvasir.cli.main, kvasir.cli.kvasird, kvasir.client, kvasir.bridge.process; "
-        "print(','.join(m for m in ('torch', 'transformers') if m in sys.modules))"
-    )
+    probe = f"import sys, kvasir.cli.main, kvasir.cli.kvasird, kvasir.client, kvasir.bridge.process; print({LOADED})"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "", f"importing the command line loads {loaded}"
 
@@ -22,7 +21,7 @@ def test_kvasird_refuses_a_plan_that_does_not_check_before_loading_model_librari
     bad.write_text('[model]\nsource = "smollm2-135m"\n[[stages]]\nlayers = [0, 30]\n')
     probe = (
         "import atexit, sys\n"
-        "atexit.register(lambda: print(','.join(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+        f"atexit.register(lambda: print({LOADED}))\n"
         "from kvasir.cli.kvasird import kvasird\n"
         f"kvasird([sys.argv[1], '--plan', {str(bad)!r}, *sys.argv[2:]])\n"
     )
